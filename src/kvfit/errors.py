@@ -1,0 +1,21 @@
+"""User-facing errors: one line, the value, what is allowed, the flag to change.
+
+Internal bugs use assert; everything a user can cause raises a subclass of KvfitError, which
+the CLI prints as ``error: <message>`` with no traceback.
+"""
+
+
+class KvfitError(Exception):
+    """A mistake in a user's input or an impossible setting, explained in one line."""
+
+
+class ConfigError(KvfitError, ValueError):
+    """An invalid setting (flag, keyword argument or model config)."""
+
+
+class CapacityError(KvfitError):
+    """The KV cache cannot be planned or allocated with the given memory and settings."""
+
+
+class RequestError(KvfitError, ValueError):
+    """A request that can never be served (too long, bad sampling parameters)."""

@@ -1,0 +1,186 @@
+"""plan_kv_cache: the pure function from a memory reading to a block count. No torch, no device.
+
+num_blocks = min(memory limit (or the override that replaces it), max_num_blocks, index limit).
+Every limit is recorded; the smallest names `bound_by`. Errors, not clamps: a plan that cannot
+serve one request of max_model_len, or a budget with nothing left for KV, raises CapacityError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from kvfit.errors import CapacityError, ConfigError
+from kvfit.kv.spec import KVSpec
+from kvfit.units import gib
+
+OFFSET_64_BIT = 2**63 - 1
+OFFSET_32_BIT = 2**31 - 1
+# Block tables hold block ids as int32 (the kernels load them so), so no block id may pass this.
+MAX_BLOCK_ID = 2**31 - 1
+BOUND_NAMES = ("memory", "override", "max_num_blocks", "index_width")
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What one rank's device holds, in bytes. Plain data: measured by a platform or estimated.
+
+    budget_bytes is total x gpu_memory_utilization: the most that may be in use on the device while
+    serving, counting memory already in use at start-up (CUDA context, other processes).
+    kv_cache_memory_bytes, when set, is the KV budget itself and replaces the subtraction.
+    """
+
+    total_bytes: int
+    budget_bytes: int
+    weights_bytes: int = 0
+    activation_peak_bytes: int = 0
+    non_torch_bytes: int = 0
+    cuda_graph_bytes: int = 0
+    in_use_at_start_bytes: int = 0      # CUDA context and other processes, before this engine started
+    kv_cache_memory_bytes: int | None = None
+    source: str = "measured"             # measured | estimated | explicit
+
+    @property
+    def non_kv_bytes(self) -> int:
+        return (self.weights_bytes + self.activation_peak_bytes + self.non_torch_bytes
+                + self.cuda_graph_bytes + self.in_use_at_start_bytes)
+
+    @property
+    def available_kv_bytes(self) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return self.budget_bytes - self.non_kv_bytes
+
+    def explain(self) -> str:
+        return (f"budget {gib(self.budget_bytes)} - weights {gib(self.weights_bytes)} - activation peak "
+                f"{gib(self.activation_peak_bytes)} - non-torch {gib(self.non_torch_bytes)} - CUDA graphs "
+                f"{gib(self.cuda_graph_bytes)} - in use at start (context, other processes) "
+                f"{gib(self.in_use_at_start_bytes)} = {gib(self.available_kv_bytes)}")
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """Everything besides memory that bounds the block count."""
+
+    max_model_len: int
+    num_gpu_blocks_override: int | None = None
+    max_num_blocks: int | None = None
+    max_element_offset: int = OFFSET_64_BIT   # declared by the attention backend
+    backend: str = "torch"
+
+    def __post_init__(self):
+        if self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.max_num_blocks is not None and self.max_num_blocks < 1:
+            raise ConfigError(f"--max-num-blocks must be >= 1, got {self.max_num_blocks}")
+        assert self.max_element_offset > 0
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The block count and why. Returned, never written back into the config."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    kv_cache_bytes: int
+    available_kv_bytes: int
+    bound_by: str
+    limits: dict
+    max_model_len: int
+    max_concurrency: float
+    token_capacity: int
+    kv_heads_per_rank: int
+    tensor_parallel_size: int
+    num_layers: int
+    head_dim: int
+    kv_cache_dtype: str
+    backend: str
+    max_element_offset: int
+    per_rank_available_kv_bytes: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    reading: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def log_line(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens, bound by {self.bound_by}, "
+                f"{gib(self.kv_cache_bytes)}, token capacity {self.token_capacity}, "
+                f"max concurrency {self.max_concurrency:.2f}x at {self.max_model_len} tokens")
+
+
+def memory_limit_blocks(reading: MemoryReading, spec: KVSpec) -> int:
+    return max(reading.available_kv_bytes, 0) // spec.bytes_per_block
+
+
+def index_limit_blocks(spec: KVSpec, max_element_offset: int) -> int:
+    """Largest block count the backend can address in one per-layer tensor (and in int32 block tables)."""
+    return min(spec.max_addressable_blocks(max_element_offset), MAX_BLOCK_ID + 1)
+
+
+def _check_budget(readings: Sequence[MemoryReading]) -> None:
+    for rank, reading in enumerate(readings):
+        if reading.available_kv_bytes <= 0:
+            where = f" on rank {rank}" if len(readings) > 1 else ""
+            raise CapacityError(
+                f"no memory left for the KV cache{where}: {reading.explain()}; raise --gpu-memory-utilization, "
+                "lower --max-num-batched-tokens, use more --tensor-parallel-size or a larger device, "
+                "or set --kv-cache-memory")
+
+
+def plan_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSpec, limits: PlanLimits,
+                  tensor_parallel_size: int = 1) -> KVPlan:
+    """Plan the KV cache. With several readings (one per rank) the plan uses the minimum."""
+    readings = [reading] if isinstance(reading, MemoryReading) else list(reading)
+    assert readings, "plan_kv_cache needs at least one reading"
+    _check_budget(readings)
+    per_rank = [r.available_kv_bytes for r in readings]
+    tightest = readings[per_rank.index(min(per_rank))]
+    available = min(per_rank)
+    memory = memory_limit_blocks(tightest, spec)
+    index = index_limit_blocks(spec, limits.max_element_offset)
+    override = limits.num_gpu_blocks_override
+    if override is not None and override > memory:
+        raise CapacityError(
+            f"--num-gpu-blocks-override {override} needs {gib(override * spec.bytes_per_block)} but only "
+            f"{gib(available)} are available for the KV cache ({memory} blocks); lower the override "
+            "or raise --gpu-memory-utilization / --kv-cache-memory")
+    candidates = [("override" if override is not None else "memory", override if override is not None else memory),
+                  ("max_num_blocks", limits.max_num_blocks), ("index_width", index)]
+    bound_by, num_blocks = min(((n, v) for n, v in candidates if v is not None), key=lambda nv: nv[1])
+    blocks_per_seq = spec.num_blocks_for_tokens(limits.max_model_len)
+    if num_blocks < blocks_per_seq:
+        raise CapacityError(
+            f"one request of --max-model-len {limits.max_model_len} needs {blocks_per_seq} blocks "
+            f"({gib(blocks_per_seq * spec.bytes_per_block)}) but the KV cache holds {num_blocks} "
+            f"(bound by {bound_by}, {gib(num_blocks * spec.bytes_per_block)} of {gib(available)} available); "
+            f"lower --max-model-len to at most {num_blocks * spec.block_size} or give the cache more memory")
+    return KVPlan(
+        num_blocks=num_blocks, block_size=spec.block_size, bytes_per_block=spec.bytes_per_block,
+        kv_cache_bytes=num_blocks * spec.bytes_per_block, available_kv_bytes=available, bound_by=bound_by,
+        limits={"memory": memory, "override": override, "max_num_blocks": limits.max_num_blocks,
+                "index_width": index},
+        max_model_len=limits.max_model_len, max_concurrency=round(num_blocks / blocks_per_seq, 2),
+        token_capacity=num_blocks * spec.block_size, kv_heads_per_rank=spec.kv_heads_per_rank,
+        tensor_parallel_size=tensor_parallel_size, num_layers=spec.num_layers, head_dim=spec.head_dim,
+        kv_cache_dtype=spec.dtype, backend=limits.backend, max_element_offset=limits.max_element_offset,
+        per_rank_available_kv_bytes=per_rank, warnings=_warnings(bound_by, memory, index, limits, per_rank),
+        reading=asdict(tightest))
+
+
+def _warnings(bound_by: str, memory: int, index: int, limits: PlanLimits, per_rank: list) -> list:
+    notes = []
+    if bound_by == "index_width" and memory > index:
+        notes.append(f"the {limits.backend} attention backend addresses element offsets up to "
+                     f"{limits.max_element_offset}: {index} blocks of the {memory} that fit in memory are used; "
+                     "a backend with 64-bit offsets would use them all")
+    if bound_by == "max_num_blocks" and memory > (limits.max_num_blocks or 0):
+        notes.append(f"--max-num-blocks {limits.max_num_blocks} leaves {memory - limits.max_num_blocks} "
+                     "blocks of memory unused")
+    if len(set(per_rank)) > 1:
+        notes.append("ranks differ in KV memory (bytes: " + ", ".join(str(b) for b in per_rank)
+                     + "); every rank uses the minimum")
+    return notes

@@ -1,0 +1,127 @@
+"""BlockPool: the free list, reference counts and the prefix cache of KV blocks. No torch.
+
+Invariants (checked by check_invariants and the state-machine test):
+- free + used + cached == num_blocks; a block is in exactly one of the three states.
+- used blocks have ref count >= 1; a block shared by prefix caching is in several tables and its
+  ref count equals the number of tables holding it.
+- cached blocks (free, but holding a registered full-block hash) are evicted least recently freed first.
+Every operation is O(1) per block: construction does not touch the blocks (never-used ids are
+handed out from a counter), so it costs the same at 10^4 and 10^7 blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+class BlockPool:
+    """Allocates block ids in [0, num_blocks)."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False):
+        assert num_blocks >= 1
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._next_fresh = 0                    # ids >= this were never handed out
+        self._free: list[int] = []              # returned blocks without a hash (a stack)
+        self._cached: OrderedDict[int, None] = OrderedDict()   # free blocks with a hash, LRU first
+        self._ref: dict[int, int] = {}          # used block -> ref count
+        self._hash_of: dict[int, bytes] = {}    # block -> its registered hash
+        self._block_of: dict[bytes, int] = {}   # hash -> block
+        self.num_evictions = 0
+
+    # counts -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks holding no cached prefix."""
+        return len(self._free) + self.num_blocks - self._next_fresh
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached full block (reusable until evicted)."""
+        return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._ref)
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        return self.num_free_blocks + self.num_cached_blocks
+
+    # allocation ---------------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """num_blocks fresh blocks (ref count 1), or None when fewer are allocatable (all or nothing)."""
+        if num_blocks > self.num_allocatable_blocks:
+            return None
+        out = [self._take_one() for _ in range(num_blocks)]
+        for block in out:
+            self._ref[block] = 1
+        return out
+
+    def _take_one(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._next_fresh < self.num_blocks:
+            self._next_fresh += 1
+            return self._next_fresh - 1
+        block, _ = self._cached.popitem(last=False)   # evict the least recently freed
+        del self._block_of[self._hash_of.pop(block)]
+        self.num_evictions += 1
+        return block
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; pass a table in order, its tail is evicted first."""
+        for block in reversed(block_ids):
+            count = self._ref[block] - 1
+            if count:
+                self._ref[block] = count
+                continue
+            del self._ref[block]
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    # prefix caching -----------------------------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block holding this full-block hash, used or cached, or None."""
+        return self._block_of.get(block_hash)
+
+    def ref(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to blocks found by lookup; a cached block becomes used again."""
+        for block in block_ids:
+            if block in self._ref:
+                self._ref[block] += 1
+            else:
+                del self._cached[block]
+                self._ref[block] = 1
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Record that a used block now holds a full block with this hash (first writer wins)."""
+        assert block_id in self._ref, f"block {block_id} is not in use"
+        if not self.enable_prefix_caching or block_hash in self._block_of or block_id in self._hash_of:
+            return
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref.get(block_id, 0)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; cached free blocks become plain free blocks."""
+        for block in self._cached:
+            self._free.append(block)
+        self._cached.clear()
+        for block in [b for b in self._hash_of if b not in self._ref]:
+            del self._block_of[self._hash_of.pop(block)]
+
+    def check_invariants(self) -> None:
+        free = set(self._free) | set(range(self._next_fresh, self.num_blocks))
+        cached, used = set(self._cached), set(self._ref)
+        assert len(free) == self.num_free_blocks, "a block is twice on the free list"
+        assert not (free & cached) and not (free & used) and not (cached & used), "a block in two states"
+        assert len(free) + len(cached) + len(used) == self.num_blocks
+        assert all(c >= 1 for c in self._ref.values())
+        assert all(b in self._hash_of for b in cached)
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items())

@@ -1,0 +1,239 @@
+"""Model facts read from a Hugging Face config.json: what capacity planning and the models need.
+
+No torch here: `kvfit plan` must run anywhere. Parameter counts are computed from the config
+(the same tensors the checkpoint holds), so the weight-size estimate needs no checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from kvfit.errors import ConfigError
+
+# architecture name in config.json -> family used by planning and the models
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+# families the engine can run (the rest can be planned)
+RUNNABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The numbers of one model that sizing and building it depend on."""
+
+    architecture: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    torch_dtype: str
+    tie_word_embeddings: bool
+    intermediate_size: int
+    num_params: int
+    weight_dtype_bytes: int          # bytes per parameter in the checkpoint (fp8 checkpoints: 1)
+    # MLA (DeepSeek): one latent of kv_lora_rank + qk_rope_head_dim per token per layer
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Elements per token per KV head in the cache (MLA: the latent width)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.weight_dtype_bytes
+
+
+def _get(cfg: dict, key: str, source: str, default=None, required=True):
+    value = cfg.get(key, default)
+    if value is None and required:
+        raise ConfigError(f"{source}: missing '{key}'; a Hugging Face config.json for this architecture needs it")
+    return value
+
+
+def _positive_int(cfg: dict, key: str, source: str, default=None) -> int:
+    value = _get(cfg, key, source, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _architecture(cfg: dict, source: str) -> str:
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = archs[0]
+    elif cfg.get("model_type") in _MODEL_TYPE_TO_ARCH:
+        arch = _MODEL_TYPE_TO_ARCH[cfg["model_type"]]
+    else:
+        arch = archs[0] if isinstance(archs, list) and archs else cfg.get("model_type", "<none>")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _dtype(cfg: dict, source: str) -> str:
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    name = str(name).replace("torch.", "")
+    if name not in DTYPE_ALIASES:
+        raise ConfigError(f"{source}: torch_dtype {name!r} is not one of float32, bfloat16, float16")
+    return DTYPE_ALIASES[name]
+
+
+def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
+    """Read ModelFacts from a parsed config.json; raise ConfigError on anything missing or malformed."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    arch = _architecture(cfg, source)
+    family = SUPPORTED_ARCHITECTURES[arch]
+    layers = _positive_int(cfg, "num_hidden_layers", source)
+    hidden = _positive_int(cfg, "hidden_size", source)
+    heads = _positive_int(cfg, "num_attention_heads", source)
+    kv_heads = _positive_int(cfg, "num_key_value_heads", source, default=heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
+        head_dim = hidden // heads
+    head_dim = _positive_int({"head_dim": head_dim}, "head_dim", source)
+    vocab = _positive_int(cfg, "vocab_size", source)
+    max_pos = _positive_int(cfg, "max_position_embeddings", source, default=2048)
+    inter = _positive_int(cfg, "intermediate_size", source)
+    tie = bool(cfg.get("tie_word_embeddings", False))
+    kv_lora = rope_dim = None
+    if family.startswith("deepseek"):
+        kv_lora = _positive_int(cfg, "kv_lora_rank", source)
+        rope_dim = _positive_int(cfg, "qk_rope_head_dim", source)
+    quant = cfg.get("quantization_config") or {}
+    weight_bytes = 1 if str(quant.get("quant_method", "")).startswith("fp8") else DTYPE_BYTES[_dtype(cfg, source)]
+    facts = ModelFacts(
+        architecture=arch, family=family, num_layers=layers, hidden_size=hidden,
+        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+        max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
+        intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, raw=dict(cfg))
+    return _with_params(facts, cfg, source)
+
+
+def _with_params(facts: ModelFacts, cfg: dict, source: str) -> ModelFacts:
+    from dataclasses import replace
+    return replace(facts, num_params=count_parameters(facts, cfg, source))
+
+
+def _attention_params(f: ModelFacts, cfg: dict) -> int:
+    h, hd = f.hidden_size, f.head_dim
+    if f.is_mla:
+        nope, rope, v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        q_lora = cfg.get("q_lora_rank")
+        qk = f.num_attention_heads * (nope + rope)
+        q = h * qk if not q_lora else h * q_lora + q_lora + q_lora * qk
+        kv = h * (f.kv_lora_rank + rope) + f.kv_lora_rank + f.kv_lora_rank * f.num_attention_heads * (nope + v_dim)
+        return q + kv + f.num_attention_heads * v_dim * h
+    q_out, kv_out = f.num_attention_heads * hd, f.num_kv_heads * hd
+    params = h * q_out + 2 * h * kv_out + q_out * h
+    if f.family == "qwen2" or cfg.get("attention_bias"):
+        params += q_out + 2 * kv_out
+    if f.family in ("qwen3", "qwen3_moe"):
+        params += 2 * hd  # q_norm and k_norm
+    return params
+
+
+def _mlp_params(f: ModelFacts, cfg: dict, layer: int) -> int:
+    h = f.hidden_size
+    dense = 3 * h * f.intermediate_size
+    if f.family == "mixtral":
+        experts = cfg.get("num_local_experts", 8)
+        return h * experts + experts * dense
+    if f.family == "qwen3_moe":
+        experts = cfg.get("num_experts", 0)
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        sparse = experts > 0 and (layer + 1) % step == 0 and layer not in (cfg.get("mlp_only_layers") or [])
+        if not sparse:
+            return dense
+        return h * experts + experts * 3 * h * cfg["moe_intermediate_size"]
+    if f.family.startswith("deepseek"):
+        if cfg.get("n_routed_experts") is None or layer < cfg.get("first_k_dense_replace", 0):
+            return dense
+        routed, shared = cfg["n_routed_experts"], cfg.get("n_shared_experts") or 0
+        gate = h * routed + (routed if f.family == "deepseek_v3" else 0)  # v3: e_score_correction_bias
+        return gate + (routed + shared) * 3 * h * cfg["moe_intermediate_size"]
+    return dense
+
+
+def count_parameters(f: ModelFacts, cfg: dict, source: str = "config.json") -> int:
+    """Parameters in the checkpoint's tensors, computed from the config (embeddings included)."""
+    try:
+        per_layer_fixed = _attention_params(f, cfg) + 2 * f.hidden_size  # + two RMSNorms
+        mlp = sum(_mlp_params(f, cfg, layer) for layer in range(f.num_layers))
+    except KeyError as missing:
+        raise ConfigError(f"{source}: missing {missing} needed for architecture {f.architecture}") from None
+    embed = f.vocab_size * f.hidden_size
+    head = 0 if f.tie_word_embeddings else embed
+    return embed + head + f.num_layers * per_layer_fixed + mlp + f.hidden_size
+
+
+def read_config_json(path: str) -> dict:
+    """Parse a config.json file; a missing or malformed file is a ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json at {path}: give a Hugging Face model folder, a config.json or a catalog name")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
+
+
+def load_model_facts(model: str) -> ModelFacts:
+    """Facts for a model folder, a config.json path, or a catalog name (see kvfit.catalog)."""
+    from kvfit import catalog
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        return facts_from_config(read_config_json(path), path)
+    if os.path.isfile(model) or model.endswith(".json"):
+        return facts_from_config(read_config_json(model), model)
+    cfg = catalog.model_config(model)
+    return facts_from_config(cfg, f"catalog model {model}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
+           "RUNNABLE_FAMILIES", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "ceil_div"]
