@@ -227,6 +227,9 @@ def load_model_facts(model: str) -> ModelFacts:
         return facts_from_config(read_config_json(path), path)
     if os.path.isfile(model) or model.endswith(".json"):
         return facts_from_config(read_config_json(model), model)
+    if os.sep in model or model.startswith("."):
+        raise ConfigError(f"no model folder or config.json at {model}: check the path, or use a catalog "
+                          f"name ({', '.join(catalog.MODELS)})")
     cfg = catalog.model_config(model)
     return facts_from_config(cfg, f"catalog model {model}")
 

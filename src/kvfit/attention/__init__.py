@@ -1,6 +1,5 @@
-"""Attention backends: write K/V into cache slots and attend over block tables."""
+"""Attention backends: write K/V into cache slots and attend over block tables.
 
-from kvfit.attention.base import AttentionBackend, AttentionMetadata
-from kvfit.attention.registry import get_backend, backend_names
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "backend_names"]
+Backends: `torch` (torch_ref.py, the reference and CPU backend) and `triton` (triton_backend.py,
+the GPU backend). Each declares the largest element offset its kernels compute (offsets.py).
+"""

@@ -123,8 +123,13 @@ def index_limit_blocks(spec: KVSpec, max_element_offset: int) -> int:
 
 def _check_budget(readings: Sequence[MemoryReading]) -> None:
     for rank, reading in enumerate(readings):
+        where = f" on rank {rank}" if len(readings) > 1 else ""
+        if reading.kv_cache_memory_bytes is None and reading.weights_bytes >= reading.budget_bytes:
+            raise CapacityError(
+                f"the weights ({gib(reading.weights_bytes)}){where} do not fit in the budget "
+                f"({gib(reading.budget_bytes)} of {gib(reading.total_bytes)}); use more --tensor-parallel-size, "
+                "a larger device or a higher --gpu-memory-utilization")
         if reading.available_kv_bytes <= 0:
-            where = f" on rank {rank}" if len(readings) > 1 else ""
             raise CapacityError(
                 f"no memory left for the KV cache{where}: {reading.explain()}; raise --gpu-memory-utilization, "
                 "lower --max-num-batched-tokens, use more --tensor-parallel-size or a larger device, "

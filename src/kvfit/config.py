@@ -1,0 +1,131 @@
+"""Frozen, validated configuration. Derived values (the KV plan) live in returned objects, not here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+from kvfit.errors import ConfigError
+from kvfit.kv.spec import KV_CACHE_DTYPES, check_block_size, resolve_kv_cache_dtype
+from kvfit.model_facts import DTYPE_ALIASES
+from kvfit.units import parse_bytes
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+# Share of the memory available at start-up that the CPU platform gives the KV cache by default.
+CPU_KV_CACHE_SHARE = 0.25
+
+
+def _check_int(name: str, value, minimum: int = 1, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"                  # auto = the checkpoint's torch_dtype
+    max_model_len: int | None = None     # None = the model's max_position_embeddings
+    load_format: str = "auto"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("a model is required: a Hugging Face folder, a config.json or a catalog name")
+        if self.dtype != "auto" and str(self.dtype).lower() not in DTYPE_ALIASES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+        _check_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
+        _check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    max_num_blocks: int | None = None
+    kv_cache_memory: int | None = None   # bytes; replaces the utilization-based budget
+    enable_prefix_caching: bool = True
+    plan_json: str | None = None         # where to write the KV plan as JSON
+
+    def __post_init__(self):
+        check_block_size(self.block_size)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util!r}")
+        if str(self.kv_cache_dtype).lower() not in KV_CACHE_DTYPES:
+            resolve_kv_cache_dtype(self.kv_cache_dtype, "bfloat16")  # raises the one-line error
+        _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        _check_int("max_num_blocks", self.max_num_blocks, allow_none=True)
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "--kv-cache-memory"))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self):
+        _check_int("max_num_seqs", self.max_num_seqs)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        _check_int("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+    attention_backend: str | None = None   # None = the platform's default
+    enforce_eager: bool = False            # no CUDA graphs
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device {self.device!r} is not supported; use one of {', '.join(DEVICES)}")
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "parallel": ParallelConfig, "device": DeviceConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (CLI flags or LLM(...)); unknown names are rejected."""
+        sections: dict[str, dict] = {name: {} for name in _SECTIONS}
+        owner = {f.name: name for name, klass in _SECTIONS.items() for f in fields(klass)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                known = ", ".join(sorted(k for k in owner if k != "model"))
+                raise ConfigError(f"unknown setting {key!r}; known settings: {known}")
+            sections[owner[key]][key] = value
+        sections["model"]["model"] = model
+        return cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
+
+    def replace(self, **kwargs) -> "EngineConfig":
+        flat = {f.name: getattr(getattr(self, s), f.name) for s, k in _SECTIONS.items() for f in fields(k)}
+        flat.update(kwargs)
+        return EngineConfig.from_kwargs(flat.pop("model"), **flat)
+
+
+def setting_names() -> list[str]:
+    return [f.name for klass in _SECTIONS.values() for f in dataclasses.fields(klass)]

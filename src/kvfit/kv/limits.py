@@ -1,0 +1,32 @@
+"""From settings and model facts to the planner's inputs (KVSpec, PlanLimits). No torch."""
+
+from __future__ import annotations
+
+from kvfit.config import EngineConfig
+from kvfit.errors import ConfigError
+from kvfit.kv.plan import PlanLimits
+from kvfit.kv.spec import KVSpec
+from kvfit.model_facts import ModelFacts
+
+
+def resolve_max_model_len(facts: ModelFacts, requested: int | None) -> int:
+    """The requested context length, or the model's; longer than the model's is an error."""
+    if requested is None:
+        return facts.max_position_embeddings
+    if requested > facts.max_position_embeddings:
+        raise ConfigError(
+            f"--max-model-len {requested} is longer than the model's max_position_embeddings "
+            f"{facts.max_position_embeddings}; use at most {facts.max_position_embeddings}")
+    return requested
+
+
+def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset: int,
+                    backend: str) -> tuple[KVSpec, PlanLimits]:
+    """The KVSpec for this rank and every limit besides memory."""
+    spec = KVSpec.from_model(facts, config.cache.block_size, config.cache.kv_cache_dtype,
+                             config.parallel.tensor_parallel_size)
+    limits = PlanLimits(
+        max_model_len=resolve_max_model_len(facts, config.model.max_model_len),
+        num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
+        max_num_blocks=config.cache.max_num_blocks, max_element_offset=max_element_offset, backend=backend)
+    return spec, limits

@@ -1,0 +1,41 @@
+"""CPU platform: the KV budget is --kv-cache-memory, else a documented share of available RAM."""
+
+from __future__ import annotations
+
+import os
+
+from kvfit.config import CPU_KV_CACHE_SHARE, CacheConfig
+from kvfit.kv.plan import MemoryReading
+from kvfit.platforms.base import Platform, StartupSteps
+
+
+def read_meminfo() -> tuple[int, int]:
+    """(total, available) bytes of host memory, from /proc/meminfo where there is one."""
+    try:
+        values = {}
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                key, rest = line.split(":", 1)
+                values[key] = int(rest.split()[0]) * 1024
+        return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total // 2
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    default_backend = "torch"
+
+    def torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+    def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
+        total, available_at_start = read_meminfo()
+        weights = steps.load_weights()
+        steps.profile()
+        _, available = read_meminfo()
+        kv_bytes = cache.kv_cache_memory or int(CPU_KV_CACHE_SHARE * available)
+        return MemoryReading(total_bytes=total, budget_bytes=available_at_start, weights_bytes=weights,
+                             kv_cache_memory_bytes=kv_bytes, source="cpu")

@@ -1,0 +1,69 @@
+"""CUDA platform: reads torch.cuda.mem_get_info and the caching allocator around the start-up steps."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.config import CacheConfig
+from kvfit.errors import CapacityError
+from kvfit.kv.plan import MemoryReading
+from kvfit.platforms.base import Platform, StartupSteps
+from kvfit.units import gib
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    default_backend = "triton"
+
+    def __init__(self, device_index: int = 0):
+        self.device = torch.device("cuda", device_index)
+
+    def torch_device(self):
+        return self.device
+
+    def _used_bytes(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free, total
+
+    def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
+        torch.cuda.set_device(self.device)
+        torch.cuda.init()
+        torch.cuda.empty_cache()
+        used, total = self._used_bytes()
+        # Everything on the device that is not this process's torch memory: the CUDA context and
+        # other processes. It counts against the budget (another process shrinks the plan).
+        in_use_at_start = used - torch.cuda.memory_reserved(self.device)
+        budget = int(total * cache.gpu_memory_utilization)
+        if cache.kv_cache_memory is None and in_use_at_start >= budget:
+            raise CapacityError(
+                f"free memory at start-up is {gib(total - used)} of {gib(total)}: {gib(in_use_at_start)} is "
+                f"already in use, more than --gpu-memory-utilization {cache.gpu_memory_utilization} allows "
+                f"({gib(budget)}); raise it or free memory used by other processes")
+        allocated_before = torch.cuda.memory_allocated(self.device)
+        steps.load_weights()
+        torch.cuda.synchronize(self.device)
+        after_weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        steps.profile()
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - after_weights
+        torch.cuda.empty_cache()
+        graph_bytes = self._graph_bytes(steps)
+        used_now, _ = self._used_bytes()
+        non_torch = max(used_now - torch.cuda.memory_reserved(self.device) - in_use_at_start, 0)
+        return MemoryReading(
+            total_bytes=total, budget_bytes=budget, weights_bytes=after_weights - allocated_before,
+            activation_peak_bytes=activation_peak, non_torch_bytes=non_torch, cuda_graph_bytes=graph_bytes,
+            in_use_at_start_bytes=in_use_at_start, kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
+
+    def _graph_bytes(self, steps: StartupSteps) -> int:
+        """Device memory a trial capture of the decode graphs takes (pools and workspaces)."""
+        if steps.capture_graphs is None:
+            return 0
+        used_before, _ = self._used_bytes()
+        steps.capture_graphs()
+        torch.cuda.synchronize(self.device)
+        used_after, _ = self._used_bytes()
+        if steps.release_graphs is not None:
+            steps.release_graphs()
+        return max(used_after - used_before, 0)

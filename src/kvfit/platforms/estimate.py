@@ -1,0 +1,63 @@
+"""A MemoryReading estimated without a device, for `kvfit plan`. Formulas in docs/capacity.md.
+
+The GPU profile (`kvfit profile`) measures each of these parts; the constants here were set from
+what it measured on an H200 (see docs/capacity.md), so `kvfit plan` predicts the profile's count.
+"""
+
+from __future__ import annotations
+
+from kvfit.config import CacheConfig, SchedulerConfig
+from kvfit.errors import CapacityError
+from kvfit.kv.plan import MemoryReading
+from kvfit.model_facts import ModelFacts
+from kvfit.units import MiB, gib
+
+# CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
+CUDA_CONTEXT_BYTES = 527 * MiB
+# cuBLAS / Triton workspaces and other memory torch's allocator does not see.
+NON_TORCH_BYTES = 256 * MiB
+# Decode CUDA graphs: a pool per captured batch size, mostly shared.
+CUDA_GRAPH_BYTES = 256 * MiB
+# fp32 logits for every sampled row, plus the softmax/sort copies the sampler makes.
+LOGIT_COPIES = 3
+
+
+def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_parallel_size: int) -> int:
+    """Parameters x bytes per parameter, split evenly over ranks (norms are negligible)."""
+    per_param = dtype_bytes if dtype_bytes is not None else facts.weight_dtype_bytes
+    return facts.num_params * per_param // tensor_parallel_size
+
+
+def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dtype_bytes: int,
+                              tensor_parallel_size: int) -> int:
+    """Peak of one forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows."""
+    tokens = sched.max_num_batched_tokens
+    tp = tensor_parallel_size
+    inter = facts.intermediate_size
+    if facts.family in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        inter = facts.raw.get("moe_intermediate_size", inter) * facts.raw.get("num_experts_per_tok", 1)
+    q_width = facts.num_attention_heads * facts.head_dim
+    kv_width = 2 * facts.num_kv_heads * facts.head_dim
+    # residual + normed input + attention output + o_proj output, then gate/up/act of the MLP
+    per_token = 4 * facts.hidden_size + (q_width + kv_width) // tp + 3 * inter // tp
+    logits = min(sched.max_num_seqs, tokens) * facts.vocab_size * 4 * LOGIT_COPIES // tp
+    return tokens * per_token * act_dtype_bytes + logits
+
+
+def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sched: SchedulerConfig,
+                     tensor_parallel_size: int = 1, dtype_bytes: int | None = None) -> MemoryReading:
+    """What a GPU of total_bytes would measure at start-up, from documented formulas."""
+    weights = estimate_weights_bytes(facts, dtype_bytes, tensor_parallel_size)
+    act_bytes = dtype_bytes or (2 if facts.weight_dtype_bytes == 1 else facts.weight_dtype_bytes)
+    budget = int(total_bytes * cache.gpu_memory_utilization)
+    if cache.kv_cache_memory is None and weights >= budget - CUDA_CONTEXT_BYTES:
+        raise CapacityError(
+            f"the weights need {gib(weights)} per rank but the budget is {gib(budget)} "
+            f"({cache.gpu_memory_utilization} x {gib(total_bytes)}); use --tensor-parallel-size, a larger "
+            "--device-memory / --gpu, or a higher --gpu-memory-utilization")
+    return MemoryReading(
+        total_bytes=total_bytes, budget_bytes=budget, weights_bytes=weights,
+        activation_peak_bytes=estimate_activation_bytes(facts, sched, act_bytes, tensor_parallel_size),
+        non_torch_bytes=NON_TORCH_BYTES, cuda_graph_bytes=CUDA_GRAPH_BYTES,
+        in_use_at_start_bytes=CUDA_CONTEXT_BYTES, kv_cache_memory_bytes=cache.kv_cache_memory,
+        source="estimated")
