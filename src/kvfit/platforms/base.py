@@ -15,7 +15,8 @@ class StartupSteps:
     """The engine's start-up work, handed to a platform so it can measure around each step."""
 
     load_weights: Callable[[], int]             # loads the model; returns its parameter bytes
-    profile: Callable[[], None]                 # one forward + sample at max_num_batched_tokens
+    profile: Callable[[], int]                  # one forward + sample at max_num_batched_tokens;
+                                                # returns the bytes of the scratch KV cache it used
     capture_graphs: Callable[[], None] | None = None   # trial capture, to measure graph memory
     release_graphs: Callable[[], None] | None = None
 

@@ -44,9 +44,9 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize(self.device)
         after_weights = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        steps.profile()
+        scratch_kv_bytes = steps.profile() or 0
         torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - after_weights
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - after_weights - scratch_kv_bytes
         torch.cuda.empty_cache()
         graph_bytes = self._graph_bytes(steps)
         used_now, _ = self._used_bytes()

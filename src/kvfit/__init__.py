@@ -1,0 +1,17 @@
+"""kvfit: an LLM inference engine whose paged KV cache is sized from the memory it measures."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in torch; `kvfit plan` must not pay for it, so import on first use.
+    if name == "LLM":
+        from kvfit.engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from kvfit.engine.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'kvfit' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

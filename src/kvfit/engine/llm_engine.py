@@ -1,0 +1,160 @@
+"""LLMEngine: start-up (load -> profile -> measure -> plan -> allocate) and the step loop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+from kvfit.attention.registry import get_backend
+from kvfit.config import EngineConfig
+from kvfit.engine.output import Detokenizer, RequestOutput
+from kvfit.engine.request import Request
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.scheduler import Scheduler
+from kvfit.errors import ConfigError, RequestError
+from kvfit.kv.limits import spec_and_limits
+from kvfit.kv.plan import KVPlan, plan_kv_cache
+from kvfit.kv.pool import BlockPool
+from kvfit.kv.report import write_plan_json
+from kvfit.model_facts import load_model_facts
+from kvfit.platforms.base import get_platform
+
+logger = logging.getLogger("kvfit")
+
+
+def _make_workers(config, facts, platform, backend, spec):
+    if config.parallel.tensor_parallel_size > 1:
+        from kvfit.runner.tp_executor import TensorParallelWorkers
+        return TensorParallelWorkers(config, facts, platform, backend, spec)
+    from kvfit.runner.worker import Worker
+    return Worker(config, facts, platform, backend, spec)
+
+
+class LLMEngine:
+    """Owns the scheduler, the block pool and the workers; step() runs one batch."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.facts = load_model_facts(config.model.model)
+        platform = get_platform(config.device.device)
+        backend = get_backend(config.device.attention_backend or platform.default_backend)
+        if backend.name == "triton" and platform.name != "cuda":
+            raise ConfigError("--attention-backend triton needs --device cuda; use --attention-backend torch on CPU")
+        self.device_name = platform.name
+        self.spec, self.limits = spec_and_limits(self.facts, config, backend.max_element_offset, backend.name)
+        self.workers = _make_workers(config, self.facts, platform, backend, self.spec)
+        try:
+            readings = self.workers.measure()
+            self.readings = readings if isinstance(readings, list) else [readings]
+            self.plan: KVPlan = plan_kv_cache(self.readings, self.spec, self.limits,
+                                              config.parallel.tensor_parallel_size)
+            logger.info(self.plan.log_line())
+            for warning in self.plan.warnings:
+                logger.warning(warning)
+            if config.cache.plan_json:
+                write_plan_json(self.plan, config.cache.plan_json, {"model": config.model.model})
+            self.workers.initialize_cache(self.plan.num_blocks)
+        except BaseException:
+            self.workers.shutdown()
+            raise
+        self.pool = BlockPool(self.plan.num_blocks, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, self.spec.block_size, self.limits.max_model_len,
+                                   config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        self.tokenizer = self._load_tokenizer()
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+
+    def _load_tokenizer(self):
+        path = self.config.model.model
+        if not os.path.isdir(path):
+            return None
+        from kvfit.models.tokenizer import load_tokenizer
+        return load_tokenizer(path)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        from kvfit.models.loader import load_generation_eos
+        path = self.config.model.model
+        return tuple(load_generation_eos(path if os.path.isdir(path) else None, self.facts))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    # requests -----------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); raise RequestError if it can never be served."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids with this model")
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.facts.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab}); got one outside")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add(Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                                   eos_token_ids=self.eos_token_ids))
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its blocks are freed at once. False if it was not active."""
+        self._prompts.pop(request_id, None)
+        return self.scheduler.finish(request_id, "abort") is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update; return an output for every request that got a token."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            # only possible with nothing running and a head request that cannot get blocks,
+            # which add() rules out; fail loudly rather than spin
+            assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
+            return []
+        sampled = self.workers.execute(plan)
+        running = {s.request_id: self.scheduler.requests.get(s.request_id) for s in plan.seqs}
+        finished = {r.request_id for r in self.scheduler.update(plan, sampled)}
+        outputs = []
+        for request_id in sampled:
+            req = running.get(request_id)
+            if req is None:
+                continue
+            outputs.append(self._output(req, request_id in finished))
+        return outputs
+
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
+        full = self.detokenizer.tokenizer is not None and finished
+        text = self.tokenizer.decode(req.output_token_ids) if full else self.detokenizer.text(req.output_token_ids)
+        at = Detokenizer.find_stop(text, req.params.stop, 0) if req.params.stop else None
+        if at is not None:
+            text = text[:at]
+            if not finished:          # a stop string ends the request (it is left out of the text)
+                self.scheduler.finish(req.request_id, "stop")
+                finished = True
+        prompt = self._prompts.pop(req.request_id, None) if finished else self._prompts.get(req.request_id)
+        return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_token_ids,
+                             text=text, token_ids=list(req.output_token_ids), finished=finished,
+                             finish_reason=req.finish_reason if finished else None,
+                             num_cached_tokens=req.num_cached_prompt_tokens)
+
+    def stats(self) -> dict:
+        pool, sched = self.pool, self.scheduler
+        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free_blocks,
+                "kv_blocks_used": pool.num_used_blocks, "kv_blocks_cached": pool.num_cached_blocks,
+                "token_capacity": self.plan.token_capacity, "running": len(sched.running),
+                "waiting": len(sched.waiting), "preemptions": sched.num_preemptions,
+                "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits}
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()

@@ -1,0 +1,202 @@
+"""Continuous batching over the block pool: chunked prefill, prefix caching, preemption by recompute.
+
+Each step: running requests first (oldest first), each takes its next tokens (1 for decode, a
+chunk for a prefill in progress) within max_num_batched_tokens; when no block is free the newest
+running request is preempted (blocks freed, recomputed later). Then waiting requests are admitted
+while tokens, sequence slots and blocks last. A request that fits the cache alone always makes
+progress, so the loop never deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvfit.engine.request import Request, RequestStatus
+from kvfit.engine.step_plan import ScheduledSeq, StepPlan
+from kvfit.errors import RequestError
+from kvfit.kv.pool import BlockPool
+from kvfit.kv.prefix import hash_full_blocks
+
+
+class Scheduler:
+    """Owns the waiting/running queues and every request's block table."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0         # of those, tokens found
+
+    # admission ----------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request, or raise RequestError if it can never be served."""
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty; give at least one token")
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        if prompt_len >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens but --max-model-len is {self.max_model_len} "
+                "(prompt + at least one output token); shorten the prompt or raise --max-model-len")
+        max_tokens = request.params.max_tokens or self.max_model_len
+        request.max_total_tokens = min(prompt_len + max_tokens, self.max_model_len)
+        blocks = -(-request.max_total_tokens // self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise RequestError(
+                f"the request needs {blocks} KV blocks but the cache has {self.pool.num_blocks}; "
+                "lower max_tokens or give the cache more memory")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # one step -----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()          # newest running request
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                seqs.append(self._scheduled(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        if not preempted:
+            budget = self._admit(seqs, budget)
+        return StepPlan(seqs=tuple(seqs), preempted_ids=tuple(preempted))
+
+    def _admit(self, seqs: list[ScheduledSeq], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self._prefix_hits(req)
+            self.pool.ref(hits)
+            req.block_ids = list(hits)
+            req.num_computed_tokens = len(hits) * self.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + num_new):
+                self.pool.free(req.block_ids)
+                req.block_ids, req.num_computed_tokens = [], 0
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                self.num_prefix_queries += len(req.prompt_token_ids)
+                self.num_prefix_hits += req.num_computed_tokens
+                req.num_cached_prompt_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks of the request's leading full blocks (at least one token is left to compute)."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        req.block_hashes = hash_full_blocks(req.all_token_ids, self.block_size, req.block_hashes)
+        hits = []
+        max_hits = (req.num_tokens - 1) // self.block_size
+        for block_hash in req.block_hashes[:max_hits]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make req's block table cover num_tokens; False (nothing changed) if blocks ran out."""
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        req.block_ids.extend(new)
+        return True
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + num_new]
+        return ScheduledSeq(request_id=req.request_id, token_ids=tuple(tokens), start_pos=start,
+                            block_ids=tuple(req.block_ids), sample=start + num_new == req.num_tokens,
+                            params=req.params, num_generated=len(req.output_token_ids))
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids, req.num_computed_tokens = [], 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # after the model ran ------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Record computed tokens and sampled ones; return the requests that finished this step."""
+        finished = []
+        for seq in plan.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.finished:      # aborted while the step ran
+                continue
+            req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            self._register_full_blocks(req)
+            token = sampled.get(seq.request_id)
+            if seq.sample and token is not None:
+                req.output_token_ids.append(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req.request_id, reason)
+                    finished.append(req)
+        return finished
+
+    def _register_full_blocks(self, req: Request) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        req.block_hashes = hash_full_blocks(req.all_token_ids[:num_full * self.block_size], self.block_size,
+                                            req.block_hashes[:num_full])
+        for block, block_hash in zip(req.block_ids[:num_full], req.block_hashes):
+            self.pool.register(block, block_hash)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if req.num_tokens >= req.max_total_tokens:
+            return "length"
+        return None
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a request (stop, length, abort): its blocks go back to the pool at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        return req

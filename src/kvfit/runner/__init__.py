@@ -1,0 +1,1 @@
+"""The model runner: StepPlan -> tensors -> model -> sampled tokens."""

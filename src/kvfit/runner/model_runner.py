@@ -1,0 +1,95 @@
+"""ModelRunner: loads the model, runs the profile step, owns the KV cache, executes StepPlans.
+
+It never changes scheduler state: it gets a StepPlan and returns sampled tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.config import EngineConfig
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.step_plan import ScheduledSeq, StepPlan
+from kvfit.kv.spec import KVSpec
+from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
+from kvfit.runner.batch import build_inputs
+from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
+from kvfit.runner.sampler import sample
+
+
+def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
+    name = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
+    return TORCH_DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, facts: ModelFacts, device: torch.device, backend, spec: KVSpec,
+                 tp_rank: int = 0):
+        self.config = config
+        self.facts = facts
+        self.device = device
+        self.backend = backend
+        self.spec = spec
+        self.tp_rank = tp_rank
+        self.dtype = model_dtype(config, facts)
+        self.model = None
+        self.kv_caches: KVCaches = []
+
+    def load_model(self) -> int:
+        """Load weights; return their bytes on this rank."""
+        from kvfit.models.loader import load_model
+        self.model = load_model(self.config.model.model, self.facts, self.dtype, self.device, self.backend,
+                                load_format=self.config.model.load_format,
+                                tp_rank=self.tp_rank, tp_size=self.config.parallel.tensor_parallel_size)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def profile_run(self) -> int:
+        """A forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows.
+
+        Runs on a scratch cache just big enough for the step; returns the scratch cache's bytes
+        so the platform can leave them out of the activation peak.
+        """
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self._max_model_len())
+        num_seqs = max(min(sched.max_num_seqs, num_tokens), 1)
+        per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        bs = self.spec.block_size
+        seqs, next_block = [], 0
+        for i, n in enumerate(per_seq):
+            blocks = tuple(range(next_block, next_block + -(-n // bs)))
+            next_block += len(blocks)
+            seqs.append(ScheduledSeq(request_id=f"profile-{i}", token_ids=tuple([0] * n), start_pos=0,
+                                     block_ids=blocks, sample=True, params=SamplingParams(temperature=0),
+                                     num_generated=0))
+        scratch = allocate_kv_caches(self.spec, next_block, self.device)
+        try:
+            self._execute(StepPlan(seqs=tuple(seqs)), scratch)
+        finally:
+            del scratch
+        return next_block * self.spec.bytes_per_block
+
+    def _max_model_len(self) -> int:
+        from kvfit.kv.limits import resolve_max_model_len
+        return resolve_max_model_len(self.facts, self.config.model.max_model_len)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Run one step; return {request_id: sampled token} for the seqs that sample."""
+        return self._execute(plan, self.kv_caches)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, kv_caches: KVCaches) -> dict[str, int]:
+        if plan.empty:
+            return {}
+        inputs = build_inputs(plan, self.spec.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
+        if not inputs.sample_rows:
+            return {}
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])                                  # [N, vocab]
+        seqs = [plan.seqs[i] for i in inputs.sample_seqs]
+        tokens = sample(logits, [s.params for s in seqs], [s.num_generated for s in seqs])
+        return {s.request_id: t for s, t in zip(seqs, tokens)}

@@ -1,0 +1,43 @@
+"""A Worker is one rank: a platform that measures and a runner that executes.
+
+The engine talks to workers only through measure / initialize_cache / execute, so one process
+and several tensor-parallel processes look the same to it.
+"""
+
+from __future__ import annotations
+
+from kvfit.config import EngineConfig
+from kvfit.engine.step_plan import StepPlan
+from kvfit.kv.plan import MemoryReading
+from kvfit.kv.spec import KVSpec
+from kvfit.model_facts import ModelFacts
+from kvfit.platforms.base import Platform, StartupSteps
+from kvfit.runner.model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, facts: ModelFacts, platform: Platform, backend, spec: KVSpec,
+                 tp_rank: int = 0):
+        self.platform = platform
+        self.config = config
+        self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank)
+
+    def measure(self) -> MemoryReading:
+        """Load weights and profile, measured by the platform."""
+        runner = self.runner
+        steps = StartupSteps(load_weights=runner.load_model, profile=runner.profile_run,
+                             capture_graphs=getattr(runner, "trial_capture_graphs", None),
+                             release_graphs=getattr(runner, "release_graphs", None))
+        return self.platform.measure(steps, self.config.cache)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        capture = getattr(self.runner, "capture_graphs", None)
+        if capture is not None:
+            capture()
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        pass
