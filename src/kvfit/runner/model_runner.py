@@ -34,6 +34,7 @@ class ModelRunner:
         self.dtype = model_dtype(config, facts)
         self.model = None
         self.kv_caches: KVCaches = []
+        self.graphs = None
 
     def load_model(self) -> int:
         """Load weights; return their bytes on this rank."""
@@ -75,10 +76,53 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
 
+    # CUDA graphs -------------------------------------------------------------------------------
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and not self.config.device.enforce_eager
+
+    def _new_graphs(self, kv_caches: KVCaches):
+        from kvfit.runner.cuda_graphs import DecodeGraphs
+        max_len = self._max_model_len()
+        return DecodeGraphs(self.model, kv_caches, self.config.scheduler.max_num_seqs,
+                            self.spec.num_blocks_for_tokens(max_len), max_len, self.device)
+
+    def trial_capture_graphs(self) -> None:
+        """Capture on a one-block scratch cache so the platform can measure the graphs' memory."""
+        if not self._graphs_enabled():
+            return
+        self.graphs = self._new_graphs(allocate_kv_caches(self.spec, 1, self.device))
+        self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
+        self.release_graphs()
+        if self._graphs_enabled():
+            self.graphs = self._new_graphs(self.kv_caches)
+            self.graphs.capture()
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Run one step; return {request_id: sampled token} for the seqs that sample."""
+        if self.graphs is not None and self._is_graph_step(plan):
+            return self._execute_graph(plan)
         return self._execute(plan, self.kv_caches)
+
+    def _is_graph_step(self, plan: StepPlan) -> bool:
+        return (len(plan.seqs) <= self.graphs.buckets[-1]
+                and all(len(s.token_ids) == 1 and s.sample for s in plan.seqs))
+
+    def _execute_graph(self, plan: StepPlan) -> dict[str, int]:
+        inputs = build_inputs(plan, self.spec.block_size, self.device)
+        meta = inputs.meta
+        logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                    meta.block_tables)
+        tokens = sample(logits, [s.params for s in plan.seqs], [s.num_generated for s in plan.seqs])
+        return {s.request_id: t for s, t in zip(plan.seqs, tokens)}
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, kv_caches: KVCaches) -> dict[str, int]:

@@ -1,0 +1,89 @@
+"""`kvfit profile MODEL`: load, profile, plan and allocate on the device; print what was measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from kvfit.errors import ConfigError
+from kvfit.units import gib
+
+
+def register(sub) -> None:
+    from kvfit.cli import add_engine_flags
+    p = sub.add_parser("profile", help="measure the memory breakdown and the KV plan on a device")
+    p.add_argument("model", metavar="MODEL", help="model folder, or a catalog name with --load-format dummy")
+    p.add_argument("--json", action="store_true", help="the plan and the measured parts as one JSON object")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw the breakdown as a stacked bar")
+    add_engine_flags(p)
+    p.set_defaults(run=run)
+
+
+def measured_breakdown(engine) -> dict:
+    """The measured parts of the device memory after start-up (rank 0), in bytes."""
+    r = engine.readings[0]
+    free_after = None
+    if engine.device_name == "cuda":
+        import torch
+        free_after, _ = torch.cuda.mem_get_info()
+    parts = {"total_bytes": r.total_bytes, "budget_bytes": r.budget_bytes, "weights_bytes": r.weights_bytes,
+             "activation_peak_bytes": r.activation_peak_bytes, "non_torch_bytes": r.non_torch_bytes,
+             "cuda_graph_bytes": r.cuda_graph_bytes, "in_use_at_start_bytes": r.in_use_at_start_bytes,
+             "kv_cache_bytes": engine.plan.kv_cache_bytes, "free_after_allocation_bytes": free_after}
+    if len(engine.readings) > 1:
+        parts["per_rank_readings"] = [dataclasses.asdict(x) for x in engine.readings]
+    return parts
+
+
+def plot_breakdown(parts: dict, path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    names = ["in_use_at_start", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache"]
+    values = [parts[f"{n}_bytes"] / 2**30 for n in names]
+    free = parts["free_after_allocation_bytes"]
+    if free is not None:
+        names.append("free")
+        values.append(free / 2**30)
+    fig, ax = plt.subplots(figsize=(4, 6))
+    bottom = 0.0
+    for name, value in zip(names, values):
+        ax.bar([0], [value], bottom=[bottom], label=f"{name}: {value:.2f} GiB")
+        bottom += value
+    ax.axhline(parts["total_bytes"] / 2**30, color="k", linestyle="--", label="total")
+    ax.set_ylabel("GiB")
+    ax.set_xticks([])
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from kvfit.cli import engine_kwargs
+    from kvfit.commands.common import setup_logging
+    from kvfit.config import EngineConfig
+    from kvfit.engine.llm_engine import LLMEngine
+    setup_logging()
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    try:
+        parts = measured_breakdown(engine)
+        plan = engine.plan
+        if args.plot:
+            plot_breakdown(parts, args.plot, f"{args.model}: {plan.num_blocks} blocks, bound by {plan.bound_by}")
+        if args.json:
+            print(json.dumps({**plan.to_dict(), "model": args.model, "device": engine.device_name,
+                              "measured": parts}))
+            return 0
+        print(f"kvfit profile: {args.model} on {engine.device_name}")
+        for key, value in parts.items():
+            if isinstance(value, int):
+                print(f"  {key.removesuffix('_bytes'):<24} {gib(value):>12}  ({value:,} bytes)")
+        print(f"  num_blocks               {plan.num_blocks:,} (bound by {plan.bound_by}), "
+              f"token capacity {plan.token_capacity:,}")
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,96 @@
+"""CUDA graphs for decode steps, one per batch-size bucket, replayed with static input buffers.
+
+Captured after the KV cache is allocated (their memory is measured first by a trial capture during
+start-up, see platforms/cuda.py). Padded rows write to PADDING_SLOT_ID (skipped by the kernels)
+and attend to one token of block 0, so they touch only valid memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.attention.base import AttentionMetadata
+from kvfit.kv.spec import PADDING_SLOT_ID
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in BUCKETS if b < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Static buffers shared by every bucket's graph; replay() runs one decode step."""
+
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        n = max_num_seqs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)           # [B]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)           # [B]
+        self.slot_mapping = torch.full((n,), PADDING_SLOT_ID, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)             # [B]
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.buckets = batch_buckets(max_num_seqs)
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        # max_seq_len is the graph's worst case so the kernels' launch grid fits any step
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch], max_query_len=1,
+            max_seq_len=self.max_model_len)
+
+    def _run(self, batch: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+        return self.model.compute_logits(hidden)                                      # [B, vocab]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.buckets):        # largest first: later graphs reuse its pool
+                self._run(batch)                        # warm-up (Triton compiles outside capture)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.logits[batch] = self._run(batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def bucket_for(self, batch: int) -> int | None:
+        for size in self.buckets:
+            if size >= batch:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def replay(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
+        """Inputs for B <= max_num_seqs decode rows; returns logits [B, vocab]."""
+        batch = input_ids.shape[0]
+        size = self.bucket_for(batch)
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(slot_mapping)
+        self.slot_mapping[batch:size].fill_(PADDING_SLOT_ID)
+        self.seq_lens[:batch].copy_(seq_lens)
+        self.seq_lens[batch:size].fill_(1)
+        width = block_tables.shape[1]
+        self.block_tables[:batch, :width].copy_(block_tables)
+        self.block_tables[batch:size].zero_()
+        self.graphs[size].replay()
+        return self.logits[size][:batch]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
