@@ -1,0 +1,77 @@
+"""The capacity check on a GPU: the replacement for pinned block-count baselines.
+
+Every expectation is derived from what this run measures (the reading and KVSpec), never from one
+machine's numbers. Run: python -m pytest tests/gpu/test_capacity_gpu.py -q -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MODEL = "qwen3-0.6b"
+UTILIZATION = 0.3        # a third of the card keeps the full-load batch short
+SETTINGS = dict(load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
+                gpu_memory_utilization=UTILIZATION, max_num_seqs=64, max_num_batched_tokens=8192,
+                enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kvfit import LLM
+    engine = LLM(MODEL, **SETTINGS)
+    yield engine
+    engine.shutdown()
+
+
+def test_block_count_follows_the_measured_reading(llm):
+    plan, reading, spec = llm.capacity, llm.engine.readings[0], llm.engine.spec
+    expected = reading.available_kv_bytes // spec.bytes_per_block
+    print(f"\nreading: {reading}\nplan: {plan.log_line()}")
+    assert plan.bound_by == "memory"
+    assert plan.num_blocks == expected
+    non_kv = reading.non_kv_bytes
+    assert plan.kv_cache_bytes >= 0.97 * (reading.budget_bytes - non_kv)
+
+
+def test_full_load_stays_inside_the_budget(llm):
+    from kvfit import SamplingParams
+    engine = llm.engine
+    plan = llm.capacity
+    prompt_len = 8000
+    num_requests = plan.token_capacity // prompt_len + 4          # more than the cache holds at once
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    peak_used = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak_used = max(peak_used, engine.pool.num_used_blocks)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free
+    print(f"\npeak used blocks {peak_used} of {plan.num_blocks}; device in use {in_use} of budget "
+          f"{int(total * UTILIZATION)}")
+    assert peak_used >= plan.num_blocks - engine.spec.num_blocks_for_tokens(prompt_len + 4)
+    assert in_use <= int(total * UTILIZATION) + (64 << 20)           # the budget held (64 MiB slack)
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_plan_estimate_is_within_3_percent_of_the_profile(llm):
+    from kvfit.config import EngineConfig
+    from kvfit.kv.limits import spec_and_limits
+    from kvfit.kv.plan import plan_kv_cache
+    from kvfit.model_facts import load_model_facts
+    from kvfit.platforms.estimate import estimate_reading
+    config = EngineConfig.from_kwargs(MODEL, **SETTINGS)
+    facts = load_model_facts(MODEL)
+    spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
+    measured = llm.engine.readings[0]
+    estimate = estimate_reading(facts, measured.total_bytes, config.cache, config.scheduler, 1, 2)
+    predicted = plan_kv_cache(estimate, spec, limits).num_blocks
+    print(f"\nestimated reading {estimate}\nmeasured reading {measured}\n"
+          f"predicted {predicted} vs profiled {llm.capacity.num_blocks}")
+    assert abs(predicted - llm.capacity.num_blocks) <= 0.03 * llm.capacity.num_blocks
