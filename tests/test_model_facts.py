@@ -272,13 +272,10 @@ HF_CASES = [
     _case("DeepseekV2", "deepseek-v2-no-q-lora", dict(_DSK, q_lora_rank=None)),
     _case("DeepseekV3", "deepseek-v3", dict(_DSK)),
     _case("DeepseekV3", "deepseek-v3-no-q-lora", dict(_DSK, q_lora_rank=None)),
-    # Known miscounts in src (strict xfail: each turns into a failure once fixed; drop its bug= then).
-    _case("Qwen3Moe", "qwen3-moe-saved-by-transformers-5", _MOE3, bug="num_local_experts (the key transformers 5 "
-          "writes for num_experts) is ignored, so every layer is counted dense"),
-    _case("Llama", "llama-attention-bias", dict(_BASE, attention_bias=True), bug="o_proj bias not counted"),
-    _case("Llama", "llama-mlp-bias", dict(_BASE, mlp_bias=True), bug="mlp_bias not counted"),
-    _case("Qwen3", "qwen3-attention-bias", dict(_BASE, head_dim=16, attention_bias=True),
-          bug="o_proj bias not counted"),
+    _case("Qwen3Moe", "qwen3-moe-saved-by-transformers-5", _MOE3),
+    _case("Llama", "llama-attention-bias", dict(_BASE, attention_bias=True)),
+    _case("Llama", "llama-mlp-bias", dict(_BASE, mlp_bias=True)),
+    _case("Qwen3", "qwen3-attention-bias", dict(_BASE, head_dim=16, attention_bias=True)),
 ]
 
 
@@ -314,8 +311,6 @@ def test_parameter_count_matches_transformers(hf, prefix, kwargs, rewrite):
     assert facts_from_config(cfg).num_params == _checkpoint_numel(model)
 
 
-@pytest.mark.xfail(strict=True, reason="src/kvfit/model_facts.py _get treats an explicit null as missing instead "
-                   "of taking the default, as transformers does (reported with a patch)")
 def test_null_num_key_value_heads_means_multi_head_attention():
     cfg = {**TINY, "num_key_value_heads": None}
     assert facts_from_config(cfg).num_kv_heads == TINY["num_attention_heads"]

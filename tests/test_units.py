@@ -103,7 +103,5 @@ def test_parse_then_format_round_trip():
         assert gib(parse_bytes(f"{n}GiB")) == f"{n:.2f} GiB"
 
 
-@pytest.mark.xfail(strict=True, reason="src/kvfit/units.py parse_bytes goes through float, so integers above "
-                   "2**53 lose their last bits (reported with a patch)")
 def test_large_integer_strings_are_exact():
     assert parse_bytes("9007199254740993") == 2**53 + 1

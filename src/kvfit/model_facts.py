@@ -79,7 +79,9 @@ class ModelFacts:
 
 
 def _get(cfg: dict, key: str, source: str, default=None, required=True):
-    value = cfg.get(key, default)
+    value = cfg.get(key)
+    if value is None:   # absent or null: transformers takes the default for both
+        value = default
     if value is None and required:
         raise ConfigError(f"{source}: missing '{key}'; a Hugging Face config.json for this architecture needs it")
     return value
@@ -167,8 +169,10 @@ def _attention_params(f: ModelFacts, cfg: dict) -> int:
         return q + kv + f.num_attention_heads * v_dim * h
     q_out, kv_out = f.num_attention_heads * hd, f.num_kv_heads * hd
     params = h * q_out + 2 * h * kv_out + q_out * h
-    if f.family == "qwen2" or cfg.get("attention_bias"):
-        params += q_out + 2 * kv_out
+    if f.family == "qwen2":
+        params += q_out + 2 * kv_out  # q, k, v biases; o_proj has none
+    elif f.family in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+        params += q_out + 2 * kv_out + h  # q, k, v and o_proj biases
     if f.family in ("qwen3", "qwen3_moe"):
         params += 2 * hd  # q_norm and k_norm
     return params
@@ -177,11 +181,14 @@ def _attention_params(f: ModelFacts, cfg: dict) -> int:
 def _mlp_params(f: ModelFacts, cfg: dict, layer: int) -> int:
     h = f.hidden_size
     dense = 3 * h * f.intermediate_size
+    if f.family == "llama" and cfg.get("mlp_bias"):
+        dense += 2 * f.intermediate_size + h  # gate, up and down biases
     if f.family == "mixtral":
         experts = cfg.get("num_local_experts", 8)
         return h * experts + experts * dense
     if f.family == "qwen3_moe":
-        experts = cfg.get("num_experts", 0)
+        # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
         step = cfg.get("decoder_sparse_step", 1) or 1
         sparse = experts > 0 and (layer + 1) % step == 0 and layer not in (cfg.get("mlp_only_layers") or [])
         if not sparse:

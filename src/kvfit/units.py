@@ -29,7 +29,11 @@ def parse_bytes(text, flag: str = "size") -> int:
             raise ConfigError(
                 f"{flag} {text!r} is not a byte size: use a number with an optional unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB or 8e9")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = match.group(1)
+        if number.isdigit():   # exact for integers past 2**53, which a float would round
+            value = int(number) * _UNITS[unit]
+        else:
+            value = int(float(number) * _UNITS[unit])
     if value <= 0:
         raise ConfigError(f"{flag} must be positive, got {text!r}")
     return value

@@ -305,8 +305,6 @@ def test_reading_explain_adds_up():
     assert r.non_kv_bytes == r.budget_bytes - r.available_kv_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="src/kvfit/kv/plan.py _warnings blames the offset width when the int32 "
-                   "block-id cap binds under a 64-bit backend (reported with a patch)")
 def test_block_id_cap_warning_does_not_blame_the_offset_width():
     spec = KVSpec(num_layers=1, block_size=1, kv_heads_per_rank=1, head_dim=1, dtype="float32")
     r = MemoryReading(total_bytes=2 << 40, budget_bytes=1 << 40)

@@ -172,13 +172,20 @@ def plan_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSpec
         token_capacity=num_blocks * spec.block_size, kv_heads_per_rank=spec.kv_heads_per_rank,
         tensor_parallel_size=tensor_parallel_size, num_layers=spec.num_layers, head_dim=spec.head_dim,
         kv_cache_dtype=spec.dtype, backend=limits.backend, max_element_offset=limits.max_element_offset,
-        per_rank_available_kv_bytes=per_rank, warnings=_warnings(bound_by, memory, index, limits, per_rank),
+        per_rank_available_kv_bytes=per_rank,
+        warnings=_warnings(bound_by, memory, index, spec.max_addressable_blocks(limits.max_element_offset),
+                           limits, per_rank),
         reading=asdict(tightest))
 
 
-def _warnings(bound_by: str, memory: int, index: int, limits: PlanLimits, per_rank: list) -> list:
+def _warnings(bound_by: str, memory: int, index: int, offset_blocks: int, limits: PlanLimits,
+              per_rank: list) -> list:
     notes = []
-    if bound_by == "index_width" and memory > index:
+    if bound_by == "index_width" and memory > index and offset_blocks > index:
+        # the offsets would allow more: the int32 block ids in the block tables bind
+        notes.append(f"block tables hold int32 block ids: {index} blocks of the {memory} that fit in memory "
+                     "are used; a larger --block-size would use more of the memory")
+    elif bound_by == "index_width" and memory > index:
         notes.append(f"the {limits.backend} attention backend addresses element offsets up to "
                      f"{limits.max_element_offset}: {index} blocks of the {memory} that fit in memory are used; "
                      "a backend with 64-bit offsets would use them all")
