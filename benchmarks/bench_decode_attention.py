@@ -1,0 +1,128 @@
+"""Paged decode attention bandwidth against device-to-device copy bandwidth (the ratio; aim >= 0.75).
+
+Bytes counted: K and V of every context token once (what decode must read). Copy bandwidth counts
+bytes read plus bytes written of a large torch copy, measured in the same run. Times are medians of
+triton.testing.do_bench (which flushes L2 between runs).
+
+python benchmarks/bench_decode_attention.py                      # default grid, the backend's choices
+python benchmarks/bench_decode_attention.py --sweep              # also try splits / tile / warps
+python benchmarks/bench_decode_attention.py --batch 64 --context 32768 --block-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def build_step(batch, context, page, args, gen):
+    """Caches with random contents and shuffled (non-contiguous) block tables; query; metadata."""
+    from kvfit.attention.base import AttentionMetadata
+    blocks_per_seq = -(-context // page)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, page, args.kv_heads, args.head_dim)
+    cache_dtype = DTYPES[args.kv_cache_dtype]
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:batch * blocks_per_seq]
+    table = table.view(batch, blocks_per_seq).to(torch.int32).cuda()
+    seq_lens = [context] * batch
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), block_tables=table,
+        max_query_len=1, max_seq_len=context, query_start_loc_host=list(range(batch + 1)), seq_lens_host=seq_lens)
+    query = torch.randn(batch, args.q_heads, args.head_dim, device="cuda").to(torch.bfloat16)
+    return query, k_cache, v_cache, meta
+
+
+def spot_check(backend, query, k_cache, v_cache, meta, scale):
+    """The timed kernel's output for the first two sequences against the torch reference."""
+    from kvfit.attention.base import AttentionMetadata
+    from kvfit.attention.torch_ref import TorchReferenceBackend
+    sub = AttentionMetadata(meta.slot_mapping[:2], meta.query_start_loc[:3], meta.seq_lens[:2],
+                            meta.block_tables[:2], 1, meta.max_seq_len, [0, 1, 2], meta.seq_lens_host[:2])
+    got = backend.attend(query, k_cache, v_cache, meta, scale)[:2].float()
+    expected = TorchReferenceBackend().attend(query[:2], k_cache, v_cache, sub, scale).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def sweep(query, k_cache, v_cache, meta, scale, do_bench):
+    """Best (seconds, config) over split counts, K/V tile tokens and warps, calling the kernel directly."""
+    from kvfit.attention.triton_decode import paged_decode_attention
+    best = (float("inf"), None)
+    out = torch.empty_like(query)
+    for splits, block_n, warps in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128), (4, 8)):
+        def run():
+            paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   scale, num_splits=splits, block_n=block_n, num_warps=warps, out=out)
+        try:
+            t = do_bench(run, warmup=10, rep=50, return_mode="median") / 1e3
+        except Exception as exc:   # a config out of shared memory or registers: skip it
+            print(f"    splits={splits} block_n={block_n} warps={warps}: {type(exc).__name__}")
+            continue
+        best = min(best, (t, f"splits={splits} block_n={block_n} warps={warps}"), key=lambda x: x[0])
+    return best
+
+
+def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, str]:
+    """One shape: the backend's own launch (and, with --sweep, the best swept config); ratio and table row."""
+    import triton.testing
+    from kvfit.attention.triton_decode import decode_read_bytes
+    query, k_cache, v_cache, meta = build_step(batch, context, page, args, gen)
+    scale = args.head_dim ** -0.5
+    spot_check(backend, query, k_cache, v_cache, meta, scale)
+    splits = backend.decode_num_splits(meta, query, args.kv_heads)
+    t = triton.testing.do_bench(lambda: backend.attend(query, k_cache, v_cache, meta, scale),
+                                warmup=25, rep=100, return_mode="median") / 1e3
+    read_bytes = decode_read_bytes(meta.seq_lens_host, args.kv_heads, args.head_dim, k_cache.dtype)
+    ratio = read_bytes / t / copy_bps
+    line = f"{batch:>5} {context:>7} {page:>4} {splits:>6} {t * 1e6:>9.1f} {read_bytes / t / 1e9:>7.0f} {ratio:>6.2f}"
+    if args.sweep:
+        best_t, config = sweep(query, k_cache, v_cache, meta, scale, triton.testing.do_bench)
+        line += f"   {config} ({read_bytes / best_t / copy_bps:.2f})"
+    return ratio, line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--block-size", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--sweep", action="store_true", help="also search splits, tile size and warps per shape")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode_attention: no CUDA device; this benchmark runs on a GPU only")
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import copy_bandwidth
+    from kvfit.attention.triton_backend import TritonBackend
+
+    copy_bps = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth (read + write): {copy_bps / 1e9:.0f} GB/s")
+    print(f"heads {args.q_heads}/{args.kv_heads}, head_dim {args.head_dim}, cache {args.kv_cache_dtype}, query bf16")
+    header = f"{'batch':>5} {'context':>7} {'page':>4} {'splits':>6} {'us':>9} {'GB/s':>7} {'ratio':>6}"
+    print(header + ("   best swept config (ratio)" if args.sweep else ""))
+    backend, gen, ratios = TritonBackend(), torch.Generator().manual_seed(0), []
+    for batch, context, page in itertools.product(args.batch, args.context, args.block_size):
+        ratio, line = measure(backend, batch, context, page, args, gen, copy_bps)
+        ratios.append(ratio)
+        print(line, flush=True)
+        torch.cuda.empty_cache()
+    print(f"ratio to copy bandwidth: min {min(ratios):.2f}, median {statistics.median(ratios):.2f} (aim >= 0.75)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

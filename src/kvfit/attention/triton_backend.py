@@ -1,0 +1,80 @@
+"""The Triton backend: reshape-and-cache by slot mapping, paged decode (split-K) and paged prefill.
+
+Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel, every other step
+(prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel.
+Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
+attend never synchronises with the device. Every kernel offset is int64 (triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.attention.offsets import backend_max_offset
+from kvfit.attention.triton_decode import choose_num_splits, heads_per_program, paged_decode_attention
+from kvfit.attention.triton_kernels import write_kv_cache
+from kvfit.attention.triton_prefill import paged_prefill_attention
+from kvfit.errors import ConfigError
+
+# SMs assumed when kernels run in Triton's CPU interpreter (tests): small, so splits stay few.
+_INTERPRETER_NUM_SMS = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton kernels; `num_splits` pins decode's split-K count (None: chosen per step)."""
+
+    name = "triton"
+    # all kernels cast indices to int64 before multiplying by strides (declared in offsets.py)
+    max_element_offset = backend_max_offset("triton")
+
+    def __init__(self, num_splits: int | None = None):
+        if num_splits is not None and num_splits < 1:
+            raise ConfigError(f"num_splits must be >= 1 or None, got {num_splits}")
+        self.num_splits = num_splits
+        self._num_sms: dict[torch.device, int] = {}   # per device, read once (no device sync)
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        if t.device.type != "cuda" and not _interpreting():
+            raise ConfigError(f"the triton attention backend needs a CUDA device, got tensors on {t.device}; "
+                              "use --attention-backend torch (or TRITON_INTERPRET=1 for tests)")
+
+    def num_sms(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return _INTERPRETER_NUM_SMS
+        if device not in self._num_sms:
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms[device]
+
+    def decode_num_splits(self, meta: AttentionMetadata, query: torch.Tensor, num_kv_heads: int) -> int:
+        """Split-K count for a decode step, from host ints only."""
+        if self.num_splits is not None:
+            return self.num_splits
+        group = query.shape[1] // num_kv_heads
+        head_programs = num_kv_heads * -(-group // heads_per_program(group))
+        return choose_num_splits(meta.max_seq_len, meta.num_seqs, head_programs, self.num_sms(query.device))
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        # key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64
+        self._check_device(key)
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # query: [T, Hq, D] -> [T, Hq, D] in query's dtype
+        self._check_device(query)
+        num_kv_heads = k_cache.shape[2]
+        assert query.shape[1] % num_kv_heads == 0, (query.shape, k_cache.shape)
+        assert k_cache.shape == v_cache.shape and k_cache.shape[3] == query.shape[2], (k_cache.shape, query.shape)
+        if meta.decode_only:
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                num_splits=self.decode_num_splits(meta, query, num_kv_heads))
+        return paged_prefill_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            max_query_len=meta.max_query_len, scale=scale)

@@ -1,0 +1,197 @@
+"""Paged decode attention (every sequence has one query token): split-K flash decoding.
+
+Program (seq, kv head [, head chunk], split) reads the query heads that share that KV head, walks its
+split of the context in tiles of BLOCK_N tokens (gathering each token's block id from the block
+table) and keeps an online softmax in fp32. With one split it writes the output directly; with more,
+each split writes a partial (max, sum, acc) and a reduce kernel combines them.
+
+Scores are kept in the log2 domain (scale * log2(e) folded into the scale) so exp2 is used throughout.
+All offsets are int64 (see triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfit.attention.triton_kernels import (check_cache_pair, check_step_tensors, dot_ieee,
+                                             head_dim_contiguous, head_dim_mask, kv_tile_tokens, next_pow2,
+                                             on_gpu, padded_head_dim)
+
+LOG2_E = 1.4426950408889634
+# Split-K tuning (H200 guesses; benchmarks/bench_decode_attention.py sweeps them): aim for about
+# this many programs per SM, never split a context into pieces shorter than this many tokens.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_head_programs: int, num_sms: int) -> int:
+    """Splits per context: enough programs to fill the GPU, none shorter than MIN_SPLIT_TOKENS."""
+    programs = max(1, num_seqs * num_kv_head_programs)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    by_length = max(1, -(-max_seq_len // MIN_SPLIT_TOKENS))
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def heads_per_program(group: int) -> int:
+    """Query heads one program handles: the GQA group padded to >= 16 rows (tl.dot's smallest M), <= 64."""
+    return max(16, min(next_pow2(group), 64))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,     # [B, Hq, S], [B, Hq, S], [B, Hq, S, D_PAD] fp32
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = (tl.program_id(1) // HEAD_CHUNKS).to(tl.int64)
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+    split = tl.program_id(2)
+
+    tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    has_query = tl.load(query_start_loc_ptr + seq + 1) > tok
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # splits are whole tiles; a short context leaves trailing splits empty (they write m = -inf, l = 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    hi = tl.where(has_query, hi, lo)
+
+    offs_g = chunk * G_PAD + tl.arange(0, G_PAD)
+    head_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g.to(tl.int64)                       # [G_PAD] query heads
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = head_dim_mask(HEAD_DIM, D_PAD)
+    q_mask = head_mask[:, None] & d_mask[None, :] & has_query
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        within = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh    # [BLOCK_N] int64
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))      # [G_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if DIRECT_OUT:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = (seq * NUM_Q_HEADS + heads) * num_splits + split             # [G_PAD] int64
+        tl.store(part_m_ptr + part, m_i, mask=head_mask)
+        tl.store(part_l_ptr + part, l_i, mask=head_mask)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=head_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, query_start_loc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    num_splits, stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    # one program per (seq, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    if tl.load(query_start_loc_ptr + seq + 1) == tok:
+        return                                                                # no query, no output row
+    offs_s = tl.arange(0, S_PAD)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, D_PAD)
+    part = (seq * NUM_Q_HEADS + head) * num_splits + offs_s                  # [S_PAD] int64
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))                                             # empty splits weigh 0
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=head_dim_mask(HEAD_DIM, D_PAD))
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           scale: float, num_splits: int, block_n: int | None = None,
+                           num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
+    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [T, Hq, D] in query's dtype.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    check_cache_pair(k_cache, v_cache)
+    check_step_tensors(block_tables, seq_lens, query_start_loc)
+    query = head_dim_contiguous(query)
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.stride(2) == 1, (out.shape, out.stride())
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    d_pad = padded_head_dim(head_dim)
+    g_pad = heads_per_program(group)
+    head_chunks = -(-group // g_pad)
+    block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    # partials [B, Hq, S] (max, sum) and [B, Hq, S, D_PAD] (acc); one split writes out directly
+    parts = (1, 1, 1) if direct else (num_seqs, num_q_heads, num_splits)
+    part_m = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_l = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_acc = torch.empty((*parts, d_pad), dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        part_m, part_l, part_acc, scale * LOG2_E, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
+        DIRECT_OUT=direct, IEEE=dot_ieee(query.dtype), num_warps=num_warps,
+    )
+    if not direct:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out, query_start_loc, part_m, part_l, part_acc, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def decode_read_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode step must read: every context token's K and V once."""
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    return 2 * sum(seq_lens) * num_kv_heads * head_dim * elem

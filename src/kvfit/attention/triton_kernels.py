@@ -1,0 +1,140 @@
+"""Triton KV-cache write kernel, and the helpers the decode and prefill kernels share.
+
+Every element offset is computed in int64: block ids, slots, token indices and head indices are cast
+to ``tl.int64`` before they meet a stride, so ``block_id * block_stride`` cannot wrap at 2^31 (the bug
+that crashed another engine past 2^31 elements). Strides arrive as kernel arguments that Triton may
+specialise to int32; an int64 index times an int32 stride is an int64 product, so no cast of the
+stride is needed once the index is int64.
+
+Kernels here and in triton_decode.py / triton_prefill.py; the backend is triton_backend.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfit.kv.spec import PADDING_SLOT_ID
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (tl.dot's smallest K); pad lanes are masked."""
+    return max(16, next_pow2(head_dim))
+
+
+def largest_element_offset(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes when it addresses every element of `t`."""
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def kv_tile_tokens(elem_bytes: int, d_pad: int, gpu: bool) -> int:
+    """Tokens per K/V tile: 64 for 16-bit queries up to head_dim 128, else 32; 16 in the interpreter.
+
+    elem_bytes is the query dtype's (K/V are converted to it). Sized so Hopper needs no register
+    spills and little shared memory (checked by the sm_90 compile test in tests/attention).
+    """
+    if not gpu:
+        return 16
+    return 64 if elem_bytes <= 2 and d_pad <= 128 else 32
+
+
+def dot_ieee(dtype: torch.dtype) -> bool:
+    """fp32 inputs take IEEE fp32 dot products (no tf32), so fp32 results match the reference closely."""
+    return dtype == torch.float32
+
+
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Caches: [num_blocks, block_size, Hkv, D], head_dim contiguous (the layout KVSpec owns)."""
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head_dim must be contiguous"
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+
+
+def check_step_tensors(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """The kernels index these with unit inner strides (block table rows, per-seq vectors)."""
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1, block_tables.stride()
+    assert seq_lens.stride(0) == 1 and query_start_loc.stride(0) == 1
+    assert query_start_loc.shape[0] == seq_lens.shape[0] + 1, (query_start_loc.shape, seq_lens.shape)
+
+
+def head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with stride(2) == 1 (any token/head strides are fine: the kernels take them)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def head_dim_mask(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """[D_PAD] lanes < HEAD_DIM; all-true as a constant when nothing is padded, so loads vectorise."""
+    if HEAD_DIM == D_PAD:
+        mask = tl.full([D_PAD], 1, tl.int1)
+    else:
+        mask = tl.arange(0, D_PAD) < HEAD_DIM
+    return mask
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr,          # [T, Hkv, D]
+    k_cache_ptr, v_cache_ptr,    # [num_blocks, PAGE, Hkv, D]
+    slot_ptr,                    # [T] int64
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    # one program per token: copies its [Hkv, D] key and value into the slot's row
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot == PAD_SLOT:
+        return
+    blk = slot // PAGE
+    within = slot % PAGE
+    offs_h = tl.arange(0, H_PAD).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & head_dim_mask(HEAD_DIM, D_PAD)[None, :]
+
+    k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_row = blk * stride_kcb + within * stride_kcs
+    v_row = blk * stride_vcb + within * stride_vcs
+    tl.store(k_cache_ptr + k_row + offs_h[:, None] * stride_kch + offs_d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_row + offs_h[:, None] * stride_vch + offs_d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write token t's key/value [Hkv, D] to slot slot_mapping[t]; PADDING_SLOT_ID rows are skipped.
+
+    key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] in their own dtype (values are
+    cast, fp8 e4m3 with scale 1.0); slot_mapping: [T] int64.
+    """
+    check_cache_pair(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and k_cache.shape[2:] == key.shape[1:], (key.shape, k_cache.shape)
+    assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
+    if num_tokens == 0:
+        return
+    key, value = head_dim_contiguous(key), head_dim_contiguous(value)
+    slot_mapping = slot_mapping.to(torch.int64)
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        H_PAD=next_pow2(num_kv_heads), D_PAD=next_pow2(head_dim),
+        PAGE=k_cache.shape[1], PAD_SLOT=PADDING_SLOT_ID,
+        num_warps=4 if num_kv_heads * head_dim <= 2048 else 8,
+    )

@@ -1,0 +1,139 @@
+"""Paged prefill attention: variable-length, causal, over a cached prefix; also serves mixed batches.
+
+Query j of sequence i sits at position ``seq_lens[i] - q_len_i + j`` and attends to keys at positions
+<= its own; all keys (prefix and new) are read from the paged cache, since write_kv runs first.
+
+Program (seq, row tile, kv head) packs the query heads that share a KV head into its rows:
+row r is token ``r // GROUP`` of the sequence, query head ``kv_head * GROUP + r % GROUP``, so each K/V
+tile is loaded once for the whole group and a decode sequence (q_len 1) in a mixed batch still fills
+GROUP rows. Keys are walked in tiles of BLOCK_N tokens with an online softmax in fp32 (log2 domain).
+All offsets are int64 (see triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfit.attention.triton_decode import LOG2_E
+from kvfit.attention.triton_kernels import (check_cache_pair, check_step_tensors, dot_ieee,
+                                             head_dim_contiguous, head_dim_mask, kv_tile_tokens, on_gpu,
+                                             padded_head_dim)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    row_start = tl.program_id(1) * BLOCK_M
+    kv_head = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+    if row_start >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP                                   # token index within this sequence's queries
+    row_mask = tok < q_len
+    heads = kv_head * GROUP + (rows % GROUP).to(tl.int64)
+    # rows past q_len attend like the last query (finite softmax, never stored)
+    q_pos = tl.where(row_mask, prefix_len + tok, seq_len - 1)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = head_dim_mask(HEAD_DIM, D_PAD)
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q_tok = q_start + tok.to(tl.int64)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    last_tok = tl.minimum((row_start + BLOCK_M - 1) // GROUP, q_len - 1)
+    kv_hi = prefix_len + last_tok + 1                     # keys any row of this tile may see
+    table_row = block_tables_ptr + seq * stride_bt
+    for start in range(0, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_hi
+        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        within = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh    # [BLOCK_N] int64
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(causal, s * scale_log2, float("-inf"))                  # [BLOCK_M, BLOCK_N]
+        # key 0 is in the first tile and visible to every row, so m_new is finite from the start
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_tile_rows(elem_bytes: int, gpu: bool) -> int:
+    """Query rows per program: 64, or 32 for fp32 (IEEE dots without tensor cores spill at 64 on Hopper)."""
+    if not gpu:
+        return 16
+    return 64 if elem_bytes <= 2 else 32
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            max_query_len: int, scale: float, block_m: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its paged context.
+
+    query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
+    seq_lens: [B] int32; query_start_loc: [B + 1] int32 -> out [T, Hq, D] in query's dtype.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    check_cache_pair(k_cache, v_cache)
+    check_step_tensors(block_tables, seq_lens, query_start_loc)
+    query = head_dim_contiguous(query)
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.stride(2) == 1, (out.shape, out.stride())
+    if num_seqs == 0 or query.shape[0] == 0 or max_query_len == 0:
+        return out
+    d_pad = padded_head_dim(head_dim)
+    block_m = block_m or prefill_tile_rows(query.element_size(), on_gpu(query))
+    block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    num_warps = num_warps or 4
+    grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=dot_ieee(query.dtype), num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,397 @@
+"""The Triton backend against the torch reference, in Triton's CPU interpreter (or on CUDA if present).
+
+Tiny shapes: the interpreter runs every program in Python. Caches are poisoned with NaN, so a kernel
+that reads an unwritten slot or a position past a sequence's length fails loudly; outputs are
+poisoned too, so a kernel that skips a row fails. Run: python -m pytest tests/attention -q
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# run as a script with --compile-check, this file compiles the kernels for sm_90 (no interpreter)
+COMPILE_CHECK = __name__ == "__main__" and sys.argv[1:] == ["--compile-check"]
+if not torch.cuda.is_available() and not COMPILE_CHECK:
+    # must precede the first import of triton and of the kernel modules (@triton.jit reads it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from kvfit.attention.base import AttentionMetadata  # noqa: E402
+from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from kvfit.errors import ConfigError  # noqa: E402
+from kvfit.kv.spec import PADDING_SLOT_ID  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
+if DEVICE.type == "cpu" and not INTERPRET and not COMPILE_CHECK:
+    pytest.skip("no CUDA device and TRITON_INTERPRET=0", allow_module_level=True)
+
+
+def _interpreter_fixes() -> None:
+    """Two test-only shims for Triton 3.6's interpreter (the GPU compiler is unaffected):
+    - it turns loop bounds into ints with int(1-element array), which NumPy >= 2.4 rejects;
+    - tl.dot on bfloat16 multiplies the raw uint16 bit patterns; widen bf16 operands to fp32 first
+      (exact, and what the tensor cores do: bf16 products accumulated in fp32)."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+    if getattr(interp, "_kvfit_shims", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    create_dot = interp.InterpreterBuilder.create_dot
+    interp._patch_lang_tensor = patched_tensor
+    interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: create_dot(self, widen(a), widen(b), *rest)
+    interp._kvfit_shims = True
+
+
+def _import_backend():
+    """The kernel modules, re-imported if something imported them before TRITON_INTERPRET was set."""
+    from kvfit.attention import triton_backend, triton_decode, triton_kernels, triton_prefill
+    if INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(triton_kernels._write_kv_kernel, InterpretedFunction):
+            for module in (triton_kernels, triton_decode, triton_prefill, triton_backend):
+                importlib.reload(module)
+    return triton_backend, triton_decode, triton_kernels
+
+
+if INTERPRET:
+    _interpreter_fixes()
+triton_backend, triton_decode, triton_kernels = _import_backend()
+TritonBackend = triton_backend.TritonBackend
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+# ---- building a step: block tables, slots, caches, metadata -------------------------------------------
+
+def make_tables(seq_lens: list[int], page: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Random, non-contiguous, disjoint block tables; [B, max_blocks] int32 padded with 0."""
+    need = [-(-n // page) for n in seq_lens]
+    assert sum(need) < num_blocks
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()   # block 0 stays unused
+    table = torch.zeros((len(seq_lens), max(need) + 1), dtype=torch.int32)
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    return table
+
+
+def slots_of(table: torch.Tensor, seq: int, positions, page: int) -> list[int]:
+    return [int(table[seq, p // page]) * page + p % page for p in positions]
+
+
+def poisoned_caches(num_blocks, page, num_kv_heads, head_dim, dtype):
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k = torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE).to(dtype)
+    return k, k.clone()
+
+
+def filled_caches(seq_lens, page, num_kv_heads, head_dim, dtype, gen, num_blocks=None):
+    """Caches holding every context token (written by the reference), the rest NaN; and the tables."""
+    num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 5
+    table = make_tables(seq_lens, page, num_blocks, gen)
+    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv_heads, head_dim, dtype)
+    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
+    key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    return k_cache, v_cache, table.to(DEVICE)
+
+
+def make_meta(q_lens: list[int], seq_lens: list[int], table: torch.Tensor) -> AttentionMetadata:
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), PADDING_SLOT_ID, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=table, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_host=starts, seq_lens_host=list(seq_lens))
+
+
+def check_attend(backend, q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, page, dtype, seed,
+                 cache_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = filled_caches(seq_lens, page, num_kv_heads, head_dim, cache_dtype or dtype, gen)
+    meta = make_meta(q_lens, seq_lens, table)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    scale = head_dim ** -0.5
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale)
+    got = backend.attend(query, k_cache, v_cache, meta, scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# ---- KV write ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_matches_reference_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim, page, num_blocks = 9, 2, 48, 4, 7
+    # key/value are views into a fused qkv-like buffer: token stride != Hkv * D
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * page, generator=gen)[:num_tokens]
+    slots[[2, 5]] = PADDING_SLOT_ID
+    slots = slots.to(DEVICE)
+    expected = poisoned_caches(num_blocks, page, num_kv_heads, head_dim, dtype)
+    got = poisoned_caches(num_blocks, page, num_kv_heads, head_dim, dtype)
+    TorchReferenceBackend().write_kv(key, value, *expected, slots)
+    TritonBackend().write_kv(key, value, *got, slots)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=True)
+    assert int((~got[0].isnan()).any(-1).any(-1).sum()) == num_tokens - 2   # padding rows untouched
+
+
+def test_write_kv_fp8_cache():
+    if INTERPRET:
+        pytest.skip("Triton 3.6's interpreter rounds to float8_e4m3fn wrongly (e.g. -1.945 -> -1.0); "
+                    "fp8 writes are checked on the GPU")
+    gen = torch.Generator().manual_seed(2)
+    key = torch.randn(6, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    value = torch.randn(6, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([3, 0, PADDING_SLOT_ID, 9, 14, 7], device=DEVICE)
+    k_cache = torch.zeros((4, 4, 2, 32), dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    TritonBackend().write_kv(key, value, k_cache, v_cache, slots)
+    keep = slots != PADDING_SLOT_ID
+    s = slots[keep]
+    assert torch.equal(k_cache.view(-1, 2, 32)[s].float(), key[keep].to(torch.float8_e4m3fn).float())
+    assert torch.equal(v_cache.view(-1, 2, 32)[s].float(), value[keep].to(torch.float8_e4m3fn).float())
+
+
+# ---- decode ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1), (2, 2)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(dtype, heads, num_splits):
+    num_q_heads, num_kv_heads = heads
+    seq_lens = [1, 19, 45, 33]          # 1 token, and contexts over several 8-token blocks
+    check_attend(TritonBackend(num_splits=num_splits), [1] * len(seq_lens), seq_lens, num_q_heads,
+                 num_kv_heads, 16, 8, dtype, seed=10 + num_splits)
+
+
+@pytest.mark.parametrize("head_dim,seq_lens", [(32, [300, 40]), (48, [40, 13])])
+def test_decode_head_dims_and_chosen_splits(head_dim, seq_lens):
+    # num_splits=None: chosen from max_seq_len; the interpreter assumes 4 SMs, so 300 tokens -> 2 splits
+    backend = TritonBackend()
+    meta = make_meta([1, 1], seq_lens, torch.zeros((2, 1), dtype=torch.int32))
+    assert backend.decode_num_splits(meta, torch.empty(2, 4, head_dim), 2) == (2 if max(seq_lens) > 256 else 1)
+    check_attend(backend, [1, 1], seq_lens, 4, 2, head_dim, 16, torch.float16, seed=20)
+
+
+def test_decode_many_splits_leave_some_empty():
+    # 8 splits of 16-token tiles over contexts of 5..70 tokens: short contexts leave splits empty
+    check_attend(TritonBackend(num_splits=8), [1, 1, 1], [5, 70, 16], 4, 2, 16, 4, torch.float32, seed=21)
+
+
+def test_decode_reads_fp8_cache():
+    # the reference writes the fp8 cache (torch's cast); the kernel reads it and converts to bf16
+    check_attend(TritonBackend(num_splits=2), [1, 1], [23, 9], 4, 2, 16, 8, torch.bfloat16, seed=22,
+                 cache_dtype=torch.float8_e4m3fn)
+
+
+def test_decode_group_wider_than_one_program():
+    # 128 query heads on one KV head: two head chunks of 64 rows per (seq, kv head)
+    check_attend(TritonBackend(num_splits=2), [1, 1], [7, 20], 128, 1, 16, 8, torch.float32, seed=23)
+
+
+def test_choose_num_splits():
+    choose = triton_decode.choose_num_splits
+    assert choose(max_seq_len=100, num_seqs=1, num_kv_head_programs=8, num_sms=132) == 1     # short
+    assert choose(max_seq_len=32768, num_seqs=1, num_kv_head_programs=8, num_sms=132) == 64  # capped
+    assert choose(max_seq_len=32768, num_seqs=64, num_kv_head_programs=8, num_sms=132) == 2  # full GPU
+    assert choose(max_seq_len=1024, num_seqs=2, num_kv_head_programs=8, num_sms=132) == 4    # by length
+
+
+# ---- prefill and mixed -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_prefill_with_cached_prefix_and_mixed_decode(dtype):
+    # seq 0: fresh prompt; 1: chunk over a prefix; 2: decode; 3: prompt longer than one row tile
+    q_lens, seq_lens = [7, 5, 1, 21], [7, 30, 12, 26]
+    check_attend(TritonBackend(), q_lens, seq_lens, 4, 2, 16, 8, dtype, seed=30)
+
+
+@pytest.mark.parametrize("heads,head_dim", [((3, 1), 32), ((2, 2), 48)], ids=["group3-d32", "mha-d48"])
+def test_prefill_head_layouts(heads, head_dim):
+    check_attend(TritonBackend(), [4, 9, 1], [4, 17, 3], heads[0], heads[1], head_dim, 4, torch.float32,
+                 seed=31)
+
+
+def test_sequences_without_queries_are_skipped():
+    # q_len 0 rows occur in padded batches: their seq writes nothing, the others are unaffected
+    check_attend(TritonBackend(num_splits=2), [1, 0, 1], [9, 4, 17], 4, 2, 16, 8, torch.float32, seed=32)
+    check_attend(TritonBackend(), [3, 0, 1], [9, 4, 17], 4, 2, 16, 8, torch.float32, seed=33)
+
+
+def test_write_then_attend_end_to_end():
+    gen = torch.Generator().manual_seed(40)
+    num_q_heads, num_kv_heads, head_dim, page = 4, 2, 16, 8
+    q_lens, seq_lens = [6, 1, 4], [6, 20, 12]
+    table = make_tables(seq_lens, page, 12, gen).to(DEVICE)
+    slots = [s for i, (q, n) in enumerate(zip(q_lens, seq_lens)) for s in slots_of(table, i, range(n - q, n), page)]
+    slots = torch.tensor(slots, device=DEVICE)
+    prefix = [(i, range(n - q)) for i, (q, n) in enumerate(zip(q_lens, seq_lens))]
+    prefix_slots = torch.tensor([s for i, r in prefix for s in slots_of(table, i, r, page)], device=DEVICE)
+    caches = {name: poisoned_caches(12, page, num_kv_heads, head_dim, torch.bfloat16) for name in ("ref", "tri")}
+    pk = torch.randn(len(prefix_slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    pv = torch.randn(len(prefix_slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    key = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    value = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    query = torch.randn(len(slots), num_q_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    meta = make_meta(q_lens, seq_lens, table)
+    outs = {}
+    for name, backend in (("ref", TorchReferenceBackend()), ("tri", TritonBackend())):
+        backend.write_kv(pk, pv, *caches[name], prefix_slots)
+        backend.write_kv(key, value, *caches[name], slots)
+        outs[name] = backend.attend(query, *caches[name], meta, 0.25)
+    torch.testing.assert_close(caches["tri"][0], caches["ref"][0], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(outs["tri"].float(), outs["ref"].float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- 64-bit offsets ----------------------------------------------------------------------------------
+
+def test_largest_element_offset():
+    cache = torch.empty((70_000, 64, 8, 128), dtype=torch.bfloat16, device="meta")   # no memory
+    assert triton_kernels.largest_element_offset(cache) == 70_000 * 64 * 8 * 128 - 1 > 2**32
+    assert TritonBackend.max_element_offset == 2**63 - 1
+
+
+def test_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.zeros(1, 1, 16)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        TritonBackend().write_kv(x, x, torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16), torch.zeros(1).long())
+
+
+def _huge_offset_check() -> None:
+    """Write and attend at blocks whose element offsets exceed 2^31, in a cache that is virtual memory
+    (torch.empty on CPU commits only the pages touched). An int32 offset would wrap and write or read
+    elsewhere (or fault), so the write and both attention paths are compared with torch's indexing."""
+    page, num_kv_heads, head_dim = 16, 2, 16
+    num_blocks = 3 * 2**21                                        # 3.2e9 elements, 6.4 GB virtual
+    k_cache = torch.empty((num_blocks, page, num_kv_heads, head_dim), dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    top = [num_blocks - 1, 5, num_blocks - 7, 2**31 // (page * num_kv_heads * head_dim) + 3]
+    assert triton_kernels.largest_element_offset(k_cache) == 3 * 2**30 - 1
+    for b in top:
+        k_cache[b].fill_(float("nan"))
+        v_cache[b].fill_(float("nan"))
+    seq_len = 55                                                  # 4 blocks, the last one partial
+    table = torch.tensor([top], dtype=torch.int32)
+    slots = torch.tensor([top[p // page] * page + p % page for p in range(seq_len)])
+    gen = torch.Generator().manual_seed(50)
+    key = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
+    value = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
+    backend = TritonBackend(num_splits=2)
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    gathered = k_cache[table[0].long()].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    assert torch.equal(gathered, key), "write kernel wrote somewhere else"
+    ref = TorchReferenceBackend()
+    for q_len in (1, 7):                                          # decode, then prefill over a prefix
+        meta = make_meta([q_len], [seq_len], table)
+        query = torch.randn(q_len, 4, head_dim, generator=gen).bfloat16()
+        got = backend.attend(query, k_cache, v_cache, meta, 0.25).float()
+        expected = ref.attend(query, k_cache, v_cache, meta, 0.25).float()
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    print("ok: write, decode and prefill at element offsets up to", triton_kernels.largest_element_offset(k_cache))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU variant of tests/gpu/test_kernel_safety.py")
+def test_offsets_past_2_to_the_31_in_the_interpreter():
+    # a subprocess, so a wrapped offset that faults fails this test instead of killing pytest
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__, "--huge-offset-check"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0 and "DefaultCPUAllocator" in done.stderr:
+        pytest.skip("cannot reserve 12.8 GB of virtual memory here")
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert "ok: write, decode and prefill" in done.stdout
+
+
+# ---- the kernels compile for the H200 (sm_90) -----------------------------------------------------------
+
+def _compile_check() -> None:
+    """Compile each kernel for sm_90 ahead of time, as a real launch would specialise it (pointers and
+    strides 16-divisible), and assemble with ptxas -v: catches GPU-only compile errors the interpreter
+    cannot see, and register spills. Needs no GPU. Runs without TRITON_INTERPRET (a subprocess)."""
+    import re
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kvfit.attention import triton_decode as dec, triton_kernels as ker, triton_prefill as pre
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
+
+    def build(kernel, qd, cd, consts, warps=4):
+        ptr = {"q": qd, "out": qd, "key": qd, "value": qd, "k_cache": cd, "v_cache": cd, "slot": "i64",
+               "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
+        sig = {n: "constexpr" if n in consts else f"*{ptr.get(n[:-4], 'fp32')}" if n.endswith("_ptr")
+               else "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
+        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_bt")}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(compiled.asm["ptx"])
+            f.flush()
+            report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                                    capture_output=True, text=True, check=True).stderr
+        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
+        print(f"{kernel.__name__} q={qd} cache={cd}: shared {compiled.metadata.shared} B, spills {spills} B")
+        assert spills == 0, report
+
+    bf, f32 = types[torch.bfloat16], types[torch.float32]
+    for cache in (bf, types[torch.float8_e4m3fn]):
+        build(ker._write_kv_kernel, bf, cache, dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, PAGE=16,
+                                                    PAD_SLOT=PADDING_SLOT_ID))
+    for qd, cache, head_dim, page in ((bf, bf, 128, 16), (bf, types[torch.float8_e4m3fn], 128, 64), (f32, f32, 48, 16)):
+        elem, d_pad = (2 if qd == bf else 4), ker.padded_head_dim(head_dim)
+        tile = ker.kv_tile_tokens(elem, d_pad, gpu=True)
+        build(dec._decode_split_kernel, qd, cache, dict(
+            NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim, D_PAD=d_pad,
+            PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32))
+        build(pre._prefill_kernel, qd, cache, dict(
+            GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
+            BLOCK_N=tile, IEEE=qd == f32))
+    build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64))
+    print("ok: all kernels compile for sm_90 without spills")
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    nvidia = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(nvidia):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, "--compile-check"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "ok: all kernels compile" in done.stdout, \
+        f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--huge-offset-check"]:
+    _huge_offset_check()
+if COMPILE_CHECK:
+    _compile_check()
