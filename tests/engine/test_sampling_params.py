@@ -88,17 +88,12 @@ def test_stop_sequences_and_stop_token_ids_become_tuples():
     assert hash(SamplingParams(stop=["x"], stop_token_ids=[1])) == hash(SamplingParams(stop="x", stop_token_ids=(1,)))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: non-finite temperature passes `temperature < 0`: NaN then "
-                                      "crashes torch.multinomial (the whole engine step fails), inf samples "
-                                      "uniformly")
 @pytest.mark.parametrize("temperature", [math.nan, math.inf])
 def test_non_finite_temperature_is_rejected(temperature):
     with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature=temperature)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: max_tokens=True is accepted as 1 (seed and top_k reject bool, "
-                                      "max_tokens does not)")
 def test_bool_max_tokens_is_rejected():
     with pytest.raises(RequestError, match="max_tokens"):
         SamplingParams(max_tokens=True)

@@ -546,8 +546,6 @@ def test_abort_while_the_step_runs_is_skipped_by_update():
     sched.pool.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: update() looks requests up by id only, so a request re-added "
-                                      "under an id aborted while the step ran takes the old seq's tokens")
 def test_an_id_reused_while_the_step_runs_does_not_inherit_the_old_step():
     sched = make_scheduler()
     sched.add(make_request("a", [1, 2, 3], max_tokens=4))

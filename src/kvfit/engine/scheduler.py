@@ -155,7 +155,7 @@ class Scheduler:
         finished = []
         for seq in plan.seqs:
             req = self.requests.get(seq.request_id)
-            if req is None or req.finished:      # aborted while the step ran
+            if req is None or req.status is not RequestStatus.RUNNING:   # aborted (or re-added) meanwhile
                 continue
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self._register_full_blocks(req)
