@@ -1,0 +1,70 @@
+"""Decoder building blocks in plain torch: embedding, RMSNorm, SwiGLU MLP, cacheless causal attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
+
+
+class Embedding(torch.nn.Module):
+    """Token embedding table [vocab, hidden], replicated on every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, device):
+        super().__init__()
+        self.weight = make_param((vocab_size, hidden_size), None, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)                 # [T, hidden]
+
+
+class RMSNorm(torch.nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((dim,), None, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up split by intermediate channel, down by input column."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype, device,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        start, size = split_evenly(intermediate_size, tp_rank, tp_size, "MLP channels (intermediate_size)")
+        self.gate_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
+        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias, dtype, device, start, size, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
+                     scale: float) -> torch.Tensor:
+    """Causal attention of each sequence over its own tokens of this step, with no KV cache.
+
+    q: [T, Hq, D], k/v: [T, Hkv, D]; sequence i is rows query_start_loc[i]:query_start_loc[i+1].
+    Used when the model runs without a cache (a profile run): every sequence is a fresh prefill.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)                                    # [Hq, L, D]
+        ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)    # [Hq, L, D]
+        vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,196 @@
+"""One decoder for Llama, Mistral, Qwen2 and Qwen3, in plain torch, with HF tensor names.
+
+The families differ only in flags read from config.json (see `DecoderConfig`): Qwen2 has a bias on
+q/k/v; Qwen3 RMS-normalises each q and k head before RoPE and may have head_dim != hidden / heads;
+Llama/Mistral may set attention_bias / mlp_bias. GQA and MQA follow from num_key_value_heads.
+Attention goes through an AttentionBackend: each layer writes this step's K/V into its cache slots,
+then attends over the block tables. Module names equal the checkpoint's, so loading maps 1:1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.errors import ConfigError
+from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
+from kvfit.models.layers import Embedding, RMSNorm, SwiGLU, causal_attention
+from kvfit.models.parallel import ColumnLinear, RowLinear, kv_head_range, make_param, shard_of, split_evenly
+from kvfit.models.rope import RopeConfig, apply_rope, inv_freq, rope_config_from_raw
+
+DEFAULT_RMS_NORM_EPS = 1e-6
+logger = logging.getLogger("kvfit")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the decoder's structure depends on, derived once from ModelFacts (and facts.raw)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope: RopeConfig
+
+
+def decoder_config(facts: ModelFacts) -> DecoderConfig:
+    """Family rules (which biases, q/k norm) plus eps and RoPE from config.json."""
+    if facts.family not in RUNNABLE_FAMILIES or facts.is_mla:
+        raise ConfigError(f"{facts.architecture} ({facts.family}) can be planned but not run; runnable families: "
+                          f"{', '.join(RUNNABLE_FAMILIES)}")
+    raw = facts.raw
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act {act!r} is not supported; the {facts.family} decoder needs 'silu'")
+    window = raw.get("sliding_window")
+    if facts.family == "mistral" and window and window < facts.max_position_embeddings:
+        logger.warning("%s has sliding_window %d; kvfit attends to the whole context, so outputs past %d tokens "
+                       "differ from the reference (use --max-model-len %d to stay exact)",
+                       facts.architecture, window, window, window)
+    attention_bias = bool(raw.get("attention_bias", False))
+    qwen2 = facts.family == "qwen2"
+    return DecoderConfig(
+        num_layers=facts.num_layers, hidden_size=facts.hidden_size, num_heads=facts.num_attention_heads,
+        num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, intermediate_size=facts.intermediate_size,
+        vocab_size=facts.vocab_size, rms_norm_eps=float(raw.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS),
+        qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
+        mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=facts.family == "qwen3",
+        tie_word_embeddings=facts.tie_word_embeddings, rope=rope_config_from_raw(raw, facts.head_dim))
+
+
+class Attention(torch.nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+        super().__init__()
+        d = cfg.head_dim
+        q_start, self.num_heads = split_evenly(cfg.num_heads, tp_rank, tp_size, "attention heads")
+        kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp_rank, tp_size)
+        self.head_dim, self.backend, self.scale = d, backend, d ** -0.5
+        h = cfg.hidden_size
+        self.q_proj = ColumnLinear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device, q_start * d, self.num_heads * d)
+        kv_args = (cfg.qkv_bias, dtype, device, kv_start * d, self.num_kv_heads * d)
+        self.k_proj = ColumnLinear(h, cfg.num_kv_heads * d, *kv_args)
+        self.v_proj = ColumnLinear(h, cfg.num_kv_heads * d, *kv_args)
+        self.o_proj = RowLinear(cfg.num_heads * d, h, cfg.o_bias, dtype, device, q_start * d, self.num_heads * d,
+                                tp_size)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                freqs: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)       # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, positions, freqs)
+        if kv_cache is None:
+            starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
+            out = causal_attention(q, k, v, starts, self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)      # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(torch.nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, tp_rank, tp_size)
+
+    def forward(self, x, positions, kv_cache, meta, freqs):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, freqs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(torch.nn.Module):
+    """The `model.` prefix of the checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class CausalLM(torch.nn.Module):
+    """Llama-family causal LM: forward() returns final-norm hidden states, compute_logits() the logits."""
+
+    def __init__(self, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        assert dtype in (torch.float32, torch.bfloat16, torch.float16), dtype
+        assert 0 <= tp_rank < tp_size, (tp_rank, tp_size)
+        self.facts, self.config = facts, decoder_config(facts)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        cfg = self.config
+        self.model = DecoderModel(cfg, attention_backend, dtype, device, tp_rank, tp_size)
+        self.lm_head = torch.nn.Module()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight        # one Parameter, two names
+        else:
+            self.lm_head.weight = make_param((cfg.vocab_size, cfg.hidden_size), None, dtype, device)
+        self.register_buffer("rope_inv_freq", inv_freq(cfg.rope, device), persistent=False)   # [D/2] fp32
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden] after the final norm.
+
+        kv_caches: one (k_cache, v_cache) per layer. With kv_caches None or empty (a profile run with
+        no cache) each sequence of the step attends causally to its own tokens only
+        (meta.query_start_loc), i.e. every sequence is treated as a fresh prefill.
+        """
+        x = self.model.embed_tokens(input_ids)                           # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, kv_caches[i] if kv_caches else None, meta, self.rope_inv_freq)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into this rank's parameters; ConfigError on a bad checkpoint.
+
+        Extra tensors (e.g. rotary inv_freq) are ignored; with tied embeddings lm_head.weight is too.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            param = params.get(name)
+            if param is None:
+                continue
+            if tuple(tensor.shape) != param.full_shape:
+                raise ConfigError(f"checkpoint tensor {name} has shape {list(tensor.shape)} but config.json "
+                                  f"needs {list(param.full_shape)}; the weights do not match this config.json")
+            param.copy_(shard_of(param, tensor))
+            loaded.add(name)
+        missing = [name for name in params if name not in loaded]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ConfigError(f"checkpoint is missing tensor {missing[0]}{more}; re-download the model or use "
+                              "--load-format dummy for random weights")

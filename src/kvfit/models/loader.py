@@ -1,0 +1,116 @@
+"""Build a CausalLM and fill its weights: from safetensors (one file or sharded) or at random ("dummy")."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from kvfit.attention.base import AttentionBackend
+from kvfit.errors import ConfigError
+from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
+from kvfit.models.llama import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+
+def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
+               load_format: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> CausalLM:
+    """A CausalLM on `device` with weights from model_path ("auto"/"safetensors") or random ("dummy")."""
+    if facts.family not in RUNNABLE_FAMILIES:
+        raise ConfigError(f"{facts.architecture} can be planned but not run yet; runnable families: "
+                          f"{', '.join(RUNNABLE_FAMILIES)}")
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ConfigError(f"--load-format {load_format!r} is not supported; use auto, safetensors or dummy")
+    files = None if load_format == "dummy" else safetensors_files(model_path)
+    model = CausalLM(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+    if files is None:
+        init_dummy_weights(model)
+    else:
+        model.load_weights(_iter_tensors(files))
+    return model.eval()
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's shard files: model.safetensors, or every file named in the index's weight_map."""
+    index = os.path.join(model_path, INDEX_FILE)
+    single = os.path.join(model_path, SINGLE_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{index} is not a valid safetensors index ({exc!r}); fix or re-download it") from None
+        files = [os.path.join(model_path, name) for name in dict.fromkeys(weight_map.values())]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ConfigError(f"{INDEX_FILE} names shard {os.path.basename(path)} but it is not in {model_path}; "
+                                  "re-download the model")
+        return files
+    if os.path.isfile(single):
+        return [single]
+    raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_path}: kvfit loads safetensors weights; "
+                      "use --load-format dummy to run with random weights")
+
+
+def _iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every shard, on CPU, with a progress bar over tensors (stderr, tty only)."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+    total = 0
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as fh:
+                total += len(fh.keys())
+        except Exception as exc:   # safetensors raises its own error types for a bad header
+            raise ConfigError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
+    with tqdm(total=total, desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+                    bar.update(1)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
+    """Random weights for profiling and benchmarks: normal(0, std), norm weights 1; same seed, same weights."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        # one generator per tensor, seeded by its name, so the weights do not depend on iteration order
+        gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+        param.normal_(0.0, std, generator=gen)
+
+
+def _stable_hash(name: str) -> int:
+    return sum((i + 1) * ord(c) for i, c in enumerate(name)) % (2**31)
+
+
+def load_generation_eos(model_path: str | None, facts: ModelFacts) -> list[int]:
+    """EOS token ids: generation_config.json's eos_token_id (int or list), else config.json's, else []."""
+    if model_path is not None:
+        path = os.path.join(model_path, "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    eos = json.load(fh).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ConfigError(f"{path} is not valid JSON ({exc}); fix or delete the file") from None
+            if eos is not None:
+                return _id_list(eos, path)
+    eos = facts.raw.get("eos_token_id")
+    return [] if eos is None else _id_list(eos, "config.json")
+
+
+def _id_list(value, source: str) -> list[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{source}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return list(ids)

@@ -1,0 +1,129 @@
+"""Tokenizer: tokenizer.json (the `tokenizers` library) plus tokenizer_config.json, as transformers reads them.
+
+Special tokens follow transformers 5: when tokenizer_config.json sets add_bos_token / add_eos_token
+(or tokenizer.json has no post-processor) the post-processor becomes `[bos] $A [eos]` per those flags;
+otherwise tokenizer.json's own post-processor decides. The chat template comes from
+chat_template.jinja if present, else tokenizer_config.json's chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvfit.errors import ConfigError
+from kvfit.models.chat_template import compile_chat_template, render_chat_template
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# the clean-up transformers applies on decode when clean_up_tokenization_spaces is set (never for BPE)
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):     # a serialized AddedToken
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _chat_template(folder: str, config: dict) -> str | None:
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as fh:
+            return fh.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):   # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """encode / decode / chat templates for one model folder."""
+
+    def __init__(self, backend, config: dict, chat_template: str | None = None):
+        self._tok = backend                         # a tokenizers.Tokenizer
+        self.special_tokens = {k: s for k in SPECIAL_TOKEN_KEYS if (s := _token_str(config.get(k)))}
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing = [s for s in self.special_tokens.values() if s not in added]
+        if missing:
+            self._tok.add_special_tokens(missing)
+        if "add_bos_token" in config or "add_eos_token" in config or self._tok.post_processor is None:
+            self._set_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(self._tok.model).__name__ != "BPE"
+        self.chat_template = chat_template
+        self._compiled = None
+
+    @classmethod
+    def from_folder(cls, folder: str) -> "Tokenizer":
+        """Read tokenizer.json, tokenizer_config.json and chat_template.jinja from a model folder."""
+        from tokenizers import Tokenizer as Backend
+        path = os.path.join(folder, "tokenizer.json")
+        try:
+            backend = Backend.from_file(path)
+        except Exception as exc:   # tokenizers raises a plain Exception for a malformed file
+            raise ConfigError(f"{path} could not be read ({str(exc).splitlines()[0]}); re-download it") from None
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        return cls(backend, config, _chat_template(folder, config))
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        from tokenizers import processors
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        specials = [(t, self._tok.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; special tokens (e.g. bos) added as the model's tokenizer config says."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def _token_id(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._token_id("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._token_id("bos_token")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat; ConfigError when the model has no chat template."""
+        if self.chat_template is None:
+            raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
+        if self._compiled is None:
+            self._compiled = compile_chat_template(self.chat_template)
+        return render_chat_template(self._compiled, messages, add_generation_prompt, self.special_tokens)
+
+
+def load_tokenizer(model_path: str) -> Tokenizer | None:
+    """The folder's Tokenizer, or None when it has no tokenizer.json (dummy and catalog models)."""
+    if not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        return None
+    return Tokenizer.from_folder(model_path)

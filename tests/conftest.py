@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random-weight model folders (built once per test session; see tiny_models.py)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/tiny_models.py importable everywhere
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Llama, GQA (4 query heads, 2 KV heads), bos added, chat template."""
+    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """Qwen2: bias on q/k/v, no bos."""
+    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """Qwen3: per-head q/k RMSNorm, head_dim 32 != hidden 64 / 4 heads."""
+    return make_tiny_model(tmp_path_factory.mktemp("models"), arch="qwen3")
