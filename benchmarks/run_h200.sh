@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: the GPU steps named on the command line, each under its own timeout, logs to $OUT.
+# usage: bash benchmarks/run_h200.sh profile capacity throughput-small ...
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kvfit-out}; mkdir -p "$OUT"
+kvfit() { python3 -m kvfit.cli "$@"; }
+step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date -u +%FT%TZ))"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -${TAIL:-25}; echo "=== $name rc=${PIPESTATUS[0]}"; }
+for s in "$@"; do case $s in
+  profile-small) step profile-small 240 python3 -m kvfit.cli profile qwen3-0.6b --load-format dummy --device cuda --json --plot "$OUT/memory-qwen3-0.6b.png" ;;
+  profile-8b) step profile-8b 300 python3 -m kvfit.cli profile llama-3.1-8b --load-format dummy --device cuda --json --plot "$OUT/memory-llama-3.1-8b.png" ;;
+  plan-small) step plan-small 60 python3 -m kvfit.cli plan qwen3-0.6b --gpu H200 --json ;;
+  plan-8b) step plan-8b 60 python3 -m kvfit.cli plan llama-3.1-8b --gpu H200 --json ;;
+  capacity) step capacity 400 python3 -m pytest tests/gpu/test_capacity_gpu.py -q -s -p no:cacheprovider ;;
+  gputests) step gputests 400 python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
+  throughput-small) step throughput-small 420 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --hf-batch 256 ;;
+  throughput-8b) step throughput-8b 540 python3 benchmarks/bench_throughput.py --model llama-3.1-8b --hf-batch 64 --hf-requests 64 --hf-static ;;
+  latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
+  *) echo "unknown step $s" ;;
+esac; done
