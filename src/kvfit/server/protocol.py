@@ -1,0 +1,308 @@
+"""The OpenAI wire format: request bodies (validated), response and chunk bodies, error bodies.
+
+Plain data and pure functions; no engine, no HTTP framework. Anything a client can get wrong
+raises APIError, which the app turns into OpenAI's error JSON with the status code.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.errors import RequestError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
+# below this a float32 division of the logits overflows (inf / nan probabilities): 0 means greedy
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+class APIError(Exception):
+    """A request the server will not serve: status code plus OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# request bodies ---------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # strict: 1.0 is not an int and "1" is not a number; unknown fields are ignored, as vLLM does
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # accepted only at their neutral values: kvfit does not implement them
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions, through the openai client's extra_body
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
+    """Bytes -> a validated request model, or a 400 APIError naming the first bad field."""
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model_class.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _reject_constant(name: str):
+    # Python's json reads NaN and Infinity, which JSON does not allow (and which would reach the sampler)
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+
+
+# fields with several accepted shapes: one readable line instead of one error per shape
+_SHAPES = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
+           "messages": "a list of {role, content} objects with role system, developer, user, assistant or "
+                       "tool and content a string or a list of text parts"}
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors()
+    param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+    mine = [e for e in errors if e["loc"] and str(e["loc"][0]) == param]
+    if any(e["type"] == "missing" and len(e["loc"]) == 1 for e in mine):
+        return bad_request(f"'{param}' is required", param=param, code="missing_field")
+    if param in _SHAPES:
+        return bad_request(f"'{param}' must be {_SHAPES[param]} ({_loc(mine[0]['loc'])}: {mine[0]['msg']})",
+                           param=param)
+    details = "; ".join(dict.fromkeys(f"{_loc(e['loc'])}: {e['msg']}" for e in mine[:4]))
+    return bad_request(f"invalid '{param}': {details}", param=param)
+
+
+def _loc(loc: tuple) -> str:
+    # union members show up in loc as type names ('str', 'list[int]'); keep fields and indices
+    return ".".join(str(x) for x in loc if isinstance(x, int) or ("[" not in str(x) and str(x) not in
+                                                                  ("str", "int", "float", "bool")))
+
+
+# from a request to engine inputs ----------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerateInput:
+    """What the engine gets: a prompt (text or token ids), sampling params, and the options."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    max_tokens_given: bool         # False: max_tokens fills the context (chat without a limit)
+    stream: bool
+    include_usage: bool
+
+
+def _reject_unsupported(req: _SamplingFields) -> None:
+    """Fields kvfit does not implement: a 400 unless they hold their neutral value."""
+    if req.n not in (None, 1):
+        raise bad_request(f"n must be 1 (kvfit returns one choice per request), got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise bad_request(f"{name} is not supported; leave it at 0", param=name)
+    unsupported = {"logit_bias": bool(req.logit_bias), "tools": bool(getattr(req, "tools", None)),
+                   "echo": bool(getattr(req, "echo", None)), "suffix": bool(getattr(req, "suffix", None)),
+                   "best_of": getattr(req, "best_of", None) not in (None, 1),
+                   # completions: an int (any value asks for logprobs); chat: a bool
+                   "logprobs": getattr(req, "logprobs", None) not in (None, False)}
+    for name, is_set in unsupported.items():
+        if is_set:
+            raise bad_request(f"{name} is not supported by kvfit", param=name)
+    fmt = getattr(req, "response_format", None)
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise bad_request("response_format other than text is not supported", param="response_format")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None) -> SamplingParams:
+    """Check the ranges (400 naming the field), then build SamplingParams."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if temperature < 0 or 0 < temperature < MIN_SAMPLING_TEMPERATURE:
+        raise bad_request(f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}, got {temperature}",
+                          param="temperature")
+    if not 0 < top_p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {req.top_k}", param="top_k")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise bad_request("stop strings must be non-empty", param="stop")
+    if len(stop) > 16:
+        raise bad_request(f"at most 16 stop strings, got {len(stop)}", param="stop")
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=-1 if req.top_k is None else req.top_k,
+                              seed=req.seed, max_tokens=max_tokens,
+                              stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+                              ignore_eos=bool(req.ignore_eos))
+    except RequestError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _stream_flags(req: _SamplingFields) -> tuple[bool, bool]:
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+    return stream, bool(stream and req.stream_options and req.stream_options.include_usage)
+
+
+def completion_input(req: CompletionRequest) -> GenerateInput:
+    _reject_unsupported(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"one prompt per request (got a batch of {len(prompt)}); send them as "
+                              "separate requests", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("the prompt is empty; give at least one token", param="prompt")
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    stream, include_usage = _stream_flags(req)
+    return GenerateInput(prompt, sampling_params(req, max_tokens), True, stream, include_usage)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as the chat template wants them: role and one string of content."""
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    out = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None \
+            else "".join(part.text for part in m.content)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def chat_input(req: ChatCompletionRequest, prompt: str | list[int]) -> GenerateInput:
+    """prompt: the messages after the chat template."""
+    _reject_unsupported(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
+    stream, include_usage = _stream_flags(req)
+    return GenerateInput(prompt, sampling_params(req, max_tokens), max_tokens is not None, stream, include_usage)
+
+
+# response bodies --------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+class ResponseBuilder:
+    """Builds one request's bodies (full response or stream chunks) for completions or chat."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, extra: dict | None = None) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body.update(extra or {})
+        return body
+
+    def full(self, text: str, reason: str | None, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return self._envelope(obj, [choice], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
+
+    def chunk(self, delta: str, reason: str | None, include_usage: bool, first: bool = False) -> dict:
+        if self.chat:
+            if first:
+                message = {"role": "assistant", "content": delta}
+            else:                   # the last chunk carries only the finish reason when it adds no text
+                message = {"content": delta} if delta or reason is None else {}
+            choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return self._envelope(obj, [choice], {"usage": None} if include_usage else None)
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n".encode("utf-8")

@@ -1,0 +1,86 @@
+"""A stand-in for LLMEngine with the surface the server uses; characters are tokens, no model."""
+
+from __future__ import annotations
+
+import time
+import types
+
+from kvfit.engine.output import RequestOutput
+from kvfit.errors import ConfigError, RequestError
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        raise ConfigError("this model has no chat_template in tokenizer_config.json")
+
+
+class FakeEngine:
+    """Each step appends 'a', 'b', ... to each running request (at most max_running run, the rest wait).
+
+    A prompt containing `fail_step_on` makes step() raise; one containing `fail_add_on` makes
+    add_request() raise an unexpected error.
+    """
+
+    def __init__(self, max_model_len: int = 64, max_running: int = 64, step_seconds: float = 0.0,
+                 fail_step_on: str = "FAIL-STEP", fail_add_on: str = "FAIL-ADD"):
+        self.max_model_len = max_model_len
+        self.tokenizer = CharTokenizer()
+        self.plan = types.SimpleNamespace(token_capacity=1024, log_line=lambda: "fake plan")
+        self.max_running, self.step_seconds = max_running, step_seconds
+        self.fail_step_on, self.fail_add_on = fail_step_on, fail_add_on
+        self.requests: dict[str, dict] = {}      # insertion order = arrival order
+        self.num_aborted = 0
+
+    def encode(self, text):
+        return self.tokenizer.encode(text)
+
+    def add_request(self, prompt, params, request_id):
+        prompt = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(t < 0 or t >= 0x110000 for t in prompt):
+            raise RequestError("prompt token ids must be in [0, 1114112); got one outside")
+        if self.fail_add_on in self.tokenizer.decode(prompt):
+            raise RuntimeError("add exploded")
+        self.requests[request_id] = {"prompt": prompt, "out": [], "params": params}
+        return request_id
+
+    def abort(self, request_id):
+        found = self.requests.pop(request_id, None) is not None
+        self.num_aborted += found
+        return found
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def _running(self):
+        return list(self.requests.items())[:self.max_running]
+
+    def step(self):
+        time.sleep(self.step_seconds)
+        outputs = []
+        for request_id, r in self._running():
+            if self.fail_step_on in self.tokenizer.decode(r["prompt"]):
+                raise RuntimeError("step exploded")
+            r["out"].append(ord("a") + len(r["out"]) % 26)
+            max_tokens = r["params"].max_tokens or self.max_model_len - len(r["prompt"])
+            finished = len(r["out"]) >= max_tokens
+            if finished:
+                del self.requests[request_id]
+            outputs.append(RequestOutput(request_id, None, r["prompt"], self.tokenizer.decode(r["out"]),
+                                         list(r["out"]), finished, "length" if finished else None))
+        return outputs
+
+    def stats(self):
+        running = len(self._running())
+        return {"kv_blocks_total": 64, "kv_blocks_free": 64 - running, "kv_blocks_used": running,
+                "kv_blocks_cached": 0, "token_capacity": 1024, "running": running,
+                "waiting": len(self.requests) - running, "preemptions": 0, "prefix_cache_queries": 0,
+                "prefix_cache_hits": 0}
+
+    def shutdown(self):
+        pass

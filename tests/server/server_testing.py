@@ -1,0 +1,95 @@
+"""Server test helpers: run an app in-process on a free loopback port, read /metrics, check errors."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from kvfit.server.app import create_app
+from kvfit.server.launch import GracefulServer, bind_socket, url_of
+
+# Every server test is CPU, float32, with a small cache; the model loads once per module.
+ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_model_len=128, block_size=16, max_num_seqs=64,
+                     max_num_batched_tokens=512, num_gpu_blocks_override=64, enable_prefix_caching=True)
+
+
+def make_engine(model_path: str, **overrides):
+    from kvfit.config import EngineConfig
+    from kvfit.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig.from_kwargs(model_path, **{**ENGINE_KWARGS, **overrides}))
+
+
+@contextlib.contextmanager
+def running_server(engine, model_name: str = "tiny", **app_kwargs):
+    """Serve `engine` on 127.0.0.1:<free port> in a thread; yields (base_url, app); joins on exit."""
+    app = create_app(engine, model_name, **app_kwargs)
+    sock = bind_socket("127.0.0.1", 0)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    server = GracefulServer(config, app.state.kvfit.engine.begin_shutdown)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    url = url_of(sock)
+    try:
+        wait_healthy(url)
+        yield url, app
+    finally:
+        app.state.kvfit.engine.begin_shutdown()
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        assert not thread.is_alive(), "the server did not shut down"
+
+
+def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{url}/health did not answer 200 within {timeout_s} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (the text format, comments dropped)."""
+    response = httpx.get(f"{url}/metrics", timeout=5)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def wait_for_drain(url: str, timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until no block is used and nothing runs or waits; return that scrape."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(url)
+        if (m['kvfit_kv_blocks{state="used"}'] == 0 and m["kvfit_requests_running"] == 0
+                and m["kvfit_requests_waiting"] == 0):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still in use after {timeout_s} s: {m}")
+        time.sleep(0.05)
+
+
+def assert_blocks_balanced(m: dict[str, float]) -> None:
+    total = m["kvfit_kv_blocks_total"]
+    assert m['kvfit_kv_blocks{state="used"}'] == 0
+    assert m['kvfit_kv_blocks{state="free"}'] + m['kvfit_kv_blocks{state="cached"}'] == total, m
+
+
+def openai_error(response: httpx.Response) -> dict:
+    """The OpenAI error object of a response, checked for its four fields."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"], body
+    return body["error"]
