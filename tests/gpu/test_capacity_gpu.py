@@ -43,7 +43,9 @@ def test_full_load_stays_inside_the_budget(llm):
     prompt_len = 8000
     num_requests = plan.token_capacity // prompt_len + 4          # more than the cache holds at once
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(num_requests)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # one prefill per step: outputs long enough that the first request still decodes when the
+    # last is admitted, so the cache fills (and preempts)
+    params = SamplingParams(temperature=0, max_tokens=num_requests + 16, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     peak_used = 0
@@ -55,7 +57,7 @@ def test_full_load_stays_inside_the_budget(llm):
     in_use = total - free
     print(f"\npeak used blocks {peak_used} of {plan.num_blocks}; device in use {in_use} of budget "
           f"{int(total * UTILIZATION)}")
-    assert peak_used >= plan.num_blocks - engine.spec.num_blocks_for_tokens(prompt_len + 4)
+    assert peak_used >= plan.num_blocks - engine.spec.num_blocks_for_tokens(prompt_len + num_requests + 16)
     assert in_use <= int(total * UTILIZATION) + (64 << 20)           # the budget held (64 MiB slack)
     assert engine.pool.num_used_blocks == 0
 

@@ -7,7 +7,8 @@ from kvfit.errors import ConfigError
 
 def register(sub) -> None:
     from kvfit.cli import add_engine_flags
-    from kvfit.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+    # the server's defaults, without importing fastapi for every other subcommand
+    from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -43,6 +43,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (decode steps take one token)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(end - num_prompt, 0)]
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -136,7 +136,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + num_new]
+        tokens = req.token_slice(start, start + num_new)
         return ScheduledSeq(request_id=req.request_id, token_ids=tuple(tokens), start_pos=start,
                             block_ids=tuple(req.block_ids), sample=start + num_new == req.num_tokens,
                             params=req.params, num_generated=len(req.output_token_ids))

@@ -57,13 +57,18 @@ class CudaPlatform(Platform):
             in_use_at_start_bytes=in_use_at_start, kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
 
     def _graph_bytes(self, steps: StartupSteps) -> int:
-        """Device memory a trial capture of the decode graphs takes (pools and workspaces)."""
+        """Torch memory a trial capture of the decode graphs holds (their private pool).
+
+        Non-torch memory the capture adds (workspaces of its stream, loaded kernels) stays after
+        release and is counted once, in non_torch_bytes.
+        """
         if steps.capture_graphs is None:
             return 0
-        used_before, _ = self._used_bytes()
+        reserved_before = torch.cuda.memory_reserved(self.device)
         steps.capture_graphs()
         torch.cuda.synchronize(self.device)
-        used_after, _ = self._used_bytes()
+        graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         if steps.release_graphs is not None:
             steps.release_graphs()
-        return max(used_after - used_before, 0)
+        torch.cuda.empty_cache()
+        return max(graph_bytes, 0)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfit.errors import ConfigError, RequestError
 from kvfit.server.async_engine import AsyncEngine, RequestStream
+from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerateInput,
                                    ResponseBuilder, bad_request, chat_input, chat_messages, completion_input,
@@ -29,8 +30,6 @@ from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRe
 
 logger = logging.getLogger("kvfit")
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20          # 1 MiB: far beyond any prompt max_model_len allows
-DEFAULT_MAX_WAITING_REQUESTS = 1024
 DISCONNECT_POLL_SECONDS = 0.5             # how often a non-streaming request checks its client is there
 
 
