@@ -15,5 +15,6 @@ for s in "$@"; do case $s in
   throughput-small) step throughput-small 420 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --hf-batch 256 ;;
   throughput-8b) step throughput-8b 540 python3 benchmarks/bench_throughput.py --model llama-3.1-8b --hf-batch 64 --hf-requests 64 --hf-static ;;
   latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
+  profile-step) step profile-step 300 python3 benchmarks/profile_step.py --model qwen3-0.6b ;;
   *) echo "unknown step $s" ;;
 esac; done

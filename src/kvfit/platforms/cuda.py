@@ -43,10 +43,13 @@ class CudaPlatform(Platform):
         steps.load_weights()
         torch.cuda.synchronize(self.device)
         after_weights = torch.cuda.memory_allocated(self.device)
+        reserved_after_weights = torch.cuda.memory_reserved(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         scratch_kv_bytes = steps.profile() or 0
         torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - after_weights - scratch_kv_bytes
+        # the allocator's reserved peak, not only its allocated peak: fragmentation is real memory
+        activation_peak = max(torch.cuda.max_memory_allocated(self.device) - after_weights,
+                              torch.cuda.max_memory_reserved(self.device) - reserved_after_weights) - scratch_kv_bytes
         torch.cuda.empty_cache()
         graph_bytes = self._graph_bytes(steps)
         used_now, _ = self._used_bytes()

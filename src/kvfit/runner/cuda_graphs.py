@@ -36,7 +36,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # graphs end at the final norm: logits [B, vocab] per bucket would pin a buffer per bucket in
+        # the pool (sum of buckets x vocab x 4 bytes), so the LM head runs eagerly after replay
+        self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
         self.buckets = batch_buckets(max_num_seqs)
 
@@ -48,8 +50,8 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len)
 
     def _run(self, batch: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
-        return self.model.compute_logits(hidden)                                      # [B, vocab]
+        # -> hidden states [B, hidden]
+        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -60,7 +62,7 @@ class DecodeGraphs:
                 self._run(batch)                        # warm-up (Triton compiles outside capture)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.logits[batch] = self._run(batch)
+                    self.hidden[batch] = self._run(batch)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[batch] = graph
@@ -88,9 +90,9 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(block_tables)
         self.block_tables[batch:size].zero_()
         self.graphs[size].replay()
-        return self.logits[size][:batch]
+        return self.model.compute_logits(self.hidden[size][:batch])                   # [B, vocab]
 
     def release(self) -> None:
         self.graphs.clear()
-        self.logits.clear()
+        self.hidden.clear()
         self.pool = None
