@@ -23,13 +23,14 @@ class FakeCuda:
 
     def __init__(self, total, others):
         self.total, self.others = total, others
-        self.allocated = self.reserved = self.peak = 0
+        self.allocated = self.reserved = self.peak = self.peak_reserved = 0
         self.non_torch = 0
 
     def alloc(self, n):
         self.allocated += n
         self.reserved = max(self.reserved, self.allocated)
         self.peak = max(self.peak, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def free(self, n):
         self.allocated -= n
@@ -44,7 +45,9 @@ class FakeCuda:
         m.memory_reserved = lambda d=None: self.reserved
         m.memory_allocated = lambda d=None: self.allocated
         m.max_memory_allocated = lambda d=None: self.peak
-        m.reset_peak_memory_stats = lambda d=None: setattr(self, "peak", self.allocated)
+        m.max_memory_reserved = lambda d=None: self.peak_reserved
+        m.reset_peak_memory_stats = lambda d=None: (setattr(self, "peak", self.allocated),
+                                                    setattr(self, "peak_reserved", self.reserved))
         m.empty_cache = lambda: setattr(self, "reserved", self.allocated)
         m.set_device = m.synchronize = m.init = lambda *a: None
         return m
