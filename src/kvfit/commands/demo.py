@@ -8,6 +8,7 @@ import random
 import tempfile
 import time
 
+MAX_TOKENS = 48
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -18,7 +19,7 @@ TINY_CONFIG = {
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="run a tiny random model on CPU and show capacity and preemption")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--num-gpu-blocks-override", type=int, default=48, help="KV blocks (small: forces preemption)")
     p.set_defaults(run=run)
 
@@ -43,7 +44,7 @@ def run(args) -> int:
         print(plan_table(llm.capacity, "capacity report"))
         rng = random.Random(0)
         prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(24, 120))] for _ in range(args.num_requests)]
-        params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=64, ignore_eos=True)
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -52,7 +53,7 @@ def run(args) -> int:
     print(f"requests: {len(outputs)} finished of {args.num_requests}; prompt tokens "
           f"{sum(map(len, prompts))}, output tokens {num_out} in {elapsed:.2f} s = {num_out / elapsed:.1f} tok/s")
     print(f"preemptions: {stats['preemptions']} (the cache holds {llm.capacity.token_capacity} tokens; "
-          f"the batch needed up to {sum(len(p) + 64 for p in prompts)})")
+          f"the batch needed up to {sum(len(p) + MAX_TOKENS for p in prompts)})")
     print(f"KV blocks after the run: {stats['kv_blocks_free']} free + {stats['kv_blocks_cached']} cached + "
           f"{stats['kv_blocks_used']} used = {stats['kv_blocks_total']}")
     return 0
