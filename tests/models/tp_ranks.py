@@ -7,13 +7,24 @@ import torch.distributed as dist
 from paged_batch import PagedCache
 
 from kvfit.attention.torch_ref import TorchReferenceBackend
+from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import load_model_facts
 from kvfit.models.loader import load_model
 
+BLOCK_SIZE, NUM_BLOCKS = 4, 32
+
+
+def _rank_cache(facts, tp_size: int) -> PagedCache:
+    """A PagedCache whose per-layer tensors have this rank's KV heads (KVSpec with tp), NaN-filled."""
+    cache = PagedCache(facts, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, seed=1)
+    shape = KVSpec.from_model(facts, BLOCK_SIZE, "float32", tp_size).layer_shape(NUM_BLOCKS)
+    cache.caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+                    for _ in range(facts.num_layers)]
+    return cache
+
 
 @torch.inference_mode()
-def _prefill_then_decode(model, facts, tokens: list[int], num_prefill: int) -> torch.Tensor:
-    cache = PagedCache(facts, block_size=4, num_blocks=32, seed=1)
+def _prefill_then_decode(model, cache: PagedCache, tokens: list[int], num_prefill: int) -> torch.Tensor:
     ids, pos, meta = cache.step([("s", 0, tokens[:num_prefill])])
     rows = [model.compute_logits(model(ids, pos, cache.caches, meta))]
     for p in range(num_prefill, len(tokens)):
@@ -32,7 +43,12 @@ def rank_main(rank: int, world: int, init_file: str, folders: list[str], tokens:
             facts = load_model_facts(folder)
             model = load_model(folder, facts, torch.float32, "cpu", TorchReferenceBackend(),
                                tp_rank=rank, tp_size=world)
-            results[folder] = _prefill_then_decode(model, facts, tokens, num_prefill)
+            logits = _prefill_then_decode(model, _rank_cache(facts, world), tokens, num_prefill)
+            gathered = [torch.empty_like(logits) for _ in range(world)]
+            dist.all_gather(gathered, logits)
+            # every rank ends with the full logits, the same on every rank
+            assert all(torch.equal(g, logits) for g in gathered), folder
+            results[folder] = logits
         if rank == 0:
             torch.save(results, out_file)
     finally:

@@ -1,4 +1,7 @@
-"""Decoder building blocks in plain torch: embedding, RMSNorm, SwiGLU MLP, cacheless causal attention."""
+"""Decoder building blocks in plain torch: RMSNorm, SwiGLU MLP, cacheless causal attention.
+
+The (vocab-parallel) embedding lives in parallel.py with the other sharded layers.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
-
-
-class Embedding(torch.nn.Module):
-    """Token embedding table [vocab, hidden], replicated on every rank."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, device):
-        super().__init__()
-        self.weight = make_param((vocab_size, hidden_size), None, dtype, device)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)                 # [T, hidden]
 
 
 class RMSNorm(torch.nn.Module):

@@ -18,8 +18,9 @@ import torch
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
 from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
-from kvfit.models.layers import Embedding, RMSNorm, SwiGLU, causal_attention
-from kvfit.models.parallel import ColumnLinear, RowLinear, kv_head_range, make_param, shard_of, split_evenly
+from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
+from kvfit.models.parallel import (ColumnLinear, RowLinear, Shard, VocabEmbedding, gather_vocab, kv_head_range,
+                                   make_param, read_shard, source_shape, split_evenly)
 from kvfit.models.rope import RopeConfig, apply_rope, inv_freq, rope_config_from_raw
 
 DEFAULT_RMS_NORM_EPS = 1e-6
@@ -130,7 +131,7 @@ class DecoderModel(torch.nn.Module):
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp_rank, tp_size)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -152,7 +153,10 @@ class CausalLM(torch.nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight        # one Parameter, two names
         else:
-            self.lm_head.weight = make_param((cfg.vocab_size, cfg.hidden_size), None, dtype, device)
+            # the same vocabulary rows as the embedding on this rank
+            embed = self.model.embed_tokens
+            shard = None if tp_size == 1 else Shard(0, embed.start, embed.size)
+            self.lm_head.weight = make_param((cfg.vocab_size, cfg.hidden_size), shard, dtype, device)
         self.register_buffer("rope_inv_freq", inv_freq(cfg.rope, device), persistent=False)   # [D/2] fp32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
@@ -169,25 +173,29 @@ class CausalLM(torch.nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] float32."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        """hidden: [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""
+        local = torch.nn.functional.linear(hidden, self.lm_head.weight)           # [N, vocab rows here]
+        # gathered in the model's dtype, then widened: the same numbers as with one rank
+        return gather_vocab(local, self.config.vocab_size, self.tp_size).float()
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into this rank's parameters; ConfigError on a bad checkpoint.
 
+        Each value is a torch.Tensor or a lazy safetensors slice; only this rank's part of it is read.
         Extra tensors (e.g. rotary inv_freq) are ignored; with tied embeddings lm_head.weight is too.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in named_tensors:
+        for name, source in named_tensors:
             param = params.get(name)
             if param is None:
                 continue
-            if tuple(tensor.shape) != param.full_shape:
-                raise ConfigError(f"checkpoint tensor {name} has shape {list(tensor.shape)} but config.json "
+            shape = source_shape(source)
+            if shape != param.full_shape:
+                raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but config.json "
                                   f"needs {list(param.full_shape)}; the weights do not match this config.json")
-            param.copy_(shard_of(param, tensor))
+            param.copy_(read_shard(param, source))
             loaded.add(name)
         missing = [name for name in params if name not in loaded]
         if missing:

@@ -1,4 +1,8 @@
-"""Build a CausalLM and fill its weights: from safetensors (one file or sharded) or at random ("dummy")."""
+"""Build a CausalLM and fill its weights: from safetensors (one file or sharded) or at random ("dummy").
+
+With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
+so no rank ever holds a whole sharded tensor, let alone the whole model.
+"""
 
 from __future__ import annotations
 
@@ -58,8 +62,11 @@ def safetensors_files(model_path: str) -> list[str]:
                       "use --load-format dummy to run with random weights")
 
 
-def _iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every shard, on CPU, with a progress bar over tensors (stderr, tty only)."""
+def _iter_tensors(files: list[str]) -> Iterator[tuple[str, object]]:
+    """(name, lazy safetensors slice) over every file, with a progress bar over tensors (stderr, tty only).
+
+    A slice reads nothing until indexed; it is valid only until the next item (its file closes).
+    """
     from safetensors import safe_open
     from tqdm import tqdm
     total = 0
@@ -73,13 +80,17 @@ def _iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as fh:
                 for name in fh.keys():
-                    yield name, fh.get_tensor(name)
+                    yield name, fh.get_slice(name)
                     bar.update(1)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
-    """Random weights for profiling and benchmarks: normal(0, std), norm weights 1; same seed, same weights."""
+    """Random weights for profiling and benchmarks: normal(0, std), norm weights 1; same seed, same weights.
+
+    With tensor parallelism each rank draws its own parts from the same seeds (never the whole
+    tensor), so dummy weights differ between tensor-parallel sizes.
+    """
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)

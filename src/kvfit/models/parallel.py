@@ -1,10 +1,14 @@
-"""Tensor-parallel pieces: which slice of a checkpoint tensor a rank holds, and the sharded linears.
+"""Tensor-parallel pieces: which slice of a checkpoint tensor a rank holds, the sharded layers' collectives.
 
 Megatron-style: q/k/v and gate/up are split by output rows (heads, intermediate channels), o_proj and
-down_proj by input columns, followed by one all-reduce each. Embeddings, lm_head and norms are
-replicated. With tp_size == 1 every slice is the whole tensor and no collective runs.
+down_proj by input columns, followed by one all-reduce each. The embedding and lm_head are split by
+vocabulary rows: the embedding looks up the rows this rank holds and all-reduces, the lm_head computes
+this rank's logit columns and all-gathers them, so every rank ends with the full logits. Norms are
+replicated. KV heads are split when tp divides them, else each rank holds the one head its query
+heads read (kvfit.kv.spec.kv_heads_per_rank). With tp_size == 1 every slice is the whole tensor and
+no collective runs. Collectives use the default process group (NCCL on CUDA, gloo on CPU).
 Every parameter carries `full_shape` (the checkpoint's shape) and `shard` (the slice it holds), so
-the loader checks shapes against the checkpoint and copies only this rank's part.
+the loader checks shapes against the checkpoint and reads only this rank's part.
 """
 
 from __future__ import annotations
@@ -46,6 +50,30 @@ def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, i
     return tp_rank * num_kv_heads // tp_size, count
 
 
+def vocab_rows_per_rank(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows per rank (the last rank may hold fewer): ceil(vocab / tp)."""
+    return -(-vocab_size // tp_size)
+
+
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first vocab row, count) on this rank; a vocabulary tp does not divide leaves the last rank short."""
+    per_rank = vocab_rows_per_rank(vocab_size, tp_size)
+    if (tp_size - 1) * per_rank >= vocab_size:
+        raise ConfigError(f"--tensor-parallel-size {tp_size} leaves a rank with no rows of the model's "
+                          f"{vocab_size}-token vocabulary; use at most {max(vocab_size // 2, 1)}")
+    start = tp_rank * per_rank
+    return start, min(per_rank, vocab_size - start)
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                          tp_size: int) -> None:
+    """ConfigError (one line, before any rank starts) when the model cannot be split tp_size ways."""
+    kv_heads_per_rank(num_kv_heads, tp_size)
+    split_evenly(num_heads, 0, tp_size, "attention heads")
+    split_evenly(intermediate_size, 0, tp_size, "MLP channels (intermediate_size)")
+    vocab_range(vocab_size, 0, tp_size)
+
+
 def make_param(full_shape: tuple[int, ...], shard: Shard | None, dtype, device) -> torch.nn.Parameter:
     """An uninitialised parameter holding `shard` of a tensor of full_shape (the whole when None)."""
     local = list(full_shape)
@@ -57,17 +85,47 @@ def make_param(full_shape: tuple[int, ...], shard: Shard | None, dtype, device) 
     return param
 
 
-def shard_of(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """The part of checkpoint tensor `full` (already shape-checked) that `param` holds."""
+def source_shape(source) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor: a torch.Tensor or a lazy safetensors slice (safe_open().get_slice)."""
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+def read_shard(param: torch.nn.Parameter, source) -> torch.Tensor:
+    """The part of checkpoint tensor `source` (already shape-checked) that `param` holds.
+
+    A lazy safetensors slice reads only those rows/columns from the file, so no rank ever
+    materialises a tensor it holds only a part of.
+    """
     shard = getattr(param, "shard", None)
-    return full if shard is None else full.narrow(shard.dim, shard.start, shard.size)
+    if shard is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+    return source[index]
 
 
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum partial results over the tensor-parallel ranks (the default process group)."""
+    """Sum partial results over the tensor-parallel ranks (the default process group), in place."""
     if tp_size > 1:
         torch.distributed.all_reduce(x)
     return x
+
+
+def gather_vocab(local: torch.Tensor, vocab_size: int, tp_size: int) -> torch.Tensor:
+    """local: [N, rows on this rank] logit columns -> [N, vocab_size] on every rank."""
+    if tp_size == 1:
+        return local
+    per_rank = vocab_rows_per_rank(vocab_size, tp_size)
+    # every rank sends the same width, so the last rank pads its (possibly shorter) part
+    padded = F.pad(local, (0, per_rank - local.shape[1])).t().contiguous()          # [per_rank, N]
+    out = torch.empty((tp_size * per_rank, local.shape[0]), dtype=local.dtype, device=local.device)
+    _all_gather_single(out, padded)                                                 # [tp * per_rank, N]
+    return out[:vocab_size].t().contiguous()                                        # [N, vocab]
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor) -> None:
+    # all_gather_single is the name from torch 2.10 on; the older name still works but warns
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(out, x)
 
 
 class ColumnLinear(torch.nn.Module):
@@ -101,3 +159,24 @@ class RowLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.tp_size)    # [T, out_features]
         return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(torch.nn.Module):
+    """Token embedding with vocabulary rows [start, start + size) here; the rows are summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, device, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.start, self.size = vocab_range(vocab_size, tp_rank, tp_size)
+        self.tp_size = tp_size
+        shard = None if tp_size == 1 else Shard(0, self.start, self.size)
+        self.weight = make_param((vocab_size, hidden_size), shard, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        elsewhere = (local < 0) | (local >= self.size)                  # rows another rank holds
+        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        # exactly one rank contributes each row and the others add zeros: the sum is exact
+        return all_reduce(x.masked_fill_(elsewhere.unsqueeze(-1), 0.0), self.tp_size)

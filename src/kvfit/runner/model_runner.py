@@ -121,6 +121,8 @@ class ModelRunner:
         meta = inputs.meta
         logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
                                     meta.block_tables)
+        if self.tp_rank != 0:
+            return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
         tokens = sample(logits, [s.params for s in plan.seqs], [s.num_generated for s in plan.seqs])
         return {s.request_id: t for s, t in zip(plan.seqs, tokens)}
 
@@ -134,6 +136,8 @@ class ModelRunner:
             return {}
         rows = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])                                  # [N, vocab]
+        if self.tp_rank != 0:
+            return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
         seqs = [plan.seqs[i] for i in inputs.sample_seqs]
         tokens = sample(logits, [s.params for s in seqs], [s.num_generated for s in seqs])
         return {s.request_id: t for s, t in zip(seqs, tokens)}

@@ -1,75 +1,380 @@
 """Tensor parallelism: one process per rank; rank 0 (this process) schedules and sends each step.
 
-Start-up: every rank loads its shard and measures its own reading; the readings are gathered so
-every rank plans from the same list (the plan takes the minimum: another process on one GPU
-shrinks every rank's plan). Each step rank 0 broadcasts the StepPlan (plain data) over a gloo
-group; every rank runs the model (collectives inside it keep them in lockstep); rank 0 samples.
-Workers exit when the engine stops, when rank 0 dies (their next collective fails), or on error.
+Start-up: rank 0 hosts a TCPStore and spawns ranks 1..N-1 (torch.multiprocessing, spawn); every rank
+joins one process group (NCCL on CUDA, device index = rank; gloo on CPU). Each rank loads its shard
+and waits at a barrier (no rank enters a collective while another is still loading, or has failed),
+then profiles and measures its own reading. The readings are gathered so the plan takes the minimum
+(another process on one GPU shrinks every rank's plan); rank 0 plans and sends the block count, and
+every rank reports the blocks it allocated. These start-up messages go through the store and rank 0
+waits for them by polling while it checks that the ranks are alive: a rank that fails at start-up
+is a one-line KvfitError in rank 0, not a hang.
+
+Each step rank 0 broadcasts the StepPlan (plain data) over a gloo group; every rank runs the model
+(its collectives keep the ranks in lockstep; the vocab-parallel lm_head gives every rank the full
+logits) and rank 0's sampled tokens are used. Workers exit when the engine stops (shutdown, garbage
+collection or interpreter exit), when rank 0 dies (they watch their parent), or on an error, which
+they report to rank 0. A rank that dies in the middle of an NCCL collective is noticed only at the
+timeout; gloo notices at once.
+
+Environment, read once at start-up by rank 0:
+  KVFIT_TP_TIMEOUT_S        seconds any rank waits for another (default 600)
+  KVFIT_TEST_RANK_KV_BYTES  tests only: "RANK:BYTES[,...]" caps that rank's available KV bytes
+  KVFIT_TEST_RANK_FAIL      tests only: "RANK:STAGE[,...]" makes rank >= 1 fail at start, load or step
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import logging
 import os
-import socket
-import traceback
+import pickle
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvfit.errors import ConfigError, KvfitError
+from kvfit.kv.plan import MemoryReading
 from kvfit.runner.worker import Worker
 
+logger = logging.getLogger("kvfit")
+
 _STOP = "stop"
-START_TIMEOUT_S = float(os.environ.get("KVFIT_TP_TIMEOUT_S", "600"))
+DEFAULT_TIMEOUT_S = 600.0
+JOIN_S = 10.0              # a stopped rank exits at once; this only bounds a stuck one
+DEATH_GRACE_S = 3.0        # after a failed collective, how long to wait for the rank that caused it
+CONTROL_TIMEOUT = datetime.timedelta(days=365)    # ranks wait for the next plan however long it takes
+FAIL_STAGES = ("start", "load", "step")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class InjectedFault(RuntimeError):
+    """Raised by a rank that KVFIT_TEST_RANK_FAIL told to fail (tests only)."""
 
 
-def _init_group(rank: int, world: int, port: int, device_type: str):
-    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timeout)
-    # plans travel over gloo even when the model's collectives use NCCL
-    return dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else dist.group.WORLD
+class _Stopped(Exception):
+    """Rank 0 stopped the engine during start-up."""
 
 
-def _make_platform(device_type: str, rank: int):
-    from kvfit.platforms.base import get_platform
-    return get_platform(device_type, device_index=rank)
+@dataclass(frozen=True)
+class RankHooks:
+    """Test-only behaviour of one rank, from KVFIT_TEST_RANK_* (plain data, sent to the rank)."""
+
+    kv_bytes_cap: int | None = None
+    fail_at: str | None = None
+
+    def fail_if(self, stage: str) -> None:
+        if self.fail_at == stage:
+            raise InjectedFault(f"KVFIT_TEST_RANK_FAIL made this rank fail at {stage}")
+
+    def cap(self, reading: MemoryReading) -> MemoryReading:
+        if self.kv_bytes_cap is None or reading.available_kv_bytes <= self.kv_bytes_cap:
+            return reading
+        return dataclasses.replace(reading, kv_cache_memory_bytes=self.kv_bytes_cap,
+                                   source=f"{reading.source}, capped by KVFIT_TEST_RANK_KV_BYTES")
 
 
-def _worker_main(rank, world, port, config, facts, backend_name, spec, errors):
-    """Entry point of ranks 1..N-1."""
+def _rank_values(name: str, world: int, environ) -> dict[int, str]:
+    text = environ.get(name, "").strip()
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        rank, sep, value = item.partition(":")
+        if not sep or not rank.isdigit() or int(rank) >= world or not value:
+            raise ConfigError(f"{name}={text!r}: expected RANK:VALUE[,RANK:VALUE...] with RANK in [0, {world})")
+        values[int(rank)] = value.strip()
+    return values
+
+
+def read_test_hooks(world: int, environ=os.environ) -> list[RankHooks]:
+    """One RankHooks per rank from KVFIT_TEST_RANK_KV_BYTES / KVFIT_TEST_RANK_FAIL (both unset: no hooks)."""
+    caps = _rank_values("KVFIT_TEST_RANK_KV_BYTES", world, environ)
+    fails = _rank_values("KVFIT_TEST_RANK_FAIL", world, environ)
+    for rank, stage in fails.items():
+        if rank == 0 or stage not in FAIL_STAGES:
+            raise ConfigError(f"KVFIT_TEST_RANK_FAIL: {rank}:{stage} is not allowed; use RANK:STAGE with "
+                              f"RANK in [1, {world}) and STAGE one of {', '.join(FAIL_STAGES)}")
+    for rank, value in caps.items():
+        if not value.isdigit():
+            raise ConfigError(f"KVFIT_TEST_RANK_KV_BYTES: {rank}:{value} is not a byte count; use RANK:BYTES")
+    return [RankHooks(int(caps[r]) if r in caps else None, fails.get(r)) for r in range(world)]
+
+
+def _read_timeout(environ=os.environ) -> float:
+    text = environ.get("KVFIT_TP_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
     try:
-        from kvfit.attention.registry import get_backend
-        platform = _make_platform(config.device.device if config.device.device != "auto" else "cpu", rank)
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
-        control = _init_group(rank, world, port, platform.name)
-        worker = Worker(config, facts, platform, get_backend(backend_name), spec, tp_rank=rank)
-        readings = [None] * world
-        dist.all_gather_object(readings, worker.measure(), group=control)
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        if box[0] == _STOP:
-            return
-        worker.initialize_cache(box[0])
-        while True:
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] == _STOP:
-                return
-            worker.execute(box[0])
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"KVFIT_TP_TIMEOUT_S={text!r} must be a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every rank needs to join the group: plain data."""
+
+    world: int
+    port: int
+    device_type: str          # cuda | cpu
+    timeout_s: float
+    num_threads: int          # torch threads per rank
+    parent_pid: int
+
+
+def _post(store, key: str, value) -> None:
+    store.set(key, pickle.dumps(value))
+
+
+def _take(store, key: str):
+    store.wait([key])          # raises at the store's timeout, or when rank 0 (the store's host) is gone
+    return pickle.loads(store.get(key))
+
+
+def _init_group(rank: int, launch: Launch, raw_store):
+    """Join the default group (the model's collectives); return the gloo group the plans travel on."""
+    timeout = datetime.timedelta(seconds=launch.timeout_s)
+    cuda = launch.device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)            # NCCL uses the current device: device index = rank
+    dist.init_process_group("nccl" if cuda else "gloo", store=raw_store, rank=rank, world_size=launch.world,
+                            timeout=timeout)
+    # plans travel over their own gloo group (even when the model's collectives use NCCL), whose
+    # timeout is the longest idle spell of a server: a rank waits there until the next request
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _num_cache_blocks(worker: Worker) -> int:
+    caches = worker.runner.kv_caches
+    return caches[0][0].shape[0] if caches else 0
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank must not outlive rank 0 (killed, or crashed past its clean-up): watch the parent."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="kvfit-parent-watch", daemon=True).start()
+
+
+def _rank_main(rank, launch: Launch, config, facts, backend_name, spec, hooks: RankHooks, errors) -> None:
+    """Entry point of ranks 1..N-1 (spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C reaches rank 0, which stops the ranks
+    _exit_with_parent(launch.parent_pid)
+    try:
+        torch.set_num_threads(launch.num_threads)
+        hooks.fail_if("start")
+        raw_store = dist.TCPStore("127.0.0.1", launch.port, launch.world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=launch.timeout_s))
+        _serve(rank, launch, raw_store, config, facts, backend_name, spec, hooks)
     except BaseException as exc:  # report to rank 0, then exit non-zero
-        errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        import traceback
+        message = (str(exc).strip().splitlines() or [""])[0]
+        errors.put((rank, f"{type(exc).__name__}: {message}", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _serve(rank, launch: Launch, raw_store, config, facts, backend_name, spec, hooks: RankHooks) -> None:
+    from kvfit.attention.registry import get_backend
+    from kvfit.platforms.base import get_platform
+    store = dist.PrefixStore("kvfit/", raw_store)
+    _post(store, f"joined/{rank}", True)
+    control = _init_group(rank, launch, raw_store)
+    worker = Worker(config, facts, get_platform(launch.device_type, device_index=rank),
+                    get_backend(backend_name), spec, tp_rank=rank)
+
+    def after_load() -> None:
+        hooks.fail_if("load")
+        _post(store, f"loaded/{rank}", True)
+        if _take(store, "profile") == _STOP:
+            raise _Stopped
+
+    try:
+        reading = hooks.cap(worker.measure(after_load=after_load))
+    except _Stopped:
+        return
+    _post(store, f"reading/{rank}", reading)
+    num_blocks = _take(store, "num_blocks")
+    if num_blocks == _STOP:
+        return
+    worker.initialize_cache(num_blocks)
+    _post(store, f"allocated/{rank}", _num_cache_blocks(worker))
+    box = [None]
+    while True:
+        dist.broadcast_object_list(box, src=0, group=control)
+        if isinstance(box[0], str):        # _STOP
+            return
+        hooks.fail_if("step")
+        worker.execute(box[0])
+
+
+class _Ranks:
+    """Ranks 1..N-1, the store rank 0 hosts, and their clean-up.
+
+    weakref.finalize holds close(), so this object never refers to the TensorParallelWorkers.
+    """
+
+    def __init__(self, launch: Launch, raw_store, procs, errors):
+        self.launch, self.raw_store, self.procs, self.errors = launch, raw_store, procs, errors
+        self.store = dist.PrefixStore("kvfit/", raw_store)
+        self.control = None
+        self.pending = ["profile", "num_blocks"]    # start-up keys the ranks still wait for
+        self.closed = False
+        self.threads_before = torch.get_num_threads()
+
+    @property
+    def serving(self) -> bool:
+        """The ranks' next wait is a plan on the gloo group (not a store key)."""
+        return not self.pending
+
+    def rendezvous(self) -> None:
+        self.gather("joined", "that it started")
+        self.control = _init_group(0, self.launch, self.raw_store)
+
+    def post(self, key: str, value) -> None:
+        _post(self.store, key, value)
+        if key in self.pending:
+            self.pending.remove(key)
+
+    def dead(self) -> list[int]:
+        return [rank for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+
+    def check_alive(self) -> None:
+        dead = self.dead()
+        if dead:
+            raise self.rank_error(dead)
+
+    def rank_error(self, dead: list[int]) -> KvfitError:
+        """The one-line error naming the ranks that exited, with the first error each reported."""
+        reported: dict[int, str] = {}
+        deadline = time.monotonic() + 1.0          # a rank's message may still be in the pipe
+        while len(reported) < len(dead) and time.monotonic() < deadline:
+            try:
+                rank, message, trace = self.errors.get(timeout=0.1)
+            except Exception:  # queue.Empty
+                continue
+            reported.setdefault(rank, message)
+            logger.debug("tensor-parallel rank %d failed:\n%s", rank, trace)
+        return KvfitError(f"tensor-parallel rank(s) {dead} failed: "
+                          + "; ".join(self._why(rank, reported.get(rank)) for rank in dead))
+
+    def _why(self, rank: int, message: str | None) -> str:
+        code = self.procs[rank - 1].exitcode
+        if message is not None:
+            return f"rank {rank}: {message}"
+        if code == -signal.SIGKILL:
+            return f"rank {rank} was killed (SIGKILL: out of host memory?)"
+        if code is not None and code < 0:
+            return f"rank {rank} was killed by signal {-code}"
+        # a spawned rank re-imports the main script: unguarded start-up code there fails it
+        return (f"rank {rank} exited with code {code} before reporting an error (a script that starts "
+                "a tensor-parallel engine needs `if __name__ == '__main__':`)")
+
+    def wait_for_death(self) -> list[int]:
+        """After a failed collective: the ranks that died (waiting briefly for the one that caused it)."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not self.dead() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.dead()
+
+    def gather(self, name: str, what: str) -> list:
+        """Each rank's value posted under name/RANK, in rank order; polls, so a dead rank is an error."""
+        keys = [f"{name}/{rank}" for rank in range(1, self.launch.world)]
+        deadline, pause = time.monotonic() + self.launch.timeout_s, 0.002
+        while not self.store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                missing = [rank for rank, key in enumerate(keys, start=1) if not self.store.check([key])]
+                raise KvfitError(f"tensor-parallel rank(s) {missing} did not report {what} within "
+                                 f"{self.launch.timeout_s:g} s; raise KVFIT_TP_TIMEOUT_S if start-up is that slow")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return [pickle.loads(self.store.get(key)) for key in keys]
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank (STOP if they can hear it, else terminate), then leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            with contextlib.suppress(Exception):   # a dead peer: fall through to terminate
+                self._send_stop()
+        deadline = time.monotonic() + (JOIN_S if graceful else 0.0)
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.errors.close()
+        self.errors.cancel_join_thread()
+        self.raw_store = self.store = None
+        torch.set_num_threads(self.threads_before)
+
+    def _send_stop(self) -> None:
+        if not self.serving:
+            for key in list(self.pending):      # the ranks wait on a store key
+                self.post(key, _STOP)
+        elif self.control is not None and not self.dead():
+            dist.broadcast_object_list([_STOP], src=0, group=self.control)
+
+
+def _check_world(world: int, platform, facts) -> None:
+    """One-line ConfigErrors before anything starts: too few devices, heads that do not split."""
+    from kvfit.model_facts import RUNNABLE_FAMILIES
+    from kvfit.models.parallel import check_tensor_parallel
+    if platform.name == "cuda":
+        count, what = torch.cuda.device_count(), "GPUs"
+    else:
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        what = "CPU cores"
+    if world > count:
+        raise ConfigError(f"--tensor-parallel-size {world} needs {world} {what} (one per rank) but there "
+                          f"are {count}; use at most {count}")
+    if facts.family in RUNNABLE_FAMILIES and not facts.is_mla:    # others fail at load with their own error
+        check_tensor_parallel(facts.num_attention_heads, facts.num_kv_heads, facts.intermediate_size,
+                              facts.vocab_size, world)
+    if dist.is_initialized():
+        import gc
+        gc.collect()                   # an engine that is garbage but not yet collected stops here
+    if dist.is_initialized():
+        raise ConfigError("a torch.distributed process group already exists in this process (another "
+                          "tensor-parallel engine?); shut it down before starting one with --tensor-parallel-size")
+
+
+def _spawn(world: int, launch_args: dict, config, facts, backend, spec, hooks: list[RankHooks]) -> _Ranks:
+    raw_store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=launch_args["timeout_s"]))
+    launch = Launch(world=world, port=raw_store.port, **launch_args)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"kvfit-tp-rank{rank}", daemon=True,
+                         args=(rank, launch, config, facts, backend.name, spec, hooks[rank], errors))
+             for rank in range(1, world)]
+    ranks = _Ranks(launch, raw_store, procs, errors)
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        ranks.close(graceful=False)
+        raise
+    return ranks
 
 
 class TensorParallelWorkers:
@@ -77,74 +382,66 @@ class TensorParallelWorkers:
 
     def __init__(self, config, facts, platform, backend, spec):
         world = config.parallel.tensor_parallel_size
-        if platform.name == "cuda" and torch.cuda.device_count() < world:
-            raise ConfigError(f"--tensor-parallel-size {world} needs {world} GPUs but torch sees "
-                              f"{torch.cuda.device_count()}; lower it")
-        self.world = world
-        ctx = mp.get_context("spawn")
-        self.errors = ctx.Queue()
-        port = _free_port()
+        _check_world(world, platform, facts)
+        self.hooks = read_test_hooks(world)
         device = "cuda" if platform.name == "cuda" else "cpu"
-        self.procs = [ctx.Process(target=_worker_main, daemon=True,
-                                  args=(rank, world, port, config.replace(device=device), facts, backend.name,
-                                        spec, self.errors))
-                      for rank in range(1, world)]
-        for p in self.procs:
-            p.start()
-        self._closed = False
-        try:
-            torch.set_num_threads(max(1, torch.get_num_threads() // world))
-            self.control = _init_group(0, world, port, platform.name)
+        launch_args = dict(device_type=device, timeout_s=_read_timeout(),
+                           num_threads=max(1, torch.get_num_threads() // world), parent_pid=os.getpid())
+        self.world = world
+        self.rank_num_blocks: list[int] = []     # the KV blocks each rank allocated, in rank order
+        self._ranks = _spawn(world, launch_args, config.replace(device=device), facts, backend, spec, self.hooks)
+        self._finalizer = weakref.finalize(self, self._ranks.close)
+        with self._guard():
+            torch.set_num_threads(launch_args["num_threads"])
+            self._ranks.rendezvous()
             self.worker = Worker(config, facts, platform, backend, spec, tp_rank=0)
-        except BaseException:
-            self._kill()
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Any failure stops every rank; one caused by a rank that died is reported as that rank's error."""
+        ranks = self._ranks
+        if ranks.closed:
+            raise KvfitError("the tensor-parallel ranks have stopped after an earlier error; start a new engine")
+        try:
+            yield
+        except BaseException as exc:
+            # a collective that failed (RuntimeError) is most likely a rank that died: wait for it
+            dead = ranks.wait_for_death() if isinstance(exc, RuntimeError) else ranks.dead()
+            error = ranks.rank_error(dead) if dead and not isinstance(exc, KvfitError) else None
+            # serving, the ranks may be inside a collective rank 0 left: stopping politely could hang
+            ranks.close(graceful=not dead and not ranks.serving)
+            if error is not None:
+                raise error from None
             raise
 
-    def _check_alive(self) -> None:
-        dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
-        if dead:
-            detail = ""
-            if not self.errors.empty():
-                rank, message, _ = self.errors.get_nowait()
-                detail = f": rank {rank} failed with {message}"
-            self._kill()
-            raise KvfitError(f"tensor-parallel worker rank(s) {dead} exited{detail}")
+    def _after_load(self) -> None:
+        # the barrier between loading and the profile's collectives
+        self._ranks.gather("loaded", "its loaded weights")
+        self._ranks.post("profile", "go")
 
-    def measure(self):
-        readings = [None] * self.world
-        mine = self.worker.measure()
-        self._check_alive()
-        dist.all_gather_object(readings, mine, group=self.control)
-        return readings
+    def measure(self) -> list[MemoryReading]:
+        """Every rank's reading, in rank order (the plan takes the minimum)."""
+        with self._guard():
+            mine = self.hooks[0].cap(self.worker.measure(after_load=self._after_load))
+            return [mine] + self._ranks.gather("reading", "its memory reading")
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self._check_alive()
-        dist.broadcast_object_list([num_blocks], src=0, group=self.control)
-        self.worker.initialize_cache(num_blocks)
+        with self._guard():
+            self._ranks.post("num_blocks", num_blocks)
+            self.worker.initialize_cache(num_blocks)
+            self.rank_num_blocks = [_num_cache_blocks(self.worker)] + self._ranks.gather("allocated", "its KV cache")
 
     def execute(self, plan):
-        self._check_alive()
-        dist.broadcast_object_list([plan], src=0, group=self.control)
-        return self.worker.execute(plan)
+        with self._guard():
+            self._ranks.check_alive()
+            dist.broadcast_object_list([plan], src=0, group=self._ranks.control)
+            return self.worker.execute(plan)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [p.pid for p in self._ranks.procs]
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if all(p.is_alive() for p in self.procs) and dist.is_initialized():
-                dist.broadcast_object_list([_STOP], src=0, group=self.control)
-        except Exception:  # a dead peer: fall through to terminate
-            pass
-        for p in self.procs:
-            p.join(timeout=10)
-        self._kill()
-
-    def _kill(self) -> None:
-        self._closed = True
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Stop the ranks and wait for them to exit (also run at garbage collection and at exit)."""
+        self._finalizer()

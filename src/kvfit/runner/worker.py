@@ -6,6 +6,8 @@ and several tensor-parallel processes look the same to it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvfit.config import EngineConfig
 from kvfit.engine.step_plan import StepPlan
 from kvfit.kv.plan import MemoryReading
@@ -22,10 +24,21 @@ class Worker:
         self.config = config
         self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank)
 
-    def measure(self) -> MemoryReading:
-        """Load weights and profile, measured by the platform."""
+    def measure(self, after_load: Callable[[], None] | None = None) -> MemoryReading:
+        """Load weights and profile, measured by the platform.
+
+        after_load runs between the two (tensor parallelism: a barrier, so no rank enters the
+        profile's collectives while another is still loading or has failed).
+        """
         runner = self.runner
-        steps = StartupSteps(load_weights=runner.load_model, profile=runner.profile_run,
+
+        def load_weights() -> int:
+            weights_bytes = runner.load_model()
+            if after_load is not None:
+                after_load()
+            return weights_bytes
+
+        steps = StartupSteps(load_weights=load_weights, profile=runner.profile_run,
                              capture_graphs=getattr(runner, "trial_capture_graphs", None),
                              release_graphs=getattr(runner, "release_graphs", None))
         return self.platform.measure(steps, self.config.cache)
