@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvfit.models import fused_ops
+from kvfit.models.fusion import fuse_rows
 from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
 
 
@@ -25,6 +27,13 @@ class RMSNorm(torch.nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); one fused kernel on CUDA."""
+        if fused_ops.available(x) and x.dim() == 2:
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x if residual is None else x + residual
+        return self.forward(total), total
+
 
 class SwiGLU(torch.nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up split by intermediate channel, down by input column."""
@@ -36,10 +45,20 @@ class SwiGLU(torch.nn.Module):
         self.gate_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
         self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias, dtype, device, start, size, tp_size)
+        self.gate_up_weight = self.gate_up_bias = None     # set by fuse_projections() after loading
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight, self.gate_up_bias = fuse_rows([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)             # [T, 2 I]
+        if fused_ops.available(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
 from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
+from kvfit.models import fused_ops
+from kvfit.models.fusion import fuse_rows
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
 from kvfit.models.parallel import (ColumnLinear, RowLinear, Shard, VocabEmbedding, gather_vocab, kv_head_range,
                                    make_param, read_shard, source_shape, split_evenly)
@@ -90,17 +93,32 @@ class Attention(torch.nn.Module):
                                 tp_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.qkv_weight = self.qkv_bias = None      # set by fuse_projections() after loading
+
+    def fuse_projections(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
+
+    def _qkv(self, x: torch.Tensor):
+        num_tokens, d = x.shape[0], self.head_dim
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
+        return (q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d),
+                v.view(num_tokens, self.num_kv_heads, d))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 freqs: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)       # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
+        q, k, v = self._qkv(x)                  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, freqs)
+        if fused_ops.available(q):
+            q, k = fused_ops.rope_(q, positions, freqs), fused_ops.rope_(k, positions, freqs)
+        else:
+            q, k = apply_rope(q, k, positions, freqs)
         if kv_cache is None:
             starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
             out = causal_attention(q, k, v, starts, self.scale)
@@ -121,9 +139,16 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, tp_rank, tp_size)
 
-    def forward(self, x, positions, kv_cache, meta, freqs):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, freqs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta, freqs):
+        """x: the previous block's output, residual: the stream before it (None at the first layer).
+
+        Returns (this block's MLP output, the stream before it); the caller adds them. Same sums
+        in the same order as x + attn(norm(x)), then + mlp(norm(.)), so outputs match transformers.
+        """
+        normed, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(normed, positions, kv_cache, meta, freqs)
+        normed, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(torch.nn.Module):
@@ -168,9 +193,17 @@ class CausalLM(torch.nn.Module):
         (meta.query_start_loc), i.e. every sequence is treated as a fresh prefill.
         """
         x = self.model.embed_tokens(input_ids)                           # [T, hidden]
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, kv_caches[i] if kv_caches else None, meta, self.rope_inv_freq)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches else None, meta,
+                                self.rope_inv_freq)
+        return self.model.norm.add_forward(x, residual)[0]
+
+    def fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up in every layer (call after the weights are in)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""

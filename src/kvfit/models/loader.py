@@ -37,6 +37,7 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         init_dummy_weights(model)
     else:
         model.load_weights(_iter_tensors(files))
+    model.fuse_projections()
     return model.eval()
 
 
