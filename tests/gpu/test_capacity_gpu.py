@@ -56,7 +56,8 @@ def test_full_load_stays_inside_the_budget(llm):
     free, total = torch.cuda.mem_get_info()
     in_use = total - free
     print(f"\npeak used blocks {peak_used} of {plan.num_blocks}; device in use {in_use} of budget "
-          f"{int(total * UTILIZATION)}")
+          f"{int(total * UTILIZATION)}; torch reserved {torch.cuda.memory_reserved()}, allocated "
+          f"{torch.cuda.memory_allocated()}, max reserved {torch.cuda.max_memory_reserved()}")
     assert peak_used >= plan.num_blocks - engine.spec.num_blocks_for_tokens(prompt_len + num_requests + 16)
     assert in_use <= int(total * UTILIZATION) + (64 << 20)           # the budget held (64 MiB slack)
     assert engine.pool.num_used_blocks == 0

@@ -50,6 +50,7 @@ class FakeCuda:
                                                     setattr(self, "peak_reserved", self.reserved))
         m.empty_cache = lambda: setattr(self, "reserved", self.allocated)
         m.set_device = m.synchronize = m.init = lambda *a: None
+        m.memory = types.SimpleNamespace()
         return m
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvfit.config import CacheConfig
@@ -26,6 +28,14 @@ class CudaPlatform(Platform):
         return total - free, total
 
     def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
+        # Steps of varying shapes fragment fixed-size allocator segments beyond the profiled peak;
+        # expandable segments keep reserved memory close to what is allocated. (A user's own
+        # PYTORCH_CUDA_ALLOC_CONF wins.)
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and hasattr(torch.cuda.memory, "_set_allocator_settings"):
+            try:
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            except RuntimeError:   # a torch that cannot switch once the allocator is in use
+                pass
         torch.cuda.set_device(self.device)
         torch.cuda.init()
         torch.cuda.empty_cache()

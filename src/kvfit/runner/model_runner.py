@@ -45,14 +45,27 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def profile_run(self) -> int:
-        """A forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows.
-
-        Runs on a scratch cache just big enough for the step; returns the scratch cache's bytes
-        so the platform can leave them out of the activation peak.
+        """The step shapes with the largest activations: max_num_batched_tokens tokens split over
+        max_num_seqs sequences (sampling every one), and as few sequences as max_model_len allows
+        (the longest prefills). Both run on one scratch cache just big enough for the larger;
+        returns the scratch cache's bytes so the platform can leave them out of the activation peak.
         """
         sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self._max_model_len())
-        num_seqs = max(min(sched.max_num_seqs, num_tokens), 1)
+        max_len = self._max_model_len()
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+        wide = max(min(sched.max_num_seqs, num_tokens), 1)
+        long = max(-(-num_tokens // max_len), 1)
+        plans = [self._profile_plan(num_tokens, n) for n in dict.fromkeys((wide, long))]
+        num_blocks = max(max(s.block_ids[-1] for s in plan.seqs) + 1 for plan in plans)
+        scratch = allocate_kv_caches(self.spec, num_blocks, self.device)
+        try:
+            for plan in plans:
+                self._execute(plan, scratch)
+        finally:
+            del scratch
+        return num_blocks * self.spec.bytes_per_block
+
+    def _profile_plan(self, num_tokens: int, num_seqs: int) -> StepPlan:
         per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         bs = self.spec.block_size
         seqs, next_block = [], 0
@@ -62,12 +75,7 @@ class ModelRunner:
             seqs.append(ScheduledSeq(request_id=f"profile-{i}", token_ids=tuple([0] * n), start_pos=0,
                                      block_ids=blocks, sample=True, params=SamplingParams(temperature=0),
                                      num_generated=0))
-        scratch = allocate_kv_caches(self.spec, next_block, self.device)
-        try:
-            self._execute(StepPlan(seqs=tuple(seqs)), scratch)
-        finally:
-            del scratch
-        return next_block * self.spec.bytes_per_block
+        return StepPlan(seqs=tuple(seqs))
 
     def _max_model_len(self) -> int:
         from kvfit.kv.limits import resolve_max_model_len
