@@ -13,6 +13,19 @@ from kvfit.platforms.base import Platform, StartupSteps
 from kvfit.units import gib
 
 
+def _expandable_segments() -> None:
+    """Turn on expandable allocator segments through whichever API this torch has."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError:   # a torch that cannot switch once the allocator is in use
+        pass
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     default_backend = "triton"
@@ -31,11 +44,8 @@ class CudaPlatform(Platform):
         # Steps of varying shapes fragment fixed-size allocator segments beyond the profiled peak;
         # expandable segments keep reserved memory close to what is allocated. (A user's own
         # PYTORCH_CUDA_ALLOC_CONF wins.)
-        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and hasattr(torch.cuda.memory, "_set_allocator_settings"):
-            try:
-                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-            except RuntimeError:   # a torch that cannot switch once the allocator is in use
-                pass
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            _expandable_segments()
         torch.cuda.set_device(self.device)
         torch.cuda.init()
         torch.cuda.empty_cache()
