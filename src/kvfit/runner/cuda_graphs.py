@@ -54,8 +54,9 @@ class DecodeGraphs:
         return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        stream = torch.cuda.Stream()
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Capture every bucket on `stream`: the caller keeps one capture stream for the process,
+        since cuBLAS keeps a workspace per stream and a new stream per capture would add one."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for batch in reversed(self.buckets):        # largest first: later graphs reuse its pool

@@ -35,6 +35,7 @@ class ModelRunner:
         self.model = None
         self.kv_caches: KVCaches = []
         self.graphs = None
+        self._capture_stream = None
 
     def load_model(self) -> int:
         """Load weights; return their bytes on this rank."""
@@ -99,7 +100,12 @@ class ModelRunner:
         if not self._graphs_enabled():
             return
         self.graphs = self._new_graphs(allocate_kv_caches(self.spec, 1, self.device))
-        self.graphs.capture()
+        self.graphs.capture(self._stream())
+
+    def _stream(self):
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
 
     def release_graphs(self) -> None:
         if self.graphs is not None:
@@ -111,7 +117,7 @@ class ModelRunner:
         self.release_graphs()
         if self._graphs_enabled():
             self.graphs = self._new_graphs(self.kv_caches)
-            self.graphs.capture()
+            self.graphs.capture(self._stream())
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
