@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.attention.triton_kernels import (check_cache_pair, check_step_tensors, dot_ieee,
-                                             head_dim_contiguous, head_dim_mask, kv_tile_tokens, next_pow2,
-                                             on_gpu, padded_head_dim)
+from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
+                                             kv_tile_tokens, next_pow2, on_gpu, padded_head_dim)
 
 LOG2_E = 1.4426950408889634
 # Split-K tuning (H200 guesses; benchmarks/bench_decode_attention.py sweeps them): aim for about
@@ -82,28 +81,10 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        within = (offs_n % PAGE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh    # [BLOCK_N] int64
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))      # [G_PAD, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
+            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, D_PAD, IEEE)
 
     if DIRECT_OUT:
         out = acc / l_i[:, None]
@@ -154,11 +135,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _, num_q_heads, head_dim = query.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    check_cache_pair(k_cache, v_cache)
-    check_step_tensors(block_tables, seq_lens, query_start_loc)
-    query = head_dim_contiguous(query)
-    out = torch.empty_like(query) if out is None else out
-    assert out.shape == query.shape and out.stride(2) == 1, (out.shape, out.stride())
+    query, out = attention_operands(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if num_seqs == 0 or query.shape[0] == 0:
         return out
     d_pad = padded_head_dim(head_dim)

@@ -71,6 +71,18 @@ def head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def attention_operands(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                       out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a step's tensors for the decode/prefill kernels -> (query, out), both [T, Hq, D], head_dim contiguous."""
+    check_cache_pair(k_cache, v_cache)
+    check_step_tensors(block_tables, seq_lens, query_start_loc)
+    query = head_dim_contiguous(query)
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.stride(2) == 1, (out.shape, out.stride())
+    return query, out
+
+
 @triton.jit
 def head_dim_mask(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """[D_PAD] lanes < HEAD_DIM; all-true as a constant when nothing is padded, so loads vectorise."""
@@ -79,6 +91,53 @@ def head_dim_mask(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     else:
         mask = tl.arange(0, D_PAD) < HEAD_DIM
     return mask
+
+
+@triton.jit
+def tile_dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in fp32; IEEE fp32 products (no tf32) when IEEE."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def load_paged_tile(cache_ptr, blk, within, kv_head, stride_b, stride_s, stride_h, kv_mask,
+                    D_PAD: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_N, D_PAD] rows of one KV head at (block id, in-block position), as DTYPE; masked rows are 0."""
+    off = blk * stride_b + within * stride_s + kv_head * stride_h             # [BLOCK_N] int64
+    return tl.load(cache_ptr + off[:, None] + tl.arange(0, D_PAD)[None, :], mask=kv_mask, other=0.0).to(DTYPE)
+
+
+@triton.jit
+def attend_paged_tile(
+    q, m_i, l_i, acc,                      # [M, D_PAD]; [M], [M], [M, D_PAD] fp32 running softmax state
+    k_cache_ptr, v_cache_ptr, table_row,   # table_row: this sequence's block table row
+    offs_n, n_mask, visible, d_mask,       # [BLOCK_N] context positions, in range; [M or 1, BLOCK_N]; [D_PAD]
+    kv_head, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, D_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step (log2 domain) of q over the paged K/V tile at offs_n -> (m_i, l_i, acc).
+
+    The caller owns the mask: `visible` says which (row, key) scores count (decode: the key is in the
+    split; prefill: also causal). Block ids and in-block positions are int64 before any stride.
+    """
+    blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    within = (offs_n % PAGE).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = load_paged_tile(k_cache_ptr, blk, within, kv_head, stride_kb, stride_ks, stride_kh, kv_mask, D_PAD, q.dtype)
+    s = tile_dot(q, tl.trans(k), IEEE)
+    s = tl.where(visible, s * scale_log2, float("-inf"))                     # [M, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs, stride_vh, kv_mask, D_PAD, q.dtype)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit

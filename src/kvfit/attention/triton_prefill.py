@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from kvfit.attention.triton_decode import LOG2_E
-from kvfit.attention.triton_kernels import (check_cache_pair, check_step_tensors, dot_ieee,
-                                             head_dim_contiguous, head_dim_mask, kv_tile_tokens, on_gpu,
-                                             padded_head_dim)
+from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
+                                             kv_tile_tokens, on_gpu, padded_head_dim)
 
 
 @triton.jit
@@ -65,30 +64,12 @@ def _prefill_kernel(
     for start in range(0, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
-        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        within = (offs_n % PAGE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh    # [BLOCK_N] int64
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(causal, s * scale_log2, float("-inf"))                  # [BLOCK_M, BLOCK_N]
-        # key 0 is in the first tile and visible to every row, so m_new is finite from the start
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        # key 0 is in the first tile and visible to every row, so the running max is finite from the start
+        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]      # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, causal, d_mask,
+            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, D_PAD, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -116,11 +97,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _, num_q_heads, head_dim = query.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    check_cache_pair(k_cache, v_cache)
-    check_step_tensors(block_tables, seq_lens, query_start_loc)
-    query = head_dim_contiguous(query)
-    out = torch.empty_like(query) if out is None else out
-    assert out.shape == query.shape and out.stride(2) == 1, (out.shape, out.stride())
+    query, out = attention_operands(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len == 0:
         return out
     d_pad = padded_head_dim(head_dim)
