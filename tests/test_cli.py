@@ -90,3 +90,14 @@ def test_demo_preempts_and_frees_every_block():
     preempt = next(line for line in out.stdout.splitlines() if line.startswith("preemptions:"))
     assert int(preempt.split()[1]) > 0
     assert "0 used" in out.stdout
+
+
+def test_generate_token_id_prompts(tiny_llama):
+    out = kvfit("generate", tiny_llama, "--prompt-token-ids", "5,6,7", "--max-tokens", "3", "--temperature", "0",
+                "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "16MiB", "--max-model-len", "64",
+                "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["prompt"] == [5, 6, 7] and len(row["token_ids"]) == 3
+    bad = kvfit("generate", tiny_llama, "--prompt-token-ids", "5,x", "--device", "cpu")
+    assert bad.returncode != 0 and bad.stderr.startswith("error: ") and "prompt-token-ids" in bad.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from kvfit.errors import ConfigError
@@ -15,13 +16,26 @@ def register(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a file with one prompt per line")
+    p.add_argument("--prompt-token-ids", action="append", default=[], metavar="IDS",
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; for models without a tokenizer)")
     p.add_argument("--json", action="store_true", help='one JSON object per line: {"prompt", "text", "token_ids"}')
     add_sampling_flags(p)
     add_engine_flags(p)
     p.set_defaults(run=run)
 
 
-def read_prompts(args) -> list[str]:
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--prompt-token-ids {text!r} is not a comma-separated list of integers, e.g. 1,2,3") from None
+    if not ids:
+        raise ConfigError("--prompt-token-ids is empty; give at least one token id")
+    return ids
+
+
+def read_prompts(args) -> list:
+    """Text prompts (--prompt, --prompt-file), then token-id prompts (--prompt-token-ids)."""
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
@@ -29,8 +43,12 @@ def read_prompts(args) -> list[str]:
                 prompts += [line.rstrip("\n") for line in fh if line.strip()]
         except OSError as exc:
             raise ConfigError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+    if prompts and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        raise ConfigError(f"{args.model} has no tokenizer.json, so text prompts cannot be encoded; "
+                          "give --prompt-token-ids 1,2,3 instead")
+    prompts += [_token_ids(t) for t in args.prompt_token_ids]
     if not prompts:
-        raise ConfigError("no prompts: give --prompt TEXT (repeatable) or --prompt-file F")
+        raise ConfigError("no prompts: give --prompt TEXT (repeatable), --prompt-file F or --prompt-token-ids IDS")
     return prompts
 
 
