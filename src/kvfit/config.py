@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 
 from kvfit.errors import ConfigError
@@ -35,6 +36,9 @@ class ModelConfig:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("a model is required: a Hugging Face folder, a config.json or a catalog name")
+        if os.path.basename(self.model) == "config.json" and os.path.isfile(self.model):
+            # a config.json names its folder: weights and tokenizer live beside it
+            object.__setattr__(self, "model", os.path.dirname(os.path.abspath(self.model)))
         if self.dtype != "auto" and str(self.dtype).lower() not in DTYPE_ALIASES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16")
         _check_int("max_model_len", self.max_model_len, allow_none=True)

@@ -97,3 +97,10 @@ def test_non_finite_temperature_is_rejected(temperature):
 def test_bool_max_tokens_is_rejected():
     with pytest.raises(RequestError, match="max_tokens"):
         SamplingParams(max_tokens=True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-40), dict(stop=["a", 3]), dict(stop_token_ids=["x"]),
+                                    dict(stop_token_ids=[-1])])
+def test_values_the_sampler_cannot_use_are_rejected_up_front(kwargs):
+    with pytest.raises(RequestError):
+        SamplingParams(**kwargs)

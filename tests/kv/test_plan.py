@@ -311,3 +311,10 @@ def test_block_id_cap_warning_does_not_blame_the_offset_width():
     plan = plan_kv_cache(r, spec, PlanLimits(max_model_len=16, max_element_offset=OFFSET_64_BIT))
     assert plan.bound_by == "index_width" and len(plan.warnings) == 1
     assert "64-bit offsets would use them all" not in plan.warnings[0]
+
+
+def test_a_budget_smaller_than_one_block_says_so():
+    spec = KVSpec(num_layers=2, block_size=16, kv_heads_per_rank=2, head_dim=64, dtype="bfloat16")
+    r = MemoryReading(total_bytes=1 << 30, budget_bytes=1 << 30, kv_cache_memory_bytes=1024)
+    with pytest.raises(CapacityError, match="holds no block"):
+        plan_kv_cache(r, spec, PlanLimits(max_model_len=64))

@@ -156,3 +156,15 @@ def test_spec_is_frozen():
     spec = KVSpec(1, 16, 1, 8, "float32")
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_layers = 2
+
+
+def test_auto_cache_dtype_follows_the_dtype_the_model_runs_in():
+    from kvfit.config import EngineConfig
+    from kvfit.kv.limits import spec_and_limits
+    from kvfit.model_facts import facts_from_config
+    from kvfit.catalog import model_config
+    facts = facts_from_config({**model_config("qwen3-0.6b"), "torch_dtype": "float32"})
+    spec32, _ = spec_and_limits(facts, EngineConfig.from_kwargs("qwen3-0.6b"), 2**63 - 1, "torch")
+    spec16, _ = spec_and_limits(facts, EngineConfig.from_kwargs("qwen3-0.6b", dtype="bfloat16"), 2**63 - 1, "torch")
+    assert spec32.dtype == "float32" and spec16.dtype == "bfloat16"
+    assert spec32.bytes_per_block == 2 * spec16.bytes_per_block

@@ -43,6 +43,9 @@ def read_prompts(args) -> list:
                 prompts += [line.rstrip("\n") for line in fh if line.strip()]
         except OSError as exc:
             raise ConfigError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"--prompt-file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte "
+                              f"{exc.start})") from None
     if prompts and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         raise ConfigError(f"{args.model} has no tokenizer.json, so text prompts cannot be encoded; "
                           "give --prompt-token-ids 1,2,3 instead")

@@ -95,7 +95,12 @@ class LLMEngine:
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with this model")
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise RequestError("a token-id prompt must be a list of integers")
         vocab = self.facts.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab}); got one outside")

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from kvfit.errors import RequestError
 
+# Below this a softmax over logits / temperature overflows to inf; 0 means greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +32,13 @@ class SamplingParams:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            raise RequestError(f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}, "
+                               f"got {self.temperature!r}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise RequestError("stop must be a string or a list of strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:

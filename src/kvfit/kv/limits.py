@@ -6,7 +6,7 @@ from kvfit.config import EngineConfig
 from kvfit.errors import ConfigError
 from kvfit.kv.plan import PlanLimits
 from kvfit.kv.spec import KVSpec
-from kvfit.model_facts import ModelFacts
+from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
 
 
 def resolve_max_model_len(facts: ModelFacts, requested: int | None) -> int:
@@ -23,8 +23,9 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | None) -> int:
 def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset: int,
                     backend: str) -> tuple[KVSpec, PlanLimits]:
     """The KVSpec for this rank and every limit besides memory."""
+    model_dtype = None if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
     spec = KVSpec.from_model(facts, config.cache.block_size, config.cache.kv_cache_dtype,
-                             config.parallel.tensor_parallel_size)
+                             config.parallel.tensor_parallel_size, model_dtype=model_dtype)
     limits = PlanLimits(
         max_model_len=resolve_max_model_len(facts, config.model.max_model_len),
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,

@@ -157,6 +157,10 @@ def plan_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSpec
                   ("max_num_blocks", limits.max_num_blocks), ("index_width", index)]
     bound_by, num_blocks = min(((n, v) for n, v in candidates if v is not None), key=lambda nv: nv[1])
     blocks_per_seq = spec.num_blocks_for_tokens(limits.max_model_len)
+    if num_blocks == 0:
+        raise CapacityError(
+            f"the KV cache budget ({gib(available)}) holds no block of {gib(spec.bytes_per_block)} "
+            f"(bound by {bound_by}); raise --kv-cache-memory or --gpu-memory-utilization")
     if num_blocks < blocks_per_seq:
         raise CapacityError(
             f"one request of --max-model-len {limits.max_model_len} needs {blocks_per_seq} blocks "

@@ -70,8 +70,9 @@ class KVSpec:
 
     @classmethod
     def from_model(cls, facts: ModelFacts, block_size: int = 16, kv_cache_dtype: str = "auto",
-                   tensor_parallel_size: int = 1) -> "KVSpec":
-        dtype = resolve_kv_cache_dtype(kv_cache_dtype, facts.torch_dtype)
+                   tensor_parallel_size: int = 1, model_dtype: str | None = None) -> "KVSpec":
+        """model_dtype: the dtype the model runs in (--dtype); 'auto' caches use it."""
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype or facts.torch_dtype)
         if facts.is_mla:
             # The latent is shared by all heads, so every rank keeps all of it.
             kv_heads_per_rank(facts.num_attention_heads, tensor_parallel_size)

@@ -36,6 +36,8 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         self.graphs = None
         self._capture_stream = None
+        # --seed: dummy weights and unseeded sampling repeat from run to run
+        torch.manual_seed(config.model.seed)
 
     def load_model(self) -> int:
         """Load weights; return their bytes on this rank."""

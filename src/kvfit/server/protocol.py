@@ -14,12 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sampling_params import MIN_SAMPLING_TEMPERATURE, SamplingParams
 from kvfit.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
 # below this a float32 division of the logits overflows (inf / nan probabilities): 0 means greedy
-MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
