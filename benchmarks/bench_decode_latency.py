@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
+from common import gpu_only
 
 
 def main() -> int:
@@ -19,10 +19,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_decode_latency: no CUDA device; this benchmark runs on a GPU only")
+    if not gpu_only("bench_decode_latency"):
         return 0
-    sys.path.insert(0, "benchmarks")
     from common import copy_bandwidth
     from kvfit import LLM, SamplingParams
     bandwidth = copy_bandwidth()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
+from common import gpu_only
 
 
 def main() -> int:
@@ -26,10 +26,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_throughput: no CUDA device; this benchmark runs on a GPU only")
+    if not gpu_only("bench_throughput"):
         return 0
-    sys.path.insert(0, "benchmarks")
     from common import hf_generate_throughput, hf_model, request_set
     from kvfit import LLM, SamplingParams
     from kvfit.model_facts import load_model_facts

@@ -8,6 +8,14 @@ import time
 import torch
 
 
+def gpu_only(name: str) -> bool:
+    """True with a CUDA device; otherwise say this benchmark runs on a GPU only (and exit 0)."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{name}: no CUDA device; this benchmark runs on a GPU only")
+    return False
+
+
 def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

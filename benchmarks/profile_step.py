@@ -7,11 +7,11 @@ Prints milliseconds per step for each phase, for decode-only steps and for the r
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 
 import torch
+from common import gpu_only
 
 
 def main() -> int:
@@ -19,10 +19,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--num-requests", type=int, default=256)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("profile_step: no CUDA device")
+    if not gpu_only("profile_step"):
         return 0
-    sys.path.insert(0, "benchmarks")
     from common import request_set
     from kvfit import LLM, SamplingParams
     from kvfit.model_facts import load_model_facts

@@ -4,11 +4,11 @@ from kvfit.errors import ConfigError
 from kvfit.kv.plan import OFFSET_64_BIT
 
 # Both shipped backends compute every element offset in int64 (see their modules).
-_BACKEND_OFFSETS = {"torch": OFFSET_64_BIT, "triton": OFFSET_64_BIT}
+BACKEND_OFFSETS = {"torch": OFFSET_64_BIT, "triton": OFFSET_64_BIT}
 
 
 def backend_max_offset(name: str) -> int:
     """The largest element offset backend `name` can address."""
-    if name not in _BACKEND_OFFSETS:
-        raise ConfigError(f"unknown attention backend {name!r}; use one of {', '.join(_BACKEND_OFFSETS)}")
-    return _BACKEND_OFFSETS[name]
+    if name not in BACKEND_OFFSETS:
+        raise ConfigError(f"unknown attention backend {name!r}; use one of {', '.join(BACKEND_OFFSETS)}")
+    return BACKEND_OFFSETS[name]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from kvfit.attention.offsets import BACKEND_OFFSETS
 from kvfit.errors import ConfigError
 
 
 def backend_names() -> tuple[str, ...]:
-    return ("torch", "triton")
+    """The backends there are: the ones that declare an offset width."""
+    return tuple(BACKEND_OFFSETS)
 
 
 def get_backend(name: str):
