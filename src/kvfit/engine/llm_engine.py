@@ -141,7 +141,7 @@ class LLMEngine:
     def _output(self, req: Request, finished: bool) -> RequestOutput:
         full = self.detokenizer.tokenizer is not None and finished
         text = self.tokenizer.decode(req.output_token_ids) if full else self.detokenizer.text(req.output_token_ids)
-        at = Detokenizer.find_stop(text, req.params.stop, 0) if req.params.stop else None
+        at = Detokenizer.find_stop(text, req.params.stop) if req.params.stop else None
         if at is not None:
             text = text[:at]
             if not finished:          # a stop string ends the request (it is left out of the text)

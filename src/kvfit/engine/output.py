@@ -33,11 +33,11 @@ class Detokenizer:
         return text[:-1] if text.endswith("\ufffd") else text
 
     @staticmethod
-    def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-        """Index where the earliest stop string begins in text[search_from:], or None."""
+    def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+        """Index where the earliest stop string begins in text, or None."""
         best = None
         for stop in stops:
-            at = text.find(stop, max(search_from - len(stop) + 1, 0))
+            at = text.find(stop)
             if at != -1 and (best is None or at < best):
                 best = at
         return best

@@ -33,7 +33,6 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None     # stop | length | abort
-    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
