@@ -66,3 +66,59 @@ def test_silu_mul():
     gu = torch.randn(4, 2 * 1500).to(DEVICE)
     ref = torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:]
     torch.testing.assert_close(fused_ops.silu_mul(gu), ref, rtol=1e-5, atol=1e-5)
+
+
+def _qk_reference(q, k, pos, freqs, qw, kw, eps):
+    from kvfit.models.layers import RMSNorm
+    from kvfit.models.rope import apply_rope
+    if qw is not None:
+        qn, kn = RMSNorm(q.shape[-1], eps, q.dtype, q.device), RMSNorm(k.shape[-1], eps, k.dtype, k.device)
+        qn.weight.data.copy_(qw)
+        kn.weight.data.copy_(kw)
+        q, k = qn(q), kn(k)
+    return apply_rope(q, k, pos, freqs)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("adjacent", [True, False])
+@pytest.mark.parametrize("heads", [(4, 2), (20, 4), (3, 3)])
+def test_qk_norm_rope_matches_norm_then_rope(norm, adjacent, heads):
+    num_q, num_kv = heads
+    dim, tokens = 32, 7
+    g = torch.Generator().manual_seed(num_q * 10 + num_kv + 100 * norm)
+    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * dim, generator=g).to(DEVICE)
+    if adjacent:    # views of one fused projection, as the decoder has them
+        q = qkv[:, :num_q * dim].view(tokens, num_q, dim)
+        k = qkv[:, num_q * dim:(num_q + num_kv) * dim].view(tokens, num_kv, dim)
+    else:
+        q = qkv[:, :num_q * dim].reshape(tokens, num_q, dim).clone()
+        k = qkv[:, num_q * dim:(num_q + num_kv) * dim].reshape(tokens, num_kv, dim).clone()
+    qw = torch.randn(dim, generator=g).to(DEVICE) if norm else None
+    kw = torch.randn(dim, generator=g).to(DEVICE) if norm else None
+    pos = torch.tensor([0, 1, 2, 31, 500, 4095, 70000]).to(DEVICE)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    ref_q, ref_k = _qk_reference(q.clone(), k.clone(), pos, freqs, qw, kw, 1e-6)
+    v_before = qkv[:, (num_q + num_kv) * dim:].clone()
+    out_q, out_k = fused_ops.qk_norm_rope_(q, k, pos, freqs, qw, kw, 1e-6)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()     # in place
+    torch.testing.assert_close(q, ref_q, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)
+    assert torch.equal(qkv[:, (num_q + num_kv) * dim:], v_before)                     # v untouched
+
+
+def test_qk_norm_rope_bf16_close_to_torch():
+    dim, tokens, num_q, num_kv = 64, 5, 8, 2
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * dim, generator=g).to(DEVICE, torch.bfloat16)
+    q = qkv[:, :num_q * dim].view(tokens, num_q, dim)
+    k = qkv[:, num_q * dim:(num_q + num_kv) * dim].view(tokens, num_kv, dim)
+    qw = torch.randn(dim, generator=g).to(DEVICE, torch.bfloat16)
+    kw = torch.randn(dim, generator=g).to(DEVICE, torch.bfloat16)
+    pos = torch.tensor([0, 3, 100, 1000, 9000]).to(DEVICE)
+    freqs = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    ref_q, ref_k = _qk_reference(q.clone(), k.clone(), pos, freqs, qw, kw, 1e-6)
+    fused_ops.qk_norm_rope_(q, k, pos, freqs, qw, kw, 1e-6)
+    # the kernel rotates in fp32; torch rotates in bf16: within bf16 rounding of the operands
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        err = (got.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 1e-2, err

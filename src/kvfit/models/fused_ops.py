@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the decoder's small ops on CUDA: residual add + RMSNorm, RoPE, SiLU x mul.
+"""Fused Triton kernels for the decoder's small ops on CUDA: residual add + RMSNorm, q/k RMSNorm + RoPE,
+SiLU x mul.
 
 At decode batch sizes each torch op is a separate tiny kernel (RMSNorm alone is five); these cut a
 layer to a handful of launches. Every row/token index is cast to int64 before it meets a stride.
@@ -40,20 +41,36 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, normed * w, mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, pos_ptr, freq_ptr, stride_tok, stride_head, num_heads,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
+                          num_first, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NORM: tl.constexpr):
+        # program (token, head tile): heads [BLOCK_H] x the two halves [BLOCK_D] of each head
         tok = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        i = tl.arange(0, BLOCK)
-        mask = i < HALF
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        i = tl.arange(0, BLOCK_D)
+        d_mask = i < HALF
+        mask = (heads < num_heads)[:, None] & d_mask[None, :]
+        base = x_ptr + tok * stride_tok + heads.to(tl.int64)[:, None] * stride_head + i[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        if NORM:
+            # RMSNorm as the torch module computes it: fp32 statistics, normed value rounded to the
+            # model dtype, then times the weight (rounded again); heads < num_first use w_first
+            a32, b32 = x1.to(tl.float32), x2.to(tl.float32)
+            r = tl.rsqrt((tl.sum(a32 * a32, 1) + tl.sum(b32 * b32, 1)) / (2 * HALF) + eps)
+            first = (heads < num_first)[:, None]
+            w1 = tl.where(first, tl.load(w_first_ptr + i, mask=d_mask, other=0.0)[None, :],
+                          tl.load(w_rest_ptr + i, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+            w2 = tl.where(first, tl.load(w_first_ptr + HALF + i, mask=d_mask, other=0.0)[None, :],
+                          tl.load(w_rest_ptr + HALF + i, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+            x1 = ((a32 * r[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+            x2 = ((b32 * r[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
         pos = tl.load(pos_ptr + tok).to(tl.float32)
-        angle = pos * tl.load(freq_ptr + i, mask=mask, other=0.0)
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        base = x_ptr + tok * stride_tok + head * stride_head
-        x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
-        tl.store(base + i, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + HALF + i, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+        angle = pos * tl.load(freq_ptr + i, mask=d_mask, other=0.0)
+        cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(base, (a * cos - b * sin).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(base + HALF, (b * cos + a * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
@@ -80,13 +97,46 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, res_out
 
 
+def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_first: int, eps: float) -> None:
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and dim % 2 == 0, (x.shape, x.stride())
+    if not tokens:
+        return
+    norm = w_first is not None
+    w_first = w_first if norm else freqs           # unread without NORM; any pointer will do
+    w_rest = w_rest if w_rest is not None else w_first
+    block_h = min(triton.next_power_of_2(heads), 16)
+    _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
+        x, positions, freqs, w_first, w_rest, x.stride(0), x.stride(1), heads, num_first, eps,
+        HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads follow q's in memory with the same strides (q and k are views of one fused qkv row)."""
+    return (q.stride() == k.stride() and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+
+
+def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: optional per-head RMSNorm (q_weight, k_weight [D]), then RoPE, of q [T, Hq, D], k [T, Hkv, D].
+
+    positions [T]; freqs [D // 2] float32. One launch when k's heads follow q's (a fused qkv
+    projection), else one each.
+    """
+    if _adjacent_heads(q, k):
+        both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+        _norm_rope_launch(both, positions, freqs, q_weight, k_weight, q.shape[1], eps)
+    else:
+        _norm_rope_launch(q, positions, freqs, q_weight, None, q.shape[1], eps)
+        _norm_rope_launch(k, positions, freqs, k_weight, None, k.shape[1], eps)
+    return q, k
+
+
 def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (last dim contiguous) in place by positions [T]; freqs [D // 2] float32."""
-    tokens, heads, dim = x.shape
-    assert x.stride(2) == 1 and dim % 2 == 0
-    if tokens:
-        _rope_kernel[(tokens, heads)](x, positions, freqs, x.stride(0), x.stride(1), heads,
-                                      HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), num_warps=1)
+    _norm_rope_launch(x, positions, freqs, None, None, x.shape[1], 0.0)
     return x
 
 

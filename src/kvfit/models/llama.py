@@ -113,11 +113,15 @@ class Attention(torch.nn.Module):
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)                  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         if fused_ops.available(q):
-            q, k = fused_ops.rope_(q, positions, freqs), fused_ops.rope_(k, positions, freqs)
+            # q/k norm (Qwen3) and RoPE in one launch, in place on the qkv output
+            norm = self.q_norm is not None
+            q, k = fused_ops.qk_norm_rope_(q, k, positions, freqs, self.q_norm.weight if norm else None,
+                                           self.k_norm.weight if norm else None,
+                                           self.q_norm.eps if norm else 0.0)
         else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, k, positions, freqs)
         if kv_cache is None:
             starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
