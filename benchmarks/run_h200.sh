@@ -16,6 +16,9 @@ for s in "$@"; do case $s in
   throughput-8b) step throughput-8b 540 python3 benchmarks/bench_throughput.py --model llama-3.1-8b --hf-batch 64 --hf-requests 64 --hf-static ;;
   latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
   profile-step) step profile-step 300 python3 benchmarks/profile_step.py --model qwen3-0.6b ;;
+  engine-gpu) step engine-gpu 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
+  kernels-small) step kernels-small 240 python3 benchmarks/profile_kernels.py --model qwen3-0.6b ;;
+  kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
   fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -50,6 +50,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps per scheduling round, tokens kept on the device between them "
+                        "(default: 8 on CUDA with one rank, else 1)")
     p.add_argument("--plan-json", default=None, help="write the KV plan as JSON to this path")
 
 

@@ -75,10 +75,14 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # decode steps run back to back on the device per scheduling round (tokens stay on the device
+    # between them); None = auto: 8 on CUDA with one rank, else 1
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_int("num_scheduler_steps", self.num_scheduler_steps, allow_none=True)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ SETTINGS = {
     "chunked_prefill": dict(enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=3),
     # 20 blocks of 4 tokens: one 80-token request fits, the batch does not
     "preemption": dict(enable_prefix_caching=False, num_gpu_blocks_override=20, max_num_seqs=4, max_model_len=80),
+    "multi_step": dict(enable_prefix_caching=True, num_scheduler_steps=5),
 }
 
 

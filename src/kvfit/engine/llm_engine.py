@@ -31,6 +31,23 @@ def _make_workers(config, facts, platform, backend, spec):
     return Worker(config, facts, platform, backend, spec)
 
 
+# Decode steps per scheduling round on CUDA: the host's part of a step (schedule, inputs, update,
+# outputs: about 1 ms at batch 1 and 4 ms at batch 256 on the H200 host, benchmarks/profile_kernels.py)
+# is paid once per round instead of once per token, while a new request waits at most one round.
+CUDA_SCHEDULER_STEPS = 8
+
+
+def _scheduler_steps(config: EngineConfig, platform_name: str) -> int:
+    steps = config.scheduler.num_scheduler_steps
+    tp = config.parallel.tensor_parallel_size
+    if steps is None:
+        return CUDA_SCHEDULER_STEPS if platform_name == "cuda" and tp == 1 else 1
+    if steps > 1 and tp > 1:
+        raise ConfigError(f"--num-scheduler-steps {steps} needs --tensor-parallel-size 1 (got {tp}); "
+                          "use --num-scheduler-steps 1 with tensor parallelism")
+    return steps
+
+
 class LLMEngine:
     """Owns the scheduler, the block pool and the workers; step() runs one batch."""
 
@@ -42,6 +59,7 @@ class LLMEngine:
         if backend.name == "triton" and platform.name != "cuda":
             raise ConfigError("--attention-backend triton needs --device cuda; use --attention-backend torch on CPU")
         self.device_name = platform.name
+        self.num_scheduler_steps = _scheduler_steps(config, platform.name)
         self.spec, self.limits = spec_and_limits(self.facts, config, backend.max_element_offset, backend.name)
         self.workers = _make_workers(config, self.facts, platform, backend, self.spec)
         try:
@@ -120,22 +138,39 @@ class LLMEngine:
 
     # the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update; return an output for every request that got a token."""
-        plan = self.scheduler.schedule()
+        """Schedule, execute, update; return an output for every request that got tokens.
+
+        A multi-step plan (--num-scheduler-steps) returns several tokens per request; they are
+        applied one at a time, in order, so stops and stop strings end a request at the same
+        token as single steps would (tokens sampled past the end are dropped).
+        """
+        plan = self.scheduler.schedule(self.num_scheduler_steps)
         if plan.empty:
             # only possible with nothing running and a head request that cannot get blocks,
             # which add() rules out; fail loudly rather than spin
             assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
             return []
-        sampled = self.workers.execute(plan)
-        running = {s.request_id: self.scheduler.requests.get(s.request_id) for s in plan.seqs}
-        finished = {r.request_id for r in self.scheduler.update(plan, sampled)}
+        if plan.num_steps == 1:
+            return self._apply(plan, self.workers.execute(plan), 0, lambda _: True)
+        tokens = self.workers.execute_steps(plan)
         outputs = []
-        for request_id in sampled:
-            req = running.get(request_id)
+        for k in range(plan.num_steps):
+            sampled = {rid: toks[k] for rid, toks in tokens.items() if k < len(toks)}
+            outputs.extend(self._apply(plan, sampled, k, lambda rid, k=k: k + 1 == len(tokens[rid])))
+        return outputs
+
+    def _apply(self, plan, sampled: dict[str, int], step: int, is_last) -> list[RequestOutput]:
+        """Apply step `step` of the plan; outputs for requests that finished, have stop strings
+        (checked every token) or got their last token of the plan (is_last(request_id))."""
+        running = {rid: self.scheduler.requests.get(rid) for rid in sampled}
+        finished = {r.request_id for r in self.scheduler.update(plan, sampled, step)}
+        outputs = []
+        for request_id, req in running.items():
             if req is None:
                 continue
-            outputs.append(self._output(req, request_id in finished))
+            done = request_id in finished
+            if done or req.params.stop or is_last(request_id):
+                outputs.append(self._output(req, done))
         return outputs
 
     def _output(self, req: Request, finished: bool) -> RequestOutput:

@@ -10,6 +10,7 @@ progress, so the loop never deadlocks.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from kvfit.engine.request import Request, RequestStatus
 from kvfit.engine.step_plan import ScheduledSeq, StepPlan
@@ -62,7 +63,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # one step -----------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_steps: int = 1) -> StepPlan:
+        """The next step; with num_steps > 1 an all-decode step may become a multi-step plan."""
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
@@ -84,7 +86,32 @@ class Scheduler:
             break
         if not preempted:
             budget = self._admit(seqs, budget)
-        return StepPlan(seqs=tuple(seqs), preempted_ids=tuple(preempted))
+        plan = StepPlan(seqs=tuple(seqs), preempted_ids=tuple(preempted))
+        return self._multi_step(plan, num_steps) if num_steps > 1 and not preempted else plan
+
+    def _multi_step(self, plan: StepPlan, num_steps: int) -> StepPlan:
+        """Give every sequence of an all-decode plan up to num_steps decode steps (never past its
+        max_tokens), with blocks for all of them allocated now. The plan stays one step when a
+        waiting request could be admitted instead, or when the blocks are not all free (no request
+        is preempted to make room for tokens that may never be needed)."""
+        if not plan.seqs or (self.waiting and len(self.running) < self.max_num_seqs):
+            return plan
+        if any(len(s.token_ids) != 1 or not s.sample for s in plan.seqs):
+            return plan
+        reqs = [self.requests[s.request_id] for s in plan.seqs]
+        steps = [max(1, min(num_steps, r.max_total_tokens - r.num_tokens)) for r in reqs]
+        if max(steps) == 1:
+            return plan
+        bs = self.block_size
+        need = sum(max(-(-(r.num_computed_tokens + n) // bs) - len(r.block_ids), 0) for r, n in zip(reqs, steps))
+        if need > self.pool.num_allocatable_blocks:
+            return plan
+        seqs = []
+        for seq, req, n in zip(plan.seqs, reqs, steps):
+            grown = self._grow(req, req.num_computed_tokens + n)
+            assert grown, "blocks counted free above"
+            seqs.append(replace(seq, block_ids=tuple(req.block_ids), num_steps=n))
+        return StepPlan(seqs=tuple(seqs))
 
     def _admit(self, seqs: list[ScheduledSeq], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -150,14 +177,17 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # after the model ran ------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Record computed tokens and sampled ones; return the requests that finished this step."""
+    def update(self, plan: StepPlan, sampled: dict[str, int], step: int = 0) -> list[Request]:
+        """Record computed tokens and sampled ones of the plan's step `step` (0 unless multi-step);
+        return the requests that finished with it. Steps are applied in order."""
         finished = []
         for seq in plan.seqs:
+            if step >= seq.num_steps:
+                continue
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:   # aborted (or re-added) meanwhile
                 continue
-            req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            req.num_computed_tokens = seq.start_pos + len(seq.token_ids) + step
             self._register_full_blocks(req)
             token = sampled.get(seq.request_id)
             if seq.sample and token is not None:

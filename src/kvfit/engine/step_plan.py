@@ -18,6 +18,9 @@ class ScheduledSeq:
     sample: bool                  # the chunk ends at the last known token: sample the next one
     params: SamplingParams
     num_generated: int            # output tokens so far (seeds the per-request sampler)
+    # decode steps to run back to back (multi-step): step k computes position start_pos + k and
+    # samples; block_ids already cover all of them. Always 1 for prefill chunks.
+    num_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,8 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def num_steps(self) -> int:
+        """Device steps this plan runs: 1, or the most decode steps of any sequence (multi-step)."""
+        return max((s.num_steps for s in self.seqs), default=1)

@@ -5,16 +5,18 @@ It never changes scheduler state: it gets a StepPlan and returns sampled tokens.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvfit.config import EngineConfig
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.step_plan import ScheduledSeq, StepPlan
-from kvfit.kv.spec import KVSpec
+from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
 from kvfit.runner.batch import build_inputs
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
-from kvfit.runner.sampler import sample
+from kvfit.runner.sampler import sample, sample_tensor
 
 
 def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
@@ -141,6 +143,50 @@ class ModelRunner:
             return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
         tokens = sample(logits, [s.params for s in plan.seqs], [s.num_generated for s in plan.seqs])
         return {s.request_id: t for s, t in zip(plan.seqs, tokens)}
+
+    @torch.inference_mode()
+    def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
+        """Run a multi-step decode plan: sequence i runs plan.seqs[i].num_steps decode steps, each
+        step's sampled tokens feeding the next on the device; one host sync at the end.
+
+        Returns {request_id: its sampled tokens, in order}. A sequence past its last step keeps
+        running with the batch (its row writes to PADDING_SLOT_ID and its samples are dropped).
+        """
+        seqs = plan.seqs
+        bs = self.spec.block_size
+        inputs = build_inputs(plan, bs, self.device)
+        meta = inputs.meta
+        steps = [s.num_steps for s in seqs]
+        num_steps = max(steps)
+        remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
+        ids, positions, seq_lens, slots = inputs.input_ids, inputs.positions, meta.seq_lens, meta.slot_mapping
+        tables = meta.block_tables                                                              # [B, W]
+        tokens = torch.empty((num_steps, len(seqs)), dtype=torch.int64, device=self.device)      # [K, B]
+        params = [s.params for s in seqs]
+        for k in range(num_steps):
+            step_meta = replace(meta, slot_mapping=slots, seq_lens=seq_lens, max_seq_len=meta.max_seq_len + k,
+                                seq_lens_host=[n + min(k, m - 1) for n, m in zip(meta.seq_lens_host, steps)])
+            logits = self._decode_logits(ids, positions, step_meta)                             # [B, vocab]
+            tokens[k] = sample_tensor(logits, params, [s.num_generated + k for s in seqs])
+            if k + 1 == num_steps:
+                break
+            active = remaining > k + 1                                                          # [B] bool
+            ids = tokens[k]
+            positions = positions + active
+            seq_lens = seq_lens + active.to(seq_lens.dtype)
+            # the slot-mapping rule of batch.slot_of, on the device, in int64
+            block = tables.gather(1, (positions // bs)[:, None]).squeeze(1).to(torch.int64)
+            slots = torch.where(active, block * bs + positions % bs, PADDING_SLOT_ID)
+        if self.tp_rank != 0:
+            return {}
+        rows = tokens.t().tolist()
+        return {s.request_id: row[:s.num_steps] for s, row in zip(seqs, rows)}
+
+    def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
+        if self.graphs is not None and ids.shape[0] <= self.graphs.buckets[-1]:
+            return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, kv_caches: KVCaches) -> dict[str, int]:

@@ -29,10 +29,11 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]) -> list[int]:
-    """logits: [N, V] float32 -> one token id per row."""
-    greedy = torch.argmax(logits, dim=-1)
-    out = greedy.tolist()
+def sample_tensor(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
+                  ) -> torch.Tensor:
+    """logits: [N, V] -> token ids [N] int64 on logits' device, with no host synchronisation
+    (multi-step decoding feeds them straight into the next step)."""
+    out = torch.argmax(logits, dim=-1)                                       # [N]
     for row, p in enumerate(params):
         if p.greedy:
             continue
@@ -41,5 +42,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated
         if p.seed is not None:
             gen = torch.Generator(device=logits.device)
             gen.manual_seed((p.seed * 1_000_003 + num_generated[row]) % (2**63))
-        out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        out[row] = torch.multinomial(probs, 1, generator=gen)[0]
     return out
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]) -> list[int]:
+    """logits: [N, V] float32 -> one token id per row."""
+    return sample_tensor(logits, params, num_generated).tolist()

@@ -52,5 +52,8 @@ class Worker:
     def execute(self, plan: StepPlan) -> dict[str, int]:
         return self.runner.execute(plan)
 
+    def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
+        return self.runner.execute_steps(plan)
+
     def shutdown(self) -> None:
         pass
