@@ -12,7 +12,7 @@ from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.step_plan import ScheduledSeq, StepPlan
 from kvfit.kv.pool import BlockPool
-from kvfit.runner.batch import build_inputs, slot_of
+from kvfit.runner.batch import build_inputs, slot_mapping
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
@@ -28,12 +28,15 @@ def expected_slots(s: ScheduledSeq, block_size: int) -> list[int]:
             for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
 
 
-def test_slot_of():
-    assert slot_of([7, 2], 0, 4) == 28
-    assert slot_of([7, 2], 3, 4) == 31
-    assert slot_of([7, 2], 4, 4) == 8
-    assert slot_of([7, 2], 7, 4) == 11
-    assert slot_of([5], 0, 1) == 5
+def test_slot_mapping_rule():
+    table = torch.tensor([[7, 2], [5, 0]], dtype=torch.int32)
+    seq_index = torch.tensor([0, 0, 0, 0, 1])
+    positions = torch.tensor([0, 3, 4, 7, 2])
+    assert slot_mapping(table, seq_index, positions, 4).tolist() == [28, 31, 8, 11, 22]
+    assert slot_mapping(table, torch.tensor([1]), torch.tensor([0]), 1).tolist() == [5]
+    big = torch.tensor([[2**31 - 1]], dtype=torch.int32)        # the largest int32 block id
+    slot = slot_mapping(big, torch.tensor([0]), torch.tensor([15]), 16)
+    assert slot.dtype == torch.int64 and slot.item() == (2**31 - 1) * 16 + 15
 
 
 def test_mixed_prefill_chunk_and_decode():

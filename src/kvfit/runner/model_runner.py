@@ -14,7 +14,7 @@ from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.step_plan import ScheduledSeq, StepPlan
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
-from kvfit.runner.batch import build_inputs
+from kvfit.runner.batch import build_inputs, slot_mapping
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
 from kvfit.runner.sampler import sample, sample_tensor
 
@@ -163,6 +163,7 @@ class ModelRunner:
         tables = meta.block_tables                                                              # [B, W]
         tokens = torch.empty((num_steps, len(seqs)), dtype=torch.int64, device=self.device)      # [K, B]
         params = [s.params for s in seqs]
+        rows = torch.arange(len(seqs), device=self.device)                                      # [B]
         for k in range(num_steps):
             step_meta = replace(meta, slot_mapping=slots, seq_lens=seq_lens, max_seq_len=meta.max_seq_len + k,
                                 seq_lens_host=[n + min(k, m - 1) for n, m in zip(meta.seq_lens_host, steps)])
@@ -174,13 +175,11 @@ class ModelRunner:
             ids = tokens[k]
             positions = positions + active
             seq_lens = seq_lens + active.to(seq_lens.dtype)
-            # the slot-mapping rule of batch.slot_of, on the device, in int64
-            block = tables.gather(1, (positions // bs)[:, None]).squeeze(1).to(torch.int64)
-            slots = torch.where(active, block * bs + positions % bs, PADDING_SLOT_ID)
+            slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)
         if self.tp_rank != 0:
             return {}
-        rows = tokens.t().tolist()
-        return {s.request_id: row[:s.num_steps] for s, row in zip(seqs, rows)}
+        sampled = tokens.t().tolist()
+        return {s.request_id: row[:s.num_steps] for s, row in zip(seqs, sampled)}
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
