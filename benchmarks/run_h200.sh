@@ -15,6 +15,7 @@ for s in "$@"; do case $s in
   throughput-small) step throughput-small 420 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --hf-batch 256 ;;
   throughput-8b) step throughput-8b 540 python3 benchmarks/bench_throughput.py --model llama-3.1-8b --hf-batch 64 --hf-requests 64 --hf-static ;;
   latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
+  latency-8b-k16) step latency-8b-k16 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b --num-scheduler-steps 16 ;;
   profile-step) step profile-step 300 python3 benchmarks/profile_step.py --model qwen3-0.6b ;;
   engine-gpu) step engine-gpu 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
   kernels-small) step kernels-small 240 python3 benchmarks/profile_kernels.py --model qwen3-0.6b ;;

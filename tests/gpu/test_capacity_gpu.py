@@ -58,6 +58,10 @@ def test_full_load_stays_inside_the_budget(llm):
     print(f"\npeak used blocks {peak_used} of {plan.num_blocks}; device in use {in_use} of budget "
           f"{int(total * UTILIZATION)}; torch reserved {torch.cuda.memory_reserved()}, allocated "
           f"{torch.cuda.memory_allocated()}, max reserved {torch.cuda.max_memory_reserved()}")
+    stats = torch.cuda.memory_stats()
+    print("allocator: " + ", ".join(f"{k} {stats.get(k)}" for k in (
+        "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak", "num_alloc_retries",
+        "segment.all.current", "active_bytes.all.peak")))
     assert peak_used >= plan.num_blocks - engine.spec.num_blocks_for_tokens(prompt_len + num_requests + 16)
     assert in_use <= int(total * UTILIZATION) + (64 << 20)           # the budget held (64 MiB slack)
     assert engine.pool.num_used_blocks == 0

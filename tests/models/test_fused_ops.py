@@ -122,3 +122,12 @@ def test_qk_norm_rope_bf16_close_to_torch():
     for got, ref in ((q, ref_q), (k, ref_k)):
         err = (got.float() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, err
+
+
+def test_one_token_views_of_fused_qkv_are_adjacent():
+    # a [1, X] row viewed as heads reports a stride(0) of its own; it must still take one launch
+    qkv = torch.randn(1, (4 + 2 + 2) * 16).to(DEVICE)
+    q, k, _ = qkv.split([64, 32, 32], dim=1)
+    q, k = q.view(1, 4, 16), k.view(1, 2, 16)
+    assert fused_ops._adjacent_heads(q, k)
+    assert not fused_ops._adjacent_heads(q, k.clone())

@@ -113,7 +113,8 @@ def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_fi
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """k's heads follow q's in memory with the same strides (q and k are views of one fused qkv row)."""
-    return (q.stride() == k.stride() and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    same_strides = q.stride()[1:] == k.stride()[1:] and (q.shape[0] <= 1 or q.stride(0) == k.stride(0))
+    return (same_strides and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
             and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
 
 

@@ -64,7 +64,9 @@ class ModelRunner:
         num_blocks = max(max(s.block_ids[-1] for s in plan.seqs) + 1 for plan in plans)
         scratch = allocate_kv_caches(self.spec, num_blocks, self.device)
         try:
-            for plan in plans:
+            # twice over: the allocator's cache settles into the layout that alternating step shapes
+            # leave behind (fragmentation), and that reserved peak is what serving will hold
+            for plan in plans + plans:
                 self._execute(plan, scratch)
         finally:
             del scratch
@@ -169,6 +171,7 @@ class ModelRunner:
                                 seq_lens_host=[n + min(k, m - 1) for n, m in zip(meta.seq_lens_host, steps)])
             logits = self._decode_logits(ids, positions, step_meta)                             # [B, vocab]
             tokens[k] = sample_tensor(logits, params, [s.num_generated + k for s in seqs])
+            del logits              # one step's logits alive at a time, as in the profiled step
             if k + 1 == num_steps:
                 break
             active = remaining > k + 1                                                          # [B] bool
