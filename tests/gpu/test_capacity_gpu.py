@@ -48,6 +48,7 @@ def test_full_load_stays_inside_the_budget(llm):
     params = SamplingParams(temperature=0, max_tokens=num_requests + 16, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
+    torch.cuda.reset_peak_memory_stats()
     peak_used = 0
     while engine.has_unfinished():
         engine.step()
@@ -58,6 +59,9 @@ def test_full_load_stays_inside_the_budget(llm):
     print(f"\npeak used blocks {peak_used} of {plan.num_blocks}; device in use {in_use} of budget "
           f"{int(total * UTILIZATION)}; torch reserved {torch.cuda.memory_reserved()}, allocated "
           f"{torch.cuda.memory_allocated()}, max reserved {torch.cuda.max_memory_reserved()}")
+    outside = llm.engine.readings[0].non_torch_bytes + llm.engine.readings[0].in_use_at_start_bytes
+    print(f"peak reserved + memory outside torch {torch.cuda.max_memory_reserved() + outside}; "
+          f"allocator cache releases {engine.workers.platform.num_cache_releases}")
     stats = torch.cuda.memory_stats()
     print("allocator: " + ", ".join(f"{k} {stats.get(k)}" for k in (
         "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak", "num_alloc_retries",

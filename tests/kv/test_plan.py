@@ -318,3 +318,15 @@ def test_a_budget_smaller_than_one_block_says_so():
     r = MemoryReading(total_bytes=1 << 30, budget_bytes=1 << 30, kv_cache_memory_bytes=1024)
     with pytest.raises(CapacityError, match="holds no block"):
         plan_kv_cache(r, spec, PlanLimits(max_model_len=64))
+
+
+def test_process_budget_is_the_budget_less_memory_outside_the_process():
+    from kvfit.kv.plan import MemoryReading
+    r = MemoryReading(total_bytes=1000, budget_bytes=900, weights_bytes=100, activation_peak_bytes=50,
+                      non_torch_bytes=30, cuda_graph_bytes=20, in_use_at_start_bytes=40)
+    assert r.process_budget_bytes == 900 - 30 - 40
+    # what the allocator may hold covers exactly weights + activations + graphs + the KV it plans
+    assert r.process_budget_bytes == (r.weights_bytes + r.activation_peak_bytes + r.cuda_graph_bytes
+                                      + r.available_kv_bytes)
+    explicit = MemoryReading(total_bytes=1000, budget_bytes=900, kv_cache_memory_bytes=300)
+    assert explicit.process_budget_bytes is None

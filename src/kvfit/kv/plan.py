@@ -51,6 +51,14 @@ class MemoryReading:
             return self.kv_cache_memory_bytes
         return self.budget_bytes - self.non_kv_bytes
 
+    @property
+    def process_budget_bytes(self) -> int | None:
+        """What this process's allocator may hold while serving (weights, activations, graphs, KV):
+        the budget less memory outside it. None with an explicit kv_cache_memory (no device budget)."""
+        if self.kv_cache_memory_bytes is not None:
+            return None
+        return self.budget_bytes - self.non_torch_bytes - self.in_use_at_start_bytes
+
     def explain(self) -> str:
         return (f"budget {gib(self.budget_bytes)} - weights {gib(self.weights_bytes)} - activation peak "
                 f"{gib(self.activation_peak_bytes)} - non-torch {gib(self.non_torch_bytes)} - CUDA graphs "

@@ -33,6 +33,10 @@ class Platform:
     def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
         raise NotImplementedError
 
+    def keep_within(self, reading: MemoryReading) -> None:
+        """After a step: hand cached memory back if this process holds more than reading's budget
+        allows (an allocator cache can grow past the profiled peak). Default: nothing cached."""
+
 
 def get_platform(device: str = "auto", device_index: int = 0) -> Platform:
     """The platform for --device: cuda when asked (or auto with a GPU), else cpu."""

@@ -32,6 +32,7 @@ class CudaPlatform(Platform):
 
     def __init__(self, device_index: int = 0):
         self.device = torch.device("cuda", device_index)
+        self.num_cache_releases = 0      # keep_within's releases of the allocator cache
 
     def torch_device(self):
         return self.device
@@ -78,6 +79,15 @@ class CudaPlatform(Platform):
             total_bytes=total, budget_bytes=budget, weights_bytes=after_weights - allocated_before,
             activation_peak_bytes=activation_peak, non_torch_bytes=non_torch, cuda_graph_bytes=graph_bytes,
             in_use_at_start_bytes=in_use_at_start, kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
+
+    def keep_within(self, reading: MemoryReading) -> None:
+        # Live memory stays inside the plan (weights + KV + graphs + the profiled activation peak),
+        # but blocks cached after steps of shapes unlike the profile's can push reserved memory
+        # past the budget. A host-side read each step; the (synchronising) release is rare.
+        cap = reading.process_budget_bytes
+        if cap is not None and torch.cuda.memory_reserved(self.device) > cap:
+            torch.cuda.empty_cache()
+            self.num_cache_releases += 1
 
     def _graph_bytes(self, steps: StartupSteps) -> int:
         """Torch memory a trial capture of the decode graphs holds (their private pool).

@@ -64,9 +64,7 @@ class ModelRunner:
         num_blocks = max(max(s.block_ids[-1] for s in plan.seqs) + 1 for plan in plans)
         scratch = allocate_kv_caches(self.spec, num_blocks, self.device)
         try:
-            # twice over: the allocator's cache settles into the layout that alternating step shapes
-            # leave behind (fragmentation), and that reserved peak is what serving will hold
-            for plan in plans + plans:
+            for plan in plans:
                 self._execute(plan, scratch)
         finally:
             del scratch

@@ -23,6 +23,7 @@ class Worker:
         self.platform = platform
         self.config = config
         self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank)
+        self.reading: MemoryReading | None = None      # this rank's, once measured
 
     def measure(self, after_load: Callable[[], None] | None = None) -> MemoryReading:
         """Load weights and profile, measured by the platform.
@@ -41,7 +42,8 @@ class Worker:
         steps = StartupSteps(load_weights=load_weights, profile=runner.profile_run,
                              capture_graphs=getattr(runner, "trial_capture_graphs", None),
                              release_graphs=getattr(runner, "release_graphs", None))
-        return self.platform.measure(steps, self.config.cache)
+        self.reading = self.platform.measure(steps, self.config.cache)
+        return self.reading
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
@@ -50,10 +52,14 @@ class Worker:
             capture()
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        return self.runner.execute(plan)
+        sampled = self.runner.execute(plan)
+        self.platform.keep_within(self.reading)
+        return sampled
 
     def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
-        return self.runner.execute_steps(plan)
+        sampled = self.runner.execute_steps(plan)
+        self.platform.keep_within(self.reading)
+        return sampled
 
     def shutdown(self) -> None:
         pass
