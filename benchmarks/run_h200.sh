@@ -20,6 +20,7 @@ for s in "$@"; do case $s in
   engine-gpu) step engine-gpu 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
   kernels-small) step kernels-small 240 python3 benchmarks/profile_kernels.py --model qwen3-0.6b ;;
   kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
+  gemv) step gemv 240 python3 benchmarks/bench_gemv.py --model llama-3.1-8b ;;
   fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -1,0 +1,101 @@
+"""Batch-1 linear layers: cuBLAS (F.linear) against kvfit's Triton GEMV, against copy bandwidth.
+
+python benchmarks/bench_gemv.py [--model llama-3.1-8b]
+For each weight shape of the model (q/k/v, o, gate/up, down, lm_head) at one token: the time of a
+CUDA graph replaying the product over enough weight copies that nothing stays in L2, as bytes of
+weight read per second, for cuBLAS and each Triton config; then the whole decode step's linears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from common import gpu_only
+
+CONFIGS = [(8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3),
+           (32, 256, 8, 3), (4, 512, 4, 4), (2, 2048, 4, 3), (8, 256, 4, 4)]
+
+
+def shapes(model: str) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, times per decode step)."""
+    from kvfit.model_facts import load_model_facts
+    f = load_model_facts(model)
+    h, d, layers = f.hidden_size, f.head_dim, f.num_layers
+    return {"qkv": ((f.num_attention_heads + 2 * f.num_kv_heads) * d, h, layers),
+            "o_proj": (h, f.num_attention_heads * d, layers),
+            "gate_up": (2 * f.intermediate_size, h, layers),
+            "down": (h, f.intermediate_size, layers),
+            "lm_head": (f.vocab_size, h, 1)}
+
+
+def graph_time(fn, x, weights, reps: int = 20) -> float:
+    """Seconds per product: a graph of one product per weight copy, replayed `reps` times."""
+    for w in weights:
+        fn(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    args = ap.parse_args()
+    if not gpu_only("bench_gemv"):
+        return 0
+    from common import copy_bandwidth
+    from kvfit.models.gemv import gemv
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    totals = {"cublas": 0.0}
+    best = {}
+    rows = []
+    for name, (n, k, per_step) in shapes(args.model).items():
+        nbytes = n * k * 2
+        copies = max(2, -(-(512 << 20) // nbytes))           # >= 512 MiB of weights: L2 never holds them
+        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), weights[0].float())
+        t_cublas = graph_time(lambda a, w: torch.nn.functional.linear(a, w), x, weights)
+        results = {"cublas": t_cublas}
+        for cfg in CONFIGS:
+            got = gemv(x, weights[0], cfg).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, cfg, err)
+            results[str(cfg)] = graph_time(lambda a, w, c=cfg: gemv(a, w, c), x, weights)
+        winner = min((c for c in results if c != "cublas"), key=results.get)
+        best[name] = winner
+        totals["cublas"] += per_step * t_cublas
+        totals["triton best"] = totals.get("triton best", 0.0) + per_step * results[winner]
+        for cfg in CONFIGS:
+            totals[str(cfg)] = totals.get(str(cfg), 0.0) + per_step * results[str(cfg)]
+        line = " ".join(f"{c}:{nbytes / t / 1e12:.2f}" for c, t in results.items())
+        print(f"{name:8s} N={n:6d} K={k:5d} TB/s read  {line}", flush=True)
+        rows.append({"name": name, "n": n, "k": k, "seconds": results, "best": winner})
+        del weights
+        torch.cuda.empty_cache()
+    print("per decode step (all linears): " + ", ".join(f"{c} {t * 1e3:.3f} ms" for c, t in totals.items()))
+    print(f"best config per shape: {best}")
+    print("RESULT " + json.dumps({"model": args.model, "copy_bandwidth_Bps": bandwidth, "rows": rows,
+                                  "step_totals_s": totals}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""y = x @ W^T for one row of x (batch-1 decode) in Triton, reading W once at full bandwidth.
+
+At one token per step every linear layer is a matrix-vector product bound by reading its weight;
+program n reads BLOCK_N whole rows of W (contiguous along K, so loads are wide and coalesced) and
+reduces them against x in fp32. Offsets are int64 (row * stride), as everywhere in kvfit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): benchmarks/bench_gemv.py sweeps these on the GPU
+DEFAULT_CONFIG = (8, 512, 4, 3)
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        # K is a compile-time constant: one kernel per weight shape, static loop bounds
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + cols) < K
+            x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_row + (k + cols)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config=DEFAULT_CONFIG) -> torch.Tensor:
+    """x: [1, K] (contiguous), weight: [N, K] with unit stride along K -> [1, N] in x's dtype."""
+    assert x.shape[0] == 1 and x.shape[1] == weight.shape[1] and weight.stride(1) == 1, (x.shape, weight.shape)
+    block_n, block_k, warps, stages = config
+    n, k = weight.shape
+    x = x.contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
