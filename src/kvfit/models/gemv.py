@@ -8,6 +8,7 @@ reduces them against x in fp32. Offsets are int64 (row * stride), as everywhere 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -46,3 +47,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=DEFAULT_CONFIG) -> torch.
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
                                              BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One token on CUDA with Triton, a float weight with unit stride along K."""
+    return (triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the Triton GEMV for a single token on CUDA (batch-1 decode)."""
+    if not gemv_applies(x, weight):
+        return F.linear(x, weight, bias)
+    out = gemv(x, weight)
+    return out if bias is None else out + bias

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvfit.models import fused_ops
 from kvfit.models.fusion import fuse_rows
+from kvfit.models.gemv import linear
 from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
 
 
@@ -54,7 +55,7 @@ class SwiGLU(torch.nn.Module):
         # x: [T, hidden] -> [T, hidden]
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)             # [T, 2 I]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)               # [T, 2 I]
         if fused_ops.available(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=1)

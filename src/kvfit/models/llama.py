@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
 from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
 from kvfit.models import fused_ops
 from kvfit.models.fusion import fuse_rows
+from kvfit.models.gemv import linear
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
 from kvfit.models.parallel import (ColumnLinear, RowLinear, Shard, VocabEmbedding, gather_vocab, kv_head_range,
                                    make_param, read_shard, source_shape, split_evenly)
@@ -103,7 +103,7 @@ class Attention(torch.nn.Module):
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)                    # [T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
         return (q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d),
                 v.view(num_tokens, self.num_kv_heads, d))
@@ -211,7 +211,7 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""
-        local = torch.nn.functional.linear(hidden, self.lm_head.weight)           # [N, vocab rows here]
+        local = linear(hidden, self.lm_head.weight)                               # [N, vocab rows here]
         # gathered in the model's dtype, then widened: the same numbers as with one rank
         return gather_vocab(local, self.config.vocab_size, self.tp_size).float()
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
 from kvfit.kv.spec import kv_heads_per_rank
+from kvfit.models.gemv import linear
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class ColumnLinear(torch.nn.Module):
         self.bias = make_param((out_features,), shard, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)                 # [T, out_size]
+        return linear(x, self.weight, self.bias)                   # [T, out_size]
 
 
 class RowLinear(torch.nn.Module):
@@ -157,7 +158,7 @@ class RowLinear(torch.nn.Module):
         self.bias = make_param((out_features,), None, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp_size)    # [T, out_features]
+        y = all_reduce(linear(x, self.weight), self.tp_size)      # [T, out_features]
         return y if self.bias is None else y + self.bias
 
 
