@@ -75,10 +75,10 @@ def main() -> int:
         t_cublas = graph_time(lambda a, w: torch.nn.functional.linear(a, w), x, weights)
         results = {"cublas": t_cublas}
         for cfg in CONFIGS:
-            got = gemv(x, weights[0], cfg).float()
+            got = gemv(x, weights[0], config=cfg).float()
             err = ((got - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, cfg, err)
-            results[str(cfg)] = graph_time(lambda a, w, c=cfg: gemv(a, w, c), x, weights)
+            results[str(cfg)] = graph_time(lambda a, w, c=cfg: gemv(a, w, config=c), x, weights)
         winner = min((c for c in results if c != "cublas"), key=results.get)
         best[name] = winner
         totals["cublas"] += per_step * t_cublas

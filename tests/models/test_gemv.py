@@ -22,7 +22,9 @@ def test_gemv_matches_linear(n, k, config):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=g).to(DEVICE)
     w = torch.randn(n, k, generator=g).to(DEVICE)
-    torch.testing.assert_close(gemv.gemv(x, w, config), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv.gemv(x, w, config=config), x @ w.T, rtol=1e-4, atol=1e-4)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    torch.testing.assert_close(gemv.gemv(x, w, b, config=config), x @ w.T + b, rtol=1e-4, atol=1e-4)
 
 
 def test_gemv_reads_rows_of_a_strided_weight():
@@ -30,7 +32,7 @@ def test_gemv_reads_rows_of_a_strided_weight():
     big = torch.randn(20, 80).to(DEVICE)
     w = big[:, 16:64]
     x = torch.randn(1, 48).to(DEVICE)
-    torch.testing.assert_close(gemv.gemv(x, w, (8, 32, 4, 1)), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv.gemv(x, w, config=(8, 32, 4, 1)), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def test_linear_falls_back_to_torch_off_cuda_or_with_more_rows():

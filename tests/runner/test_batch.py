@@ -115,3 +115,11 @@ def test_slot_mapping_matches_the_rule_for_scheduler_plans():
         pool.check_invariants()
     assert pool.num_used_blocks == 0
     assert sched.num_preemptions > 0 and sched.num_prefix_hits > 0     # the plans covered both paths
+
+
+def test_a_table_shorter_than_its_tokens_is_refused():
+    # positions 4..5 need a second block of 4: the zero padding must not stand in for it
+    import pytest
+    plan = StepPlan(seqs=(seq("a", [1, 2], 4, [7], True), seq("b", [3], 0, [1, 2], True)))
+    with pytest.raises(AssertionError, match="block table too short"):
+        build_inputs(plan, 4, CPU)

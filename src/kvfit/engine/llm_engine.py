@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from typing import Callable
 
 from kvfit.attention.registry import get_backend
 from kvfit.config import EngineConfig
@@ -12,6 +13,7 @@ from kvfit.engine.output import Detokenizer, RequestOutput
 from kvfit.engine.request import Request
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.scheduler import Scheduler
+from kvfit.engine.step_plan import StepPlan
 from kvfit.errors import ConfigError, RequestError
 from kvfit.kv.limits import spec_and_limits
 from kvfit.kv.plan import KVPlan, plan_kv_cache
@@ -159,7 +161,8 @@ class LLMEngine:
             outputs.extend(self._apply(plan, sampled, k, lambda rid, k=k: k + 1 == len(tokens[rid])))
         return outputs
 
-    def _apply(self, plan, sampled: dict[str, int], step: int, is_last) -> list[RequestOutput]:
+    def _apply(self, plan: StepPlan, sampled: dict[str, int], step: int,
+               is_last: Callable[[str], bool]) -> list[RequestOutput]:
         """Apply step `step` of the plan; outputs for requests that finished, have stop strings
         (checked every token) or got their last token of the plan (is_last(request_id))."""
         running = {rid: self.scheduler.requests.get(rid) for rid in sampled}

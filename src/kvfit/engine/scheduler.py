@@ -102,8 +102,7 @@ class Scheduler:
         steps = [max(1, min(num_steps, r.max_total_tokens - r.num_tokens)) for r in reqs]
         if max(steps) == 1:
             return plan
-        bs = self.block_size
-        need = sum(max(-(-(r.num_computed_tokens + n) // bs) - len(r.block_ids), 0) for r, n in zip(reqs, steps))
+        need = sum(self._blocks_short(r, r.num_computed_tokens + n) for r, n in zip(reqs, steps))
         if need > self.pool.num_allocatable_blocks:
             return plan
         seqs = []
@@ -150,10 +149,14 @@ class Scheduler:
             hits.append(block)
         return hits
 
+    def _blocks_short(self, req: Request, num_tokens: int) -> int:
+        """Blocks req's table lacks to cover num_tokens (0 if it covers them)."""
+        return max(-(-num_tokens // self.block_size) - len(req.block_ids), 0)
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's block table cover num_tokens; False (nothing changed) if blocks ran out."""
-        need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need <= 0:
+        need = self._blocks_short(req, num_tokens)
+        if need == 0:
             return True
         new = self.pool.allocate(need)
         if new is None:

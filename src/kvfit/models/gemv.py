@@ -22,8 +22,8 @@ DEFAULT_CONFIG = (2, 2048, 4, 3)
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
         # K is a compile-time constant: one kernel per weight shape, static loop bounds
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
@@ -35,18 +35,23 @@ if triton is not None:
             x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_row + (k + cols)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * x[None, :]
-        tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_mask)
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:    # added in fp32 before the one rounding, as cuBLAS's epilogue does
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config=DEFAULT_CONFIG) -> torch.Tensor:
-    """x: [1, K] (contiguous), weight: [N, K] with unit stride along K -> [1, N] in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config=DEFAULT_CONFIG) -> torch.Tensor:
+    """x: [1, K] (contiguous), weight: [N, K] with unit stride along K, bias [N] -> [1, N] in x's dtype."""
     assert x.shape[0] == 1 and x.shape[1] == weight.shape[1] and weight.stride(1) == 1, (x.shape, weight.shape)
     block_n, block_k, warps, stages = config
     n, k = weight.shape
     x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else x, out, n, weight.stride(0),
+                                             K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                                             num_warps=warps, num_stages=stages)
     return out
 
 
@@ -60,5 +65,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through the Triton GEMV for a single token on CUDA (batch-1 decode)."""
     if not gemv_applies(x, weight):
         return F.linear(x, weight, bias)
-    out = gemv(x, weight)
-    return out if bias is None else out + bias
+    return gemv(x, weight, bias)

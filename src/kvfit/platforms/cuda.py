@@ -84,7 +84,7 @@ class CudaPlatform(Platform):
         # Live memory stays inside the plan (weights + KV + graphs + the profiled activation peak),
         # but blocks cached after steps of shapes unlike the profile's can push reserved memory
         # past the budget. A host-side read each step; the (synchronising) release is rare.
-        cap = reading.process_budget_bytes
+        cap = reading.process_budget_bytes if reading is not None else None
         if cap is not None and torch.cuda.memory_reserved(self.device) > cap:
             torch.cuda.empty_cache()
             self.num_cache_releases += 1

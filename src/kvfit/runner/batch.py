@@ -43,6 +43,8 @@ def build_inputs(plan: StepPlan, block_size: int, device: torch.device) -> Model
     starts = [0, *accumulate(q_lens)]
     seq_lens = [s.start_pos + n for s, n in zip(seqs, q_lens)]
     width = max(len(s.block_ids) for s in seqs)
+    # a table shorter than its tokens would map them into block 0 of the padding: someone's block
+    assert all(len(s.block_ids) * block_size >= n for s, n in zip(seqs, seq_lens)), "block table too short"
     table = torch.tensor([s.block_ids + (0,) * (width - len(s.block_ids)) for s in seqs],
                          dtype=torch.int32)                                 # [B, width], zero padded
     num_tokens = starts[-1]
