@@ -171,3 +171,15 @@ def test_bad_num_scheduler_steps(tiny_llama):
 def test_cpu_default_is_one_step(tiny_llama):
     llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64)
     assert llm.engine.num_scheduler_steps == 1
+
+
+def test_offline_steps_report_finished_requests_only(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, num_scheduler_steps=3)
+    engine = llm.engine
+    for i, n in enumerate((4, 9)):
+        engine.add_request([5, 6, 7 + i], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), f"q{i}")
+    seen = []
+    while engine.has_unfinished():
+        seen.extend(engine.step(stream=False))
+    assert sorted((o.request_id, len(o.token_ids)) for o in seen) == [("q0", 4), ("q1", 9)]
+    assert all(o.finished for o in seen)

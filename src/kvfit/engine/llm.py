@@ -61,7 +61,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
-                for out in engine.step():
+                for out in engine.step(stream=False):
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

@@ -139,8 +139,9 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     # the loop -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update; return an output for every request that got tokens.
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """Schedule, execute, update; return an output for every request that got tokens
+        (stream=False: for the requests that finished only, so no text is decoded before the end).
 
         A multi-step plan (--num-scheduler-steps) returns several tokens per request; they are
         applied one at a time, in order, so stops and stop strings end a request at the same
@@ -153,18 +154,18 @@ class LLMEngine:
             assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
             return []
         if plan.num_steps == 1:
-            return self._apply(plan, self.workers.execute(plan), 0, lambda _: True)
+            return self._apply(plan, self.workers.execute(plan), 0, lambda _: stream)
         tokens = self.workers.execute_steps(plan)
         outputs = []
         for k in range(plan.num_steps):
             sampled = {rid: toks[k] for rid, toks in tokens.items() if k < len(toks)}
-            outputs.extend(self._apply(plan, sampled, k, lambda rid, k=k: k + 1 == len(tokens[rid])))
+            outputs.extend(self._apply(plan, sampled, k, lambda rid, k=k: stream and k + 1 == len(tokens[rid])))
         return outputs
 
     def _apply(self, plan: StepPlan, sampled: dict[str, int], step: int,
                is_last: Callable[[str], bool]) -> list[RequestOutput]:
-        """Apply step `step` of the plan; outputs for requests that finished, have stop strings
-        (checked every token) or got their last token of the plan (is_last(request_id))."""
+        """Apply step `step` of the plan; outputs for requests that finished or that is_last(request_id)
+        asks for (their last token of the plan, when streaming). Stop strings are checked every token."""
         running = {rid: self.scheduler.requests.get(rid) for rid in sampled}
         finished = {r.request_id for r in self.scheduler.update(plan, sampled, step)}
         outputs = []
@@ -172,8 +173,11 @@ class LLMEngine:
             if req is None:
                 continue
             done = request_id in finished
-            if done or req.params.stop or is_last(request_id):
-                outputs.append(self._output(req, done))
+            wanted = is_last(request_id)
+            if done or wanted or req.params.stop:
+                out = self._output(req, done)          # a stop string found here finishes the request
+                if out.finished or wanted:
+                    outputs.append(out)
         return outputs
 
     def _output(self, req: Request, finished: bool) -> RequestOutput:
