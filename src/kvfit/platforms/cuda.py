@@ -83,7 +83,8 @@ class CudaPlatform(Platform):
     def keep_within(self, reading: MemoryReading) -> None:
         # Live memory stays inside the plan (weights + KV + graphs + the profiled activation peak),
         # but blocks cached after steps of shapes unlike the profile's can push reserved memory
-        # past the budget. A host-side read each step; the (synchronising) release is rare.
+        # past the budget. A host-side read each step; a release synchronises the device (49 of them
+        # in the full-load capacity run on the H200, docs/benchmarks.md).
         cap = reading.process_budget_bytes if reading is not None else None
         if cap is not None and torch.cuda.memory_reserved(self.device) > cap:
             torch.cuda.empty_cache()
