@@ -11,6 +11,7 @@ answers each sampled seq with a token fixed by (request_id, num_generated). Chec
 - progress: a step with unfinished requests never plans nothing; the loop ends within a bound.
 - results: every request not aborted ends with exactly the tokens and finish reason that an
   undisturbed run gives; at the end no block is used and free + cached == total.
+- all of it with multi-step rounds too (schedule(num_steps), tokens applied step by step).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def workloads(draw):
     num_blocks = draw(st.integers(min_blocks, min_blocks + 12))
     config = dict(block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
                   max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 24)),
-                  prefix_caching=draw(st.booleans()))
+                  prefix_caching=draw(st.booleans()), num_steps=draw(st.sampled_from([1, 1, 2, 5])))
     prefixes = [draw(st.lists(st.integers(1, 4), max_size=3 * block_size)) for _ in range(2)] + [[]]
     specs = []
     for i in range(draw(st.integers(1, 8))):
@@ -106,6 +107,10 @@ def check_step(sched: Scheduler, plan, running_before: dict[str, int], tables: d
         assert list(seq.token_ids) == req.all_token_ids[seq.start_pos:end]
         assert seq.sample == (end == req.num_tokens)
         assert seq.num_generated == len(req.output_token_ids)
+        if seq.num_steps > 1:       # a multi-step decode round: one token in, blocks for every step
+            assert len(seq.token_ids) == 1 and seq.sample and seq.num_steps <= config["num_steps"]
+            assert req.num_tokens + seq.num_steps - 1 < req.max_total_tokens
+        end += seq.num_steps - 1
         assert len(seq.block_ids) == -(-end // bs)
         old = tables.get(seq.request_id, [])
         assert list(seq.block_ids[:len(old)]) == old, "block tables are append-only"
@@ -143,12 +148,14 @@ def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(w
     aborted: set[str] = set()
     tables: dict[str, list[int]] = {}
 
-    def runner(plan):
-        return {s.request_id: by_id[s.request_id].outputs[s.num_generated] for s in plan.seqs if s.sample}
+    def runner(plan, k):
+        # step k of the plan: the token a request's (num_generated + k)-th sample gives
+        return {s.request_id: by_id[s.request_id].outputs[s.num_generated + k] for s in plan.seqs
+                if s.sample and k < s.num_steps}
 
     total_tokens = sum(len(s.prompt) + config["max_model_len"] for s in specs)
     bound = max(s.arrival_step for s in specs) + 1 + 4 * total_tokens * (1 + len(specs))
-    step = 0
+    step = rounds = 0
     while step <= max(s.arrival_step for s in specs) or sched.num_unfinished:
         assert step <= bound, "the scheduler did not finish"
         for spec in specs:
@@ -166,12 +173,14 @@ def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(w
                 check_ownership(sched)
         if sched.num_unfinished:
             running_before = {r.request_id: r.num_computed_tokens for r in sched.running}
-            plan = sched.schedule()
+            plan = sched.schedule(config["num_steps"])
             assert not plan.empty, "requests are waiting but nothing was scheduled"
             check_step(sched, plan, running_before, tables, config)
             check_ownership(sched)
-            sched.update(plan, runner(plan))
-            check_ownership(sched)
+            rounds += plan.num_steps > 1
+            for k in range(plan.num_steps):      # the engine applies a round's tokens in order
+                sched.update(plan, runner(plan, k), k)
+                check_ownership(sched)
         step += 1
 
     for rid, req in reqs.items():
@@ -192,3 +201,4 @@ def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(w
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hits: {sched.num_prefix_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"multi-step rounds ran: {rounds > 0}")
