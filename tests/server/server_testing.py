@@ -93,3 +93,12 @@ def openai_error(response: httpx.Response) -> dict:
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["message"], body
     return body["error"]
+
+
+def completion_text(client, stream: bool, **kwargs) -> tuple[str, str]:
+    """(text, finish_reason) of one completion through the openai client, streamed or not."""
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    choice = client.completions.create(**kwargs).choices[0]
+    return choice.text, choice.finish_reason

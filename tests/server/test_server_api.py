@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from kvfit import LLM, SamplingParams
-from server_testing import (ENGINE_KWARGS, assert_blocks_balanced, make_engine, openai_error, running_server,
-                            scrape, wait_for_drain)
+from server_testing import (ENGINE_KWARGS, assert_blocks_balanced, completion_text, make_engine, openai_error,
+                            running_server, scrape, wait_for_drain)
 
 MODEL = "tiny-llama"
 KEY = "sk-test"
@@ -120,13 +120,7 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(client, offline, stream)
     expected = ref.text[:ref.text.find(stop)]
     kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop, "\x00never"],
                   extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kwargs))
-        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-    else:
-        choice = client.completions.create(**kwargs).choices[0]
-        text, reason = choice.text, choice.finish_reason
-    assert (text, reason) == (expected, "stop")
+    assert completion_text(client, stream, **kwargs) == (expected, "stop")
 
 
 def test_seeded_sampling_repeats_and_equals_offline(client, offline):

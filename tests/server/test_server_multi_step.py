@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_testing import ENGINE_KWARGS, make_engine, running_server
+from server_testing import ENGINE_KWARGS, completion_text, make_engine, running_server
 
 from kvfit import LLM, SamplingParams
 
@@ -47,10 +47,4 @@ def test_stop_string_ends_at_the_same_text(client, reference, stream):
         pytest.skip(f"greedy text too short to pick a stop string: {text!r}")
     stop = text[at:at + 2]
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=23, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kwargs))
-        got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-    else:
-        choice = client.completions.create(**kwargs).choices[0]
-        got, reason = choice.text, choice.finish_reason
-    assert (got, reason) == (text[:text.find(stop)], "stop")
+    assert completion_text(client, stream, **kwargs) == (text[:text.find(stop)], "stop")
