@@ -135,14 +135,8 @@ class ModelRunner:
                 and all(len(s.token_ids) == 1 and s.sample for s in plan.seqs))
 
     def _execute_graph(self, plan: StepPlan) -> dict[str, int]:
-        inputs = build_inputs(plan, self.spec.block_size, self.device)
-        meta = inputs.meta
-        logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
-                                    meta.block_tables)
-        if self.tp_rank != 0:
-            return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
-        tokens = sample(logits, [s.params for s in plan.seqs], [s.num_generated for s in plan.seqs])
-        return {s.request_id: t for s, t in zip(plan.seqs, tokens)}
+        # a one-step decode plan is a multi-step round of one step
+        return {request_id: tokens[0] for request_id, tokens in self.execute_steps(plan).items()}
 
     @torch.inference_mode()
     def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
@@ -178,7 +172,7 @@ class ModelRunner:
             seq_lens = seq_lens + active.to(seq_lens.dtype)
             slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)
         if self.tp_rank != 0:
-            return {}
+            return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
         sampled = tokens.t().tolist()
         return {s.request_id: row[:s.num_steps] for s, row in zip(seqs, sampled)}
 
