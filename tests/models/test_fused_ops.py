@@ -42,8 +42,9 @@ def test_rope_matches_rotate_half():
     pos = torch.tensor([0, 1, 5, 17, 300, 4095]).to(DEVICE)
     freqs = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32)).to(DEVICE)
     ref_q, ref_k = apply_rope(q.clone(), k.clone(), pos, freqs)
-    torch.testing.assert_close(fused_ops.rope_(q.clone(), pos, freqs), ref_q, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_ops.rope_(k.clone(), pos, freqs), ref_k, rtol=1e-4, atol=1e-4)
+    got_q, got_k = fused_ops.qk_norm_rope_(q.clone(), k.clone(), pos, freqs)      # no norm weights: RoPE only
+    torch.testing.assert_close(got_q, ref_q, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-4, atol=1e-4)
 
 
 def test_rope_on_a_strided_view_of_fused_qkv():
@@ -55,8 +56,7 @@ def test_rope_on_a_strided_view_of_fused_qkv():
     freqs = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)).to(DEVICE)
     ref_q, ref_k = apply_rope(q.clone(), k.clone(), pos, freqs)
     v_before = qkv[:, 96:].clone()
-    fused_ops.rope_(q, pos, freqs)
-    fused_ops.rope_(k, pos, freqs)
+    fused_ops.qk_norm_rope_(q, k, pos, freqs)
     torch.testing.assert_close(q, ref_q, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)
     assert torch.equal(qkv[:, 96:], v_before)

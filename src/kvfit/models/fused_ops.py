@@ -135,12 +135,6 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, fre
     return q, k
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (last dim contiguous) in place by positions [T]; freqs [D // 2] float32."""
-    _norm_rope_launch(x, positions, freqs, None, None, x.shape[1], 0.0)
-    return x
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate then up) -> silu(gate) * up: [T, I]."""
     rows, double = gate_up.shape

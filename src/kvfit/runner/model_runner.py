@@ -127,16 +127,13 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Run one step; return {request_id: sampled token} for the seqs that sample."""
         if self.graphs is not None and self._is_graph_step(plan):
-            return self._execute_graph(plan)
+            # a one-step graph decode is a multi-step round of one step
+            return {request_id: tokens[0] for request_id, tokens in self.execute_steps(plan).items()}
         return self._execute(plan, self.kv_caches)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:
         return (len(plan.seqs) <= self.graphs.buckets[-1]
                 and all(len(s.token_ids) == 1 and s.sample for s in plan.seqs))
-
-    def _execute_graph(self, plan: StepPlan) -> dict[str, int]:
-        # a one-step decode plan is a multi-step round of one step
-        return {request_id: tokens[0] for request_id, tokens in self.execute_steps(plan).items()}
 
     @torch.inference_mode()
     def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
@@ -152,12 +149,10 @@ class ModelRunner:
         meta = inputs.meta
         steps = [s.num_steps for s in seqs]
         num_steps = max(steps)
-        remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
         ids, positions, seq_lens, slots = inputs.input_ids, inputs.positions, meta.seq_lens, meta.slot_mapping
         tables = meta.block_tables                                                              # [B, W]
         tokens = torch.empty((num_steps, len(seqs)), dtype=torch.int64, device=self.device)      # [K, B]
         params = [s.params for s in seqs]
-        rows = torch.arange(len(seqs), device=self.device)                                      # [B]
         for k in range(num_steps):
             step_meta = replace(meta, slot_mapping=slots, seq_lens=seq_lens, max_seq_len=meta.max_seq_len + k,
                                 seq_lens_host=[n + min(k, m - 1) for n, m in zip(meta.seq_lens_host, steps)])
@@ -166,6 +161,9 @@ class ModelRunner:
             del logits              # one step's logits alive at a time, as in the profiled step
             if k + 1 == num_steps:
                 break
+            if k == 0:          # only a round of several steps needs these (not a one-step decode)
+                remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
+                rows = torch.arange(len(seqs), device=self.device)                                      # [B]
             active = remaining > k + 1                                                          # [B] bool
             ids = tokens[k]
             positions = positions + active
