@@ -9,7 +9,7 @@ def __getattr__(name):
         from kvfit.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from kvfit.engine.sampling_params import SamplingParams
+        from kvfit.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'kvfit' has no attribute {name!r}")
 

@@ -85,12 +85,55 @@ class SchedulerConfig:
         _check_int("num_scheduler_steps", self.num_scheduler_steps, allow_none=True)
 
 
+# stages at which test_rank_fail can make a rank fail
+RANK_FAIL_STAGES = ("start", "load", "step")
+DEFAULT_TP_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # seconds any tensor-parallel rank waits for another at start-up and in the model's collectives;
+    # None: KVFIT_TP_TIMEOUT_S if set, else 600 (the environment is read here, once)
+    tp_timeout_s: float | None = None
+    # tests only, plain data sent to the ranks: {rank: bytes} caps that rank's available KV bytes
+    # (as another process on its GPU would); {rank: stage} makes rank >= 1 fail at start, load or step
+    test_rank_kv_bytes: dict | None = None
+    test_rank_fail: dict | None = None
 
     def __post_init__(self):
         _check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tp_timeout_s is None:
+            object.__setattr__(self, "tp_timeout_s", _env_timeout())
+        timeout = self.tp_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"tp_timeout_s must be a positive number of seconds, got {timeout!r}")
+        world = self.tensor_parallel_size
+        for rank, cap in (self.test_rank_kv_bytes or {}).items():
+            if not _is_rank(rank, 0, world) or isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+                raise ConfigError(f"test_rank_kv_bytes: {rank}: {cap!r} is not allowed; use {{RANK: BYTES}} with "
+                                  f"RANK in [0, {world})")
+        for rank, stage in (self.test_rank_fail or {}).items():
+            if not _is_rank(rank, 1, world) or stage not in RANK_FAIL_STAGES:
+                raise ConfigError(f"test_rank_fail: {rank}: {stage!r} is not allowed; use {{RANK: STAGE}} with "
+                                  f"RANK in [1, {world}) and STAGE one of {', '.join(RANK_FAIL_STAGES)}")
+
+
+def _is_rank(rank, lowest: int, world: int) -> bool:
+    return isinstance(rank, int) and not isinstance(rank, bool) and lowest <= rank < world
+
+
+def _env_timeout() -> float:
+    text = os.environ.get("KVFIT_TP_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_TP_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"KVFIT_TP_TIMEOUT_S={text!r} must be a positive number of seconds")
+    return value
 
 
 @dataclass(frozen=True)

@@ -18,4 +18,12 @@ class CapacityError(KvfitError):
 
 
 class RequestError(KvfitError, ValueError):
-    """A request that can never be served (too long, bad sampling parameters)."""
+    """A request that can never be served (too long, bad sampling parameters).
+
+    param names the request field at fault and code says why (OpenAI's error fields), so the
+    server maps it to a 400 without checking the request again.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.sampling_params import SamplingParams
 from kvfit.errors import KvfitError, RequestError
 
 

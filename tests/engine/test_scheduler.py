@@ -129,7 +129,7 @@ def test_block_tables_grow_append_only_as_tokens_cross_block_boundaries():
             tables[seq.request_id] = list(seq.block_ids)
     # a computes position 4 in step 2 and 8 in step 6; b's prompt takes two blocks, position 8 in step 4
     assert tables == {"a": [0, 3, 5], "b": [1, 2, 4]}
-    assert sched.requests["a"].block_ids == [0, 3, 5]
+    assert list(sched.block_ids("a")) == [0, 3, 5]
     assert all(sched.pool.ref_count(b) == 1 for b in range(6))
 
 
@@ -139,7 +139,7 @@ def test_a_block_is_allocated_exactly_when_a_token_needs_it():
     counts = []
     for _ in range(6):
         step(sched)
-        counts.append(len(sched.requests["a"].block_ids))
+        counts.append(len(list(sched.block_ids("a"))))
     # computed tokens after each step: 3, 4, 5, 6, 7, 8 -> blocks 1, 1, 2, 2, 2, 2
     assert counts == [1, 1, 2, 2, 2, 2]
     assert sched.pool.num_used_blocks == 2
@@ -152,16 +152,16 @@ def test_prefix_hit_shares_full_blocks_with_ref_count_two():
     sched.add(make_request("a", shared + [50, 51], max_tokens=8))
     step(sched)
     a = sched.requests["a"]
-    assert a.block_ids == [0, 1, 2] and a.num_cached_prompt_tokens == 0
+    assert list(sched.block_ids(a.request_id)) == [0, 1, 2] and a.num_cached_prompt_tokens == 0
     sched.add(make_request("b", shared + [60, 61, 62], max_tokens=8))
     plan, _ = step(sched)
     b = sched.requests["b"]
     assert shape(plan) == [("a", 10, 1, True), ("b", 8, 3, True)]
     assert plan.seqs[1].token_ids == (60, 61, 62)
-    assert b.block_ids[:2] == [0, 1] and b.block_ids[2] not in a.block_ids
+    assert list(sched.block_ids(b.request_id))[:2] == [0, 1] and list(sched.block_ids(b.request_id))[2] not in list(sched.block_ids(a.request_id))
     assert b.num_cached_prompt_tokens == 8
     assert [sched.pool.ref_count(x) for x in (0, 1)] == [2, 2]
-    assert sched.pool.ref_count(2) == 1 and sched.pool.ref_count(b.block_ids[2]) == 1
+    assert sched.pool.ref_count(2) == 1 and sched.pool.ref_count(list(sched.block_ids(b.request_id))[2]) == 1
     assert (sched.num_prefix_queries, sched.num_prefix_hits) == (10 + 11, 8)
 
 
@@ -172,7 +172,7 @@ def test_prefix_hit_of_a_partial_match_stops_at_the_first_differing_block():
     sched.add(make_request("b", [1, 2, 3, 4, 5, 6, 0, 8, 9], max_tokens=4))   # second block differs
     plan, _ = step(sched)
     assert shape(plan)[1] == ("b", 4, 5, True)
-    assert sched.requests["b"].block_ids[0] == 0 and sched.pool.ref_count(0) == 2
+    assert list(sched.block_ids("b"))[0] == 0 and sched.pool.ref_count(0) == 2
     assert sched.pool.ref_count(1) == 1
 
 
@@ -257,7 +257,7 @@ def test_preemption_takes_the_newest_running_request_and_frees_its_blocks():
     plan, _ = step(sched)                             # a needs a third block: none free
     assert plan.preempted_ids == ("b",)
     assert shape(plan) == [("a", 4, 1, True)] and plan.seqs[0].block_ids == (0, 1, 2)
-    assert b.status is RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.status is RequestStatus.WAITING and list(sched.block_ids(b.request_id)) == [] and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
     assert list(sched.waiting) == [b] and sched.running == [a]
     assert sched.pool.num_used_blocks == 3 and sched.pool.ref_count(3) == 0
@@ -315,7 +315,8 @@ def test_several_victims_in_one_step_keep_arrival_order():
     step(sched)
     assert sched.pool.num_used_blocks == 4
     # a now has two uncomputed tokens, as after a chunk, so it needs two more blocks at once
-    sched.requests["a"].output_token_ids.append(5)
+    sched.requests["a"].append_output(5)
+    sched.mirror.record("a", 5)          # the runner holds the same token
     plan, _ = step(sched)
     # d and c make room for a; then b, the newest left, finds no block and preempts itself
     assert shape(plan) == [("a", 1, 2, True)] and plan.preempted_ids == ("d", "c", "b")
@@ -330,7 +331,7 @@ def test_a_request_that_cannot_grow_and_is_newest_preempts_itself():
     step(sched)                                       # a: 2 blocks, b: 1 block
     plan, _ = step(sched)                             # a takes the last block; b finds none
     assert shape(plan) == [("a", 2, 1, True)] and plan.preempted_ids == ("b",)
-    assert a.finish_reason == "length" and list(sched.waiting) == [b] and b.block_ids == []
+    assert a.finish_reason == "length" and list(sched.waiting) == [b] and list(sched.block_ids(b.request_id)) == []
     run_to_end(sched)
     assert_all_blocks_back(sched)
 
@@ -354,12 +355,12 @@ def test_preempting_a_request_that_shares_prefix_blocks_drops_only_its_reference
     sched.add(make_request("b", [1, 2, 3, 4, 9], max_tokens=7))
     step(sched)
     a, b = sched.requests["a"], sched.requests["b"]
-    assert b.block_ids[:2] == [0, 1] and sched.pool.ref_count(0) == 2
+    assert list(sched.block_ids(b.request_id))[:2] == [0, 1] and sched.pool.ref_count(0) == 2
     preempted = []
     while "b" not in preempted:
         preempted.extend(step(sched)[0].preempted_ids)
     assert sched.pool.ref_count(0) == 1 and sched.pool.ref_count(1) == 1
-    assert b.block_ids == [] and a.block_ids[:2] == [0, 1]
+    assert list(sched.block_ids(b.request_id)) == [] and list(sched.block_ids(a.request_id))[:2] == [0, 1]
     run_to_end(sched)
     assert a.output_token_ids == [fake_token("a", n) for n in range(7)]
     assert b.output_token_ids == [fake_token("b", n) for n in range(7)]

@@ -73,7 +73,7 @@ def test_abort_a_running_request_frees_its_blocks_at_once():
     assert sched.pool.num_used_blocks == 4
     req = sched.finish("a", "abort")
     assert req is not None and req.finish_reason == "abort" and req.status is RequestStatus.FINISHED
-    assert req.block_ids == [] and sched.pool.num_used_blocks == 1
+    assert list(sched.block_ids(req.request_id)) == [] and sched.pool.num_used_blocks == 1
     assert [r.request_id for r in sched.running] == ["b"] and "a" not in sched.requests
     sched.pool.check_invariants()
     assert sched.finish("a", "abort") is None         # already gone
@@ -116,7 +116,7 @@ def test_abort_of_a_prefix_sharer_leaves_the_other_table_intact():
     assert sched.pool.ref_count(0) == 2
     sched.finish("a", "abort")
     assert sched.pool.ref_count(0) == 1 and sched.pool.ref_count(1) == 1
-    assert sched.requests["b"].block_ids[:2] == [0, 1]
+    assert list(sched.block_ids("b"))[:2] == [0, 1]
     sched.pool.check_invariants()
     run_to_end(sched)
     assert_all_blocks_back(sched)

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvfit.engine.request import Request, RequestStatus
-from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.scheduler import Scheduler
+from kvfit.sampling_params import SamplingParams
+from kvfit.kv.manager import KVCacheManager
+from scheduler_helpers import Scheduler
 from kvfit.kv.pool import BlockPool
 
 EOS = 0
@@ -126,9 +127,9 @@ def check_step(sched: Scheduler, plan, running_before: dict[str, int], tables: d
 def check_ownership(sched: Scheduler) -> None:
     pool = sched.pool
     pool.check_invariants()
-    assert all(not r.block_ids for r in sched.waiting)
-    held = Counter(b for r in sched.running for b in r.block_ids)
-    assert all(len(set(r.block_ids)) == len(r.block_ids) for r in sched.running)
+    assert all(not list(sched.block_ids(r.request_id)) for r in sched.waiting)
+    held = Counter(b for r in sched.running for b in sched.block_ids(r.request_id))
+    assert all(len(set(sched.block_ids(r.request_id))) == len(list(sched.block_ids(r.request_id))) for r in sched.running)
     assert pool.num_used_blocks == len(held)
     for block, count in held.items():
         assert pool.ref_count(block) == count
@@ -141,7 +142,7 @@ def check_ownership(sched: Scheduler) -> None:
 def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(workload):
     config, specs = workload
     pool = BlockPool(config["num_blocks"], enable_prefix_caching=config["prefix_caching"])
-    sched = Scheduler(pool, config["block_size"], config["max_model_len"], config["max_num_seqs"],
+    sched = Scheduler(KVCacheManager(pool, config["block_size"]), config["max_model_len"], config["max_num_seqs"],
                       config["max_num_batched_tokens"])
     by_id = {s.request_id: s for s in specs}
     reqs: dict[str, Request] = {}
@@ -169,7 +170,7 @@ def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(w
             if spec.abort_step == step and sched.finish(spec.request_id, "abort") is not None:
                 aborted.add(spec.request_id)
                 tables.pop(spec.request_id, None)
-                assert reqs[spec.request_id].block_ids == []
+                assert list(sched.block_ids(spec.request_id)) == []
                 check_ownership(sched)
         if sched.num_unfinished:
             running_before = {r.request_id: r.num_computed_tokens for r in sched.running}
@@ -184,7 +185,7 @@ def test_random_workloads_finish_with_the_expected_tokens_and_free_every_block(w
         step += 1
 
     for rid, req in reqs.items():
-        assert req.status is RequestStatus.FINISHED and req.block_ids == []
+        assert req.status is RequestStatus.FINISHED and list(sched.block_ids(req.request_id)) == []
         expected, reason = expected_output(by_id[rid], config["max_model_len"])
         if rid in aborted:
             assert req.finish_reason == "abort"

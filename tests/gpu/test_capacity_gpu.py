@@ -73,7 +73,7 @@ def test_full_load_stays_inside_the_budget(llm):
 
 def test_plan_estimate_is_within_3_percent_of_the_profile(llm):
     from kvfit.config import EngineConfig
-    from kvfit.kv.limits import spec_and_limits
+    from kvfit.planning import spec_and_limits
     from kvfit.kv.plan import plan_kv_cache
     from kvfit.model_facts import load_model_facts
     from kvfit.platforms.estimate import estimate_reading

@@ -160,7 +160,7 @@ def test_spec_is_frozen():
 
 def test_auto_cache_dtype_follows_the_dtype_the_model_runs_in():
     from kvfit.config import EngineConfig
-    from kvfit.kv.limits import spec_and_limits
+    from kvfit.planning import spec_and_limits
     from kvfit.model_facts import facts_from_config
     from kvfit.catalog import model_config
     facts = facts_from_config({**model_config("qwen3-0.6b"), "torch_dtype": "float32"})

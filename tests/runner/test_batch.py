@@ -1,31 +1,47 @@
-"""build_inputs: StepPlan -> flat input ids, positions, slot mapping, block tables and sample rows.
+"""build_inputs: a StepDelta over the persistent batch -> flat input ids, positions, slot mapping,
+block tables and sample rows.
 
 The one slot-mapping rule: slot = block_ids[pos // block_size] * block_size + pos % block_size.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvfit.engine.request import Request
-from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.scheduler import Scheduler
-from kvfit.engine.step_plan import ScheduledSeq, StepPlan
+from kvfit.kv.manager import KVCacheManager
 from kvfit.kv.pool import BlockPool
 from kvfit.runner.batch import build_inputs, slot_mapping
+from kvfit.runner.input_batch import InputBatch
+from kvfit.sampling_params import SamplingParams
+from kvfit.step import NewRequest, StepDelta
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
 
 
-def seq(request_id, token_ids, start_pos, block_ids, sample, num_generated=0) -> ScheduledSeq:
-    return ScheduledSeq(request_id=request_id, token_ids=tuple(token_ids), start_pos=start_pos,
-                        block_ids=tuple(block_ids), sample=sample, params=GREEDY, num_generated=num_generated)
+def seq(request_id, token_ids, start_pos, block_ids, sample, num_generated=0) -> tuple[NewRequest, int]:
+    """A request the runner has not seen, whose next chunk is token_ids at start_pos (prefix tokens are 0)."""
+    tokens = [0] * start_pos + list(token_ids) + ([] if sample else [0])
+    num_prompt = len(tokens) - num_generated
+    new = NewRequest(request_id=request_id, prompt_token_ids=tuple(tokens[:num_prompt]),
+                     output_token_ids=tuple(tokens[num_prompt:]), params=GREEDY, block_ids=tuple(block_ids),
+                     num_computed_tokens=start_pos)
+    return new, len(token_ids)
 
 
-def expected_slots(s: ScheduledSeq, block_size: int) -> list[int]:
-    return [s.block_ids[p // block_size] * block_size + p % block_size
-            for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+def step_inputs(seqs, block_size, num_rows=8, max_blocks=2**27):
+    batch = InputBatch(num_rows, min(max_blocks, 8), vocab_size=64, device=CPU)
+    delta = StepDelta(request_ids=tuple(n.request_id for n, _ in seqs), num_scheduled_tokens=tuple(k for _, k in seqs),
+                      new_block_ids=((),) * len(seqs), new_requests=tuple(n for n, _ in seqs))
+    batch.apply(delta)
+    return build_inputs(batch, delta, block_size)
+
+
+def expected_slots(table, start_pos, num_tokens, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start_pos, start_pos + num_tokens)]
 
 
 def test_slot_mapping_rule():
@@ -41,24 +57,22 @@ def test_slot_mapping_rule():
 
 def test_mixed_prefill_chunk_and_decode():
     bs = 4
-    plan = StepPlan(seqs=(
-        seq("prefill", [11, 12, 13, 14, 15], 0, [7, 2], sample=True),
-        seq("chunk", [21, 22, 23], 6, [3, 9, 1], sample=False),     # positions 6, 7, 8: crosses a block
-        seq("decode", [31], 10, [4, 5, 8], sample=True, num_generated=3),
-    ))
-    inputs = build_inputs(plan, bs, CPU)
+    seqs = [seq("prefill", [11, 12, 13, 14, 15], 0, [7, 2], sample=True),
+            seq("chunk", [21, 22, 23], 6, [3, 9, 1], sample=False),     # positions 6, 7, 8: crosses a block
+            seq("decode", [31], 10, [4, 5, 8], sample=True, num_generated=3)]
+    inputs = step_inputs(seqs, bs)
     meta = inputs.meta
     assert inputs.input_ids.tolist() == [11, 12, 13, 14, 15, 21, 22, 23, 31]
     assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 10]
     assert meta.slot_mapping.tolist() == [28, 29, 30, 31, 8, 38, 39, 4, 34]
-    assert meta.slot_mapping.tolist() == sum((expected_slots(s, bs) for s in plan.seqs), [])
     assert meta.query_start_loc.tolist() == [0, 5, 8, 9] and meta.query_start_loc_host == [0, 5, 8, 9]
     assert meta.seq_lens.tolist() == [5, 9, 11] and meta.seq_lens_host == [5, 9, 11]
-    assert meta.block_tables.tolist() == [[7, 2, 0], [3, 9, 1], [4, 5, 8]]   # padded to the widest
+    assert meta.block_tables.tolist() == [[7, 2, 0], [3, 9, 1], [4, 5, 8]]   # gathered, padded to the widest
     assert meta.max_query_len == 5 and meta.max_seq_len == 11
     assert meta.num_seqs == 3 and not meta.decode_only
     # the last token of each sampled seq; the chunk that does not sample has no row
-    assert inputs.sample_rows == [4, 8] and inputs.sample_seqs == [0, 2]
+    assert inputs.sample_rows.tolist() == [4, 8] and inputs.sample_seqs == [0, 2]
+    assert inputs.num_generated.tolist() == [0, 3] and inputs.batch_rows.tolist() == inputs.batch_rows_host
     assert inputs.input_ids.dtype == torch.int64 and inputs.positions.dtype == torch.int64
     assert meta.slot_mapping.dtype == torch.int64
     assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
@@ -66,60 +80,82 @@ def test_mixed_prefill_chunk_and_decode():
 
 
 def test_decode_only_batch():
-    plan = StepPlan(seqs=(seq("a", [5], 3, [0], True), seq("b", [6], 8, [1, 2, 3], True)))
-    inputs = build_inputs(plan, 4, CPU)
+    inputs = step_inputs([seq("a", [5], 3, [0], True), seq("b", [6], 8, [1, 2, 3], True)], 4)
     assert inputs.meta.decode_only and inputs.meta.max_query_len == 1
     assert inputs.meta.slot_mapping.tolist() == [3, 12]
     assert inputs.positions.tolist() == [3, 8]
-    assert inputs.sample_rows == [0, 1] and inputs.sample_seqs == [0, 1]
+    assert inputs.sample_rows.tolist() == [0, 1] and inputs.sample_seqs == [0, 1]
 
 
 def test_slots_past_int32_stay_exact():
     bs = 16
     big = 2**31 // bs + 5                             # slot ids above 2^31 - 1
-    plan = StepPlan(seqs=(seq("a", [1, 2], 30, [0, big], True),))
-    inputs = build_inputs(plan, bs, CPU)
+    inputs = step_inputs([seq("a", [1, 2], 30, [0, big], True)], bs)
     assert inputs.meta.slot_mapping.tolist() == [big * bs + 14, big * bs + 15]
     assert inputs.meta.slot_mapping.tolist()[0] > 2**31
 
 
 def test_block_size_one():
-    plan = StepPlan(seqs=(seq("a", [1, 2, 3], 0, [9, 4, 6], True),))
-    assert build_inputs(plan, 1, CPU).meta.slot_mapping.tolist() == [9, 4, 6]
+    assert step_inputs([seq("a", [1, 2, 3], 0, [9, 4, 6], True)], 1).meta.slot_mapping.tolist() == [9, 4, 6]
 
 
-def test_slot_mapping_matches_the_rule_for_scheduler_plans():
-    """Drive a real scheduler (chunked prefill, prefix caching, preemption) and check every plan."""
+def test_tables_are_appended_to_and_rows_reused():
+    batch = InputBatch(2, 4, vocab_size=64, device=CPU)
+    a, _ = seq("a", [1, 2, 3], 0, [5], True)
+    batch.apply(StepDelta(request_ids=("a",), num_scheduled_tokens=(3,), new_block_ids=((),), new_requests=(a,)))
+    batch.advance(StepDelta(request_ids=("a",), num_scheduled_tokens=(3,)))
+    batch.record_sampled({"a": [9]})
+    batch.apply(StepDelta(request_ids=("a",), num_scheduled_tokens=(1,), new_block_ids=((6, 7),)))
+    row = batch.requests["a"].row
+    assert batch.block_table[row, :3].tolist() == [5, 6, 7] and batch.requests["a"].token_ids == [1, 2, 3, 9]
+    b, _ = seq("b", [4], 0, [1], True)
+    batch.apply(StepDelta(request_ids=("b",), num_scheduled_tokens=(1,), new_block_ids=((),), new_requests=(b,),
+                          finished_ids=("a", "never-seen")))
+    assert set(batch.requests) == {"b"} and batch.requests["b"].row == row      # a's row, reused
+    assert batch.block_table[row, 0].item() == 1
+
+
+def test_slot_mapping_matches_the_rule_for_scheduler_deltas():
+    """Drive a real scheduler (chunked prefill, prefix caching, preemption) and check every step."""
     bs = 4
     pool = BlockPool(10, enable_prefix_caching=True)
-    sched = Scheduler(pool, bs, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=9)
+    sched = Scheduler(KVCacheManager(pool, bs), max_model_len=24, max_num_seqs=4, max_num_batched_tokens=9)
+    batch = InputBatch(4, 6, vocab_size=200, device=CPU)
     prompts = {"a": list(range(1, 14)), "b": list(range(1, 9)) + [40, 41], "c": [5, 6, 7], "d": list(range(1, 10))}
     for rid, prompt in prompts.items():
-        sched.add(Request(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=8)))
+        sched.add(Request(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=8),
+                          max_total_tokens=len(prompt) + 8))
     steps = 0
     while sched.num_unfinished:
         steps += 1
         assert steps < 200
-        plan = sched.schedule()
-        inputs = build_inputs(plan, bs, CPU)
+        delta = sched.schedule()
+        batch.apply(delta)
+        inputs = build_inputs(batch, delta, bs)
         meta = inputs.meta
-        assert meta.slot_mapping.tolist() == sum((expected_slots(s, bs) for s in plan.seqs), [])
-        assert inputs.input_ids.tolist() == [t for s in plan.seqs for t in s.token_ids]
-        assert len(set(meta.slot_mapping.tolist())) == plan.num_tokens       # no slot written twice
-        for i, s in enumerate(plan.seqs):
-            assert meta.block_tables[i, :len(s.block_ids)].tolist() == list(s.block_ids)
-            assert meta.seq_lens_host[i] == s.start_pos + len(s.token_ids)
-        assert [plan.seqs[i].sample for i in inputs.sample_seqs] == [True] * len(inputs.sample_seqs)
-        assert len(inputs.sample_seqs) == sum(s.sample for s in plan.seqs)
-        sched.update(plan, {s.request_id: 100 + s.num_generated for s in plan.seqs if s.sample})
+        reqs = [sched.requests[rid] for rid in delta.request_ids]
+        expected = []
+        for req, n in zip(reqs, delta.num_scheduled_tokens):
+            expected += expected_slots(sched.block_ids(req.request_id), req.num_computed_tokens, n, bs)
+        assert meta.slot_mapping.tolist() == expected
+        assert inputs.input_ids.tolist() == [t for req, n in zip(reqs, delta.num_scheduled_tokens)
+                                             for t in req.token_ids[req.num_computed_tokens:req.num_computed_tokens + n]]
+        assert len(set(meta.slot_mapping.tolist())) == delta.num_tokens       # no slot written twice
+        for i, req in enumerate(reqs):
+            table = list(sched.block_ids(req.request_id))
+            assert meta.block_tables[i, :len(table)].tolist() == table
+        sampled = {delta.request_ids[i]: 100 + reqs[i].num_output_tokens for i in inputs.sample_seqs}
+        batch.advance(delta)
+        batch.record_sampled({rid: [t] for rid, t in sampled.items()})
+        for req in sched.update(delta, sampled):
+            if req.num_tokens >= req.max_total_tokens:
+                sched.finish(req.request_id, "length")
         pool.check_invariants()
     assert pool.num_used_blocks == 0
-    assert sched.num_preemptions > 0 and sched.num_prefix_hits > 0     # the plans covered both paths
+    assert sched.num_preemptions > 0 and sched.num_prefix_hits > 0     # the steps covered both paths
 
 
 def test_a_table_shorter_than_its_tokens_is_refused():
     # positions 4..5 need a second block of 4: the zero padding must not stand in for it
-    import pytest
-    plan = StepPlan(seqs=(seq("a", [1, 2], 4, [7], True), seq("b", [3], 0, [1, 2], True)))
     with pytest.raises(AssertionError, match="block table too short"):
-        build_inputs(plan, 4, CPU)
+        step_inputs([seq("a", [1, 2], 4, [7], True), seq("b", [3], 0, [1, 2], True)], 4)

@@ -6,7 +6,8 @@ import time
 import types
 
 from kvfit.engine.output import RequestOutput
-from kvfit.errors import ConfigError, RequestError
+from kvfit.engine.admission import check_request
+from kvfit.errors import ConfigError
 
 
 class CharTokenizer:
@@ -40,10 +41,10 @@ class FakeEngine:
     def encode(self, text):
         return self.tokenizer.encode(text)
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, strict_context=False):
         prompt = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if any(t < 0 or t >= 0x110000 for t in prompt):
-            raise RequestError("prompt token ids must be in [0, 1114112); got one outside")
+        # the engine's own admission check, over a cache with room for anything
+        check_request(prompt, params, 0x110000, self.max_model_len, 16, 10**6, strict_context)
         if self.fail_add_on in self.tokenizer.decode(prompt):
             raise RuntimeError("add exploded")
         self.requests[request_id] = {"prompt": prompt, "out": [], "params": params}

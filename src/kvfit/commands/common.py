@@ -20,6 +20,6 @@ def add_sampling_flags(p) -> None:
 
 
 def sampling_params(args, seed):
-    from kvfit.engine.sampling_params import SamplingParams
+    from kvfit.sampling_params import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                           max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)

@@ -27,7 +27,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from kvfit.commands.common import setup_logging
     from kvfit.engine.llm import LLM
-    from kvfit.engine.sampling_params import SamplingParams
+    from kvfit.sampling_params import SamplingParams
     from kvfit.errors import ConfigError
     from kvfit.kv.report import plan_table
     if args.num_requests < 1:

@@ -10,7 +10,7 @@ from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
-    from kvfit.cli import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags
     from kvfit.commands.common import add_sampling_flags
     p = sub.add_parser("generate", help="generate text for prompts")
     p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
@@ -56,7 +56,7 @@ def read_prompts(args) -> list:
 
 
 def run(args) -> int:
-    from kvfit.cli import engine_kwargs
+    from kvfit.commands.flags import engine_kwargs
     from kvfit.commands.common import sampling_params, setup_logging
     setup_logging()
     prompts = read_prompts(args)

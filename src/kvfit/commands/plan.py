@@ -7,7 +7,7 @@ import json
 from kvfit import catalog
 from kvfit.attention.offsets import backend_max_offset
 from kvfit.config import EngineConfig
-from kvfit.kv.limits import spec_and_limits
+from kvfit.planning import spec_and_limits
 from kvfit.kv.plan import plan_kv_cache
 from kvfit.kv.report import plan_table
 from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, load_model_facts
@@ -16,7 +16,7 @@ from kvfit.units import parse_bytes
 
 
 def register(sub) -> None:
-    from kvfit.cli import add_capacity_flags
+    from kvfit.commands.flags import add_capacity_flags
     p = sub.add_parser("plan", help="plan the KV cache of MODEL on a GPU (no GPU needed)")
     p.add_argument("model", metavar="MODEL", help="model folder, config.json, or catalog name")
     p.add_argument("--gpu", default=None, help=f"one of {', '.join(catalog.GPUS)} (default H200)")
@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvfit.cli import engine_kwargs
+    from kvfit.commands.flags import engine_kwargs
     facts = load_model_facts(args.model)
     if args.device_memory is not None:
         total, device_name = parse_bytes(args.device_memory, "--device-memory"), "custom"

@@ -10,7 +10,7 @@ from kvfit.units import gib
 
 
 def register(sub) -> None:
-    from kvfit.cli import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags
     p = sub.add_parser("profile", help="measure the memory breakdown and the KV plan on a device")
     p.add_argument("model", metavar="MODEL", help="model folder, or a catalog name with --load-format dummy")
     p.add_argument("--json", action="store_true", help="the plan and the measured parts as one JSON object")
@@ -19,13 +19,19 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def measured_breakdown(engine) -> dict:
+def engine_platform(engine):
+    """The engine's platform (rank 0's), or for an engine that names only its device, that device's."""
+    platform = getattr(engine, "platform", None)
+    if platform is None:
+        from kvfit.platforms import get_platform
+        platform = get_platform(engine.device_name)
+    return platform
+
+
+def measured_breakdown(engine, platform) -> dict:
     """The measured parts of the device memory after start-up (rank 0), in bytes."""
     r = engine.readings[0]
-    free_after = None
-    if engine.device_name == "cuda":
-        import torch
-        free_after, _ = torch.cuda.mem_get_info()
+    free_after = platform.free_device_bytes()      # None where the device does not report it
     parts = {"total_bytes": r.total_bytes, "budget_bytes": r.budget_bytes, "weights_bytes": r.weights_bytes,
              "activation_peak_bytes": r.activation_peak_bytes, "non_torch_bytes": r.non_torch_bytes,
              "cuda_graph_bytes": r.cuda_graph_bytes, "in_use_at_start_bytes": r.in_use_at_start_bytes,
@@ -63,22 +69,24 @@ def plot_breakdown(parts: dict, path: str, title: str) -> None:
 
 
 def run(args) -> int:
-    from kvfit.cli import engine_kwargs
+    from kvfit.commands.flags import engine_kwargs
     from kvfit.commands.common import setup_logging
     from kvfit.config import EngineConfig
     from kvfit.engine.llm_engine import LLMEngine
     setup_logging()
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
     try:
-        parts = measured_breakdown(engine)
+        platform = engine_platform(engine)
+        device = platform.name
+        parts = measured_breakdown(engine, platform)
         plan = engine.plan
         if args.plot:
             plot_breakdown(parts, args.plot, f"{args.model}: {plan.num_blocks} blocks, bound by {plan.bound_by}")
         if args.json:
-            print(json.dumps({**plan.to_dict(), "model": args.model, "device": engine.device_name,
+            print(json.dumps({**plan.to_dict(), "model": args.model, "device": device,
                               "measured": parts}))
             return 0
-        print(f"kvfit profile: {args.model} on {engine.device_name}")
+        print(f"kvfit profile: {args.model} on {device}")
         for key, value in parts.items():
             if isinstance(value, int):
                 print(f"  {key.removesuffix('_bytes'):<24} {gib(value):>12}  ({value:,} bytes)")

@@ -6,7 +6,7 @@ from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
-    from kvfit.cli import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -38,7 +38,7 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
-    from kvfit.cli import engine_kwargs
+    from kvfit.commands.flags import engine_kwargs
     from kvfit.commands.common import setup_logging
     _check_args(args)
     setup_logging()

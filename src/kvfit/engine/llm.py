@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from kvfit.config import EngineConfig
 from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.sampling_params import SamplingParams
 from kvfit.errors import RequestError
 
 

@@ -1,18 +1,20 @@
-"""Turn a StepPlan into the flat input tensors and AttentionMetadata. One slot-mapping rule.
+"""Turn a StepDelta over the persistent batch into flat input tensors and AttentionMetadata.
 
-Everything is packed into two host tensors (int64 and int32) and moved to the device in two
-copies, so a step's set-up cost does not grow with the number of tensors.
+One slot-mapping rule. Host work is one pass over the scheduled requests (their token slices and
+lengths); the step's block tables are gathered from the persistent table on the device, never
+rebuilt from Python lists. Everything from the host travels in two copies (int64 and int32).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 
 import torch
 
 from kvfit.attention.base import AttentionMetadata
-from kvfit.engine.step_plan import StepPlan
+from kvfit.runner.input_batch import InputBatch
+from kvfit.step import StepDelta
 
 
 def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
@@ -32,43 +34,49 @@ class ModelInputs:
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64
     meta: AttentionMetadata
-    sample_rows: list[int]         # row in the flat batch whose logits are sampled, per sampled seq
-    sample_seqs: list[int]         # index into plan.seqs of each sampled row
+    sample_rows: torch.Tensor      # [N] int64: row in the flat batch whose logits are sampled
+    sample_seqs: list[int]         # index into delta.request_ids of each sampled row
+    batch_rows: torch.Tensor       # [N] int64: persistent-batch row of each sampled request
+    batch_rows_host: list[int]
+    num_generated: torch.Tensor    # [N] int64: tokens each sampled request generated before this step
 
 
-def build_inputs(plan: StepPlan, block_size: int, device: torch.device) -> ModelInputs:
-    seqs = plan.seqs
-    num_seqs = len(seqs)
-    q_lens = [len(s.token_ids) for s in seqs]
+def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelInputs:
+    reqs = [batch.requests[request_id] for request_id in delta.request_ids]
+    q_lens = list(delta.num_scheduled_tokens)
+    num_seqs, device = len(reqs), batch.device
     starts = [0, *accumulate(q_lens)]
-    seq_lens = [s.start_pos + n for s, n in zip(seqs, q_lens)]
-    width = max(len(s.block_ids) for s in seqs)
-    # a table shorter than its tokens would map them into block 0 of the padding: someone's block
-    assert all(len(s.block_ids) * block_size >= n for s, n in zip(seqs, seq_lens)), "block table too short"
-    table = torch.tensor([s.block_ids + (0,) * (width - len(s.block_ids)) for s in seqs],
-                         dtype=torch.int32)                                 # [B, width], zero padded
     num_tokens = starts[-1]
-    ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
+    seq_lens = [r.num_computed_tokens + n for r, n in zip(reqs, q_lens)]
+    # a table shorter than its tokens would map them into block 0 of the padding: someone's block
+    assert all(r.num_blocks * block_size >= n for r, n in zip(reqs, seq_lens)), "block table too short"
+    width = max(r.num_blocks for r in reqs)
+    ids: list[int] = []
+    for r, n in zip(reqs, q_lens):
+        ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n])
+    sample_seqs = [i for i, (r, n) in enumerate(zip(reqs, seq_lens)) if n == len(r.token_ids)]
+    rows = [r.row for r in reqs]
+    sampled = [reqs[i] for i in sample_seqs]
+    host = torch.tensor(ids + [r.num_computed_tokens - st for r, st in zip(reqs, starts)] + rows
+                        + [starts[i + 1] - 1 for i in sample_seqs] + [r.row for r in sampled]
+                        + [r.num_generated for r in sampled], dtype=torch.int64)
+    longs = host.to(device, non_blocking=True)
+    ints = torch.tensor(starts + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+    ids_d, first, rows_d, tail = longs.split([num_tokens, num_seqs, num_seqs, 3 * len(sample_seqs)])
     if num_tokens == num_seqs:                                              # one token each (decode)
-        seq_index = torch.arange(num_seqs)
-        positions = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)
+        seq_index = torch.arange(num_seqs, device=device)
+        positions = first + seq_index
     else:
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(q_lens))     # [T]
-        first = torch.tensor([s.start_pos - st for s, st in zip(seqs, starts)], dtype=torch.int64)
-        positions = first[seq_index] + torch.arange(num_tokens)
-    slots = slot_mapping(table, seq_index, positions, block_size)
-    sample_seqs = [i for i, s in enumerate(seqs) if s.sample]
-    sample_rows = [starts[i + 1] - 1 for i in sample_seqs]
-    # two host-to-device copies per step, whatever the number of tensors
-    longs = torch.cat((ids, positions, slots)).to(device, non_blocking=True)
-    ints = torch.cat((torch.tensor(starts + seq_lens, dtype=torch.int32), table.view(-1))).to(device,
-                                                                                             non_blocking=True)
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), ints[1:num_seqs + 1] - ints[:num_seqs],
+                                            output_size=num_tokens)                         # [T]
+        positions = first[seq_index] + torch.arange(num_tokens, device=device)
+    tables = batch.block_table[rows_d, :width]                              # [B, width] gathered
     meta = AttentionMetadata(
-        slot_mapping=longs[2 * num_tokens:],
-        query_start_loc=ints[:num_seqs + 1],
-        seq_lens=ints[num_seqs + 1:2 * num_seqs + 1],
-        block_tables=ints[2 * num_seqs + 1:].view(num_seqs, width),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        slot_mapping=slot_mapping(tables, seq_index, positions, block_size),
+        query_start_loc=ints[:num_seqs + 1], seq_lens=ints[num_seqs + 1:],
+        block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         query_start_loc_host=starts, seq_lens_host=seq_lens)
-    return ModelInputs(input_ids=longs[:num_tokens], positions=longs[num_tokens:2 * num_tokens], meta=meta,
-                       sample_rows=sample_rows, sample_seqs=sample_seqs)
+    sample_rows, batch_rows, num_generated = tail.view(3, -1)
+    return ModelInputs(input_ids=ids_d, positions=positions, meta=meta, sample_rows=sample_rows,
+                       sample_seqs=sample_seqs, batch_rows=batch_rows, batch_rows_host=[r.row for r in sampled],
+                       num_generated=num_generated)

@@ -9,17 +9,16 @@ every rank reports the blocks it allocated. These start-up messages go through t
 waits for them by polling while it checks that the ranks are alive: a rank that fails at start-up
 is a one-line KvfitError in rank 0, not a hang.
 
-Each step rank 0 broadcasts the StepPlan (plain data) over a gloo group; every rank runs the model
-(its collectives keep the ranks in lockstep; the vocab-parallel lm_head gives every rank the full
-logits) and rank 0's sampled tokens are used. Workers exit when the engine stops (shutdown, garbage
+Each step rank 0 broadcasts the StepDelta (plain data: only what changed, kvfit/step.py) over a gloo
+group, with the tokens it sampled in the step before (the other ranks' persistent batches need them
+as the next inputs); every rank runs the model (its collectives keep the ranks in lockstep; the
+vocab-parallel lm_head gives every rank the full logits) and rank 0 samples. Workers exit when the engine stops (shutdown, garbage
 collection or interpreter exit), when rank 0 dies (they watch their parent), or on an error, which
 they report to rank 0. A rank that dies in the middle of an NCCL collective is noticed only at the
 timeout; gloo notices at once.
 
-Environment, read once at start-up by rank 0:
-  KVFIT_TP_TIMEOUT_S        seconds any rank waits for another (default 600)
-  KVFIT_TEST_RANK_KV_BYTES  tests only: "RANK:BYTES[,...]" caps that rank's available KV bytes
-  KVFIT_TEST_RANK_FAIL      tests only: "RANK:STAGE[,...]" makes rank >= 1 fail at start, load or step
+Settings (ParallelConfig, read once at start-up and sent to the ranks): tp_timeout_s, how long any
+rank waits for another (KVFIT_TP_TIMEOUT_S); test_rank_kv_bytes and test_rank_fail, tests only.
 """
 
 from __future__ import annotations
@@ -40,22 +39,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvfit.config import ParallelConfig
 from kvfit.errors import ConfigError, KvfitError
 from kvfit.kv.plan import MemoryReading
 from kvfit.runner.worker import Worker
+from kvfit.step import SampledTokens, StepDelta
 
 logger = logging.getLogger("kvfit")
 
 _STOP = "stop"
-DEFAULT_TIMEOUT_S = 600.0
 JOIN_S = 10.0              # a stopped rank exits at once; this only bounds a stuck one
 DEATH_GRACE_S = 3.0        # after a failed collective, how long to wait for the rank that caused it
-CONTROL_TIMEOUT = datetime.timedelta(days=365)    # ranks wait for the next plan however long it takes
-FAIL_STAGES = ("start", "load", "step")
+CONTROL_TIMEOUT = datetime.timedelta(days=365)    # ranks wait for the next delta however long it takes
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a rank that KVFIT_TEST_RANK_FAIL told to fail (tests only)."""
+    """Raised by a rank that test_rank_fail told to fail (tests only)."""
 
 
 class _Stopped(Exception):
@@ -64,56 +63,24 @@ class _Stopped(Exception):
 
 @dataclass(frozen=True)
 class RankHooks:
-    """Test-only behaviour of one rank, from KVFIT_TEST_RANK_* (plain data, sent to the rank)."""
+    """Test-only behaviour of one rank, from ParallelConfig's test_rank_* fields (plain data)."""
 
     kv_bytes_cap: int | None = None
     fail_at: str | None = None
 
+    @classmethod
+    def for_rank(cls, parallel: ParallelConfig, rank: int) -> "RankHooks":
+        return cls((parallel.test_rank_kv_bytes or {}).get(rank), (parallel.test_rank_fail or {}).get(rank))
+
     def fail_if(self, stage: str) -> None:
         if self.fail_at == stage:
-            raise InjectedFault(f"KVFIT_TEST_RANK_FAIL made this rank fail at {stage}")
+            raise InjectedFault(f"test_rank_fail made this rank fail at {stage}")
 
     def cap(self, reading: MemoryReading) -> MemoryReading:
         if self.kv_bytes_cap is None or reading.available_kv_bytes <= self.kv_bytes_cap:
             return reading
         return dataclasses.replace(reading, kv_cache_memory_bytes=self.kv_bytes_cap,
-                                   source=f"{reading.source}, capped by KVFIT_TEST_RANK_KV_BYTES")
-
-
-def _rank_values(name: str, world: int, environ) -> dict[int, str]:
-    text = environ.get(name, "").strip()
-    values = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        rank, sep, value = item.partition(":")
-        if not sep or not rank.isdigit() or int(rank) >= world or not value:
-            raise ConfigError(f"{name}={text!r}: expected RANK:VALUE[,RANK:VALUE...] with RANK in [0, {world})")
-        values[int(rank)] = value.strip()
-    return values
-
-
-def read_test_hooks(world: int, environ=os.environ) -> list[RankHooks]:
-    """One RankHooks per rank from KVFIT_TEST_RANK_KV_BYTES / KVFIT_TEST_RANK_FAIL (both unset: no hooks)."""
-    caps = _rank_values("KVFIT_TEST_RANK_KV_BYTES", world, environ)
-    fails = _rank_values("KVFIT_TEST_RANK_FAIL", world, environ)
-    for rank, stage in fails.items():
-        if rank == 0 or stage not in FAIL_STAGES:
-            raise ConfigError(f"KVFIT_TEST_RANK_FAIL: {rank}:{stage} is not allowed; use RANK:STAGE with "
-                              f"RANK in [1, {world}) and STAGE one of {', '.join(FAIL_STAGES)}")
-    for rank, value in caps.items():
-        if not value.isdigit():
-            raise ConfigError(f"KVFIT_TEST_RANK_KV_BYTES: {rank}:{value} is not a byte count; use RANK:BYTES")
-    return [RankHooks(int(caps[r]) if r in caps else None, fails.get(r)) for r in range(world)]
-
-
-def _read_timeout(environ=os.environ) -> float:
-    text = environ.get("KVFIT_TP_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"KVFIT_TP_TIMEOUT_S={text!r} must be a positive number of seconds")
-    return value
+                                   source=f"{reading.source}, capped by test_rank_kv_bytes")
 
 
 @dataclass(frozen=True)
@@ -148,11 +115,6 @@ def _init_group(rank: int, launch: Launch, raw_store):
     # plans travel over their own gloo group (even when the model's collectives use NCCL), whose
     # timeout is the longest idle spell of a server: a rank waits there until the next request
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-
-
-def _num_cache_blocks(worker: Worker) -> int:
-    caches = worker.runner.kv_caches
-    return caches[0][0].shape[0] if caches else 0
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -200,7 +162,7 @@ def _serve(rank, launch: Launch, raw_store, config, facts, backend_name, spec, h
             raise _Stopped
 
     try:
-        reading = hooks.cap(worker.measure(after_load=after_load))
+        reading = hooks.cap(worker.measure_rank(after_load=after_load))
     except _Stopped:
         return
     _post(store, f"reading/{rank}", reading)
@@ -208,14 +170,15 @@ def _serve(rank, launch: Launch, raw_store, config, facts, backend_name, spec, h
     if num_blocks == _STOP:
         return
     worker.initialize_cache(num_blocks)
-    _post(store, f"allocated/{rank}", _num_cache_blocks(worker))
+    _post(store, f"allocated/{rank}", worker.num_cache_blocks)
     box = [None]
     while True:
         dist.broadcast_object_list(box, src=0, group=control)
         if isinstance(box[0], str):        # _STOP
             return
         hooks.fail_if("step")
-        worker.execute(box[0])
+        delta, sampled_before = box[0]
+        worker.execute(delta, sampled_before)
 
 
 class _Ranks:
@@ -296,7 +259,7 @@ class _Ranks:
             if time.monotonic() > deadline:
                 missing = [rank for rank, key in enumerate(keys, start=1) if not self.store.check([key])]
                 raise KvfitError(f"tensor-parallel rank(s) {missing} did not report {what} within "
-                                 f"{self.launch.timeout_s:g} s; raise KVFIT_TP_TIMEOUT_S if start-up is that slow")
+                                 f"{self.launch.timeout_s:g} s; raise KVFIT_TP_TIMEOUT_S (tp_timeout_s) if start-up is that slow")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         return [pickle.loads(self.store.get(key)) for key in keys]
@@ -378,17 +341,18 @@ def _spawn(world: int, launch_args: dict, config, facts, backend, spec, hooks: l
 
 
 class TensorParallelWorkers:
-    """The Worker interface (measure / initialize_cache / execute / shutdown) over N ranks."""
+    """The Executor protocol (runner/worker.py) over N ranks."""
 
     def __init__(self, config, facts, platform, backend, spec):
         world = config.parallel.tensor_parallel_size
         _check_world(world, platform, facts)
-        self.hooks = read_test_hooks(world)
-        device = "cuda" if platform.name == "cuda" else "cpu"
-        launch_args = dict(device_type=device, timeout_s=_read_timeout(),
+        self.hooks = [RankHooks.for_rank(config.parallel, rank) for rank in range(world)]
+        device = platform.name
+        launch_args = dict(device_type=device, timeout_s=config.parallel.tp_timeout_s,
                            num_threads=max(1, torch.get_num_threads() // world), parent_pid=os.getpid())
         self.world = world
         self.rank_num_blocks: list[int] = []     # the KV blocks each rank allocated, in rank order
+        self._sampled: SampledTokens = {}        # rank 0's tokens of the last step, sent with the next
         self._ranks = _spawn(world, launch_args, config.replace(device=device), facts, backend, spec, self.hooks)
         self._finalizer = weakref.finalize(self, self._ranks.close)
         with self._guard():
@@ -422,20 +386,22 @@ class TensorParallelWorkers:
     def measure(self) -> list[MemoryReading]:
         """Every rank's reading, in rank order (the plan takes the minimum)."""
         with self._guard():
-            mine = self.hooks[0].cap(self.worker.measure(after_load=self._after_load))
+            mine = self.hooks[0].cap(self.worker.measure_rank(after_load=self._after_load))
             return [mine] + self._ranks.gather("reading", "its memory reading")
 
     def initialize_cache(self, num_blocks: int) -> None:
         with self._guard():
             self._ranks.post("num_blocks", num_blocks)
             self.worker.initialize_cache(num_blocks)
-            self.rank_num_blocks = [_num_cache_blocks(self.worker)] + self._ranks.gather("allocated", "its KV cache")
+            self.rank_num_blocks = [self.worker.num_cache_blocks] + self._ranks.gather("allocated", "its KV cache")
 
-    def execute(self, plan):
+    def execute(self, delta: StepDelta) -> SampledTokens:
+        """Send the delta (and the tokens sampled last step) to every rank, run rank 0's share."""
         with self._guard():
             self._ranks.check_alive()
-            dist.broadcast_object_list([plan], src=0, group=self._ranks.control)
-            return self.worker.execute(plan)
+            dist.broadcast_object_list([(delta, self._sampled)], src=0, group=self._ranks.control)
+            self._sampled = self.worker.execute(delta)
+            return self._sampled
 
     @property
     def pids(self) -> list[int]:

@@ -1,31 +1,46 @@
-"""A Worker is one rank: a platform that measures and a runner that executes.
+"""The worker protocol, and Worker: one rank in this process (a platform that measures, a runner).
 
-The engine talks to workers only through measure / initialize_cache / execute, so one process
-and several tensor-parallel processes look the same to it.
+The engine talks to its executor only through this protocol, so one process and several
+tensor-parallel processes (runner/tp_executor.py) look the same to it:
+
+    measure() -> list[MemoryReading]      load weights, profile, measure: one reading per rank
+    initialize_cache(num_blocks) -> None  allocate the KV cache (every rank the same count), capture graphs
+    execute(delta) -> SampledTokens       apply one StepDelta and run it; rank 0's sampled tokens
+    shutdown() -> None
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 from kvfit.config import EngineConfig
-from kvfit.engine.step_plan import StepPlan
 from kvfit.kv.plan import MemoryReading
 from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import ModelFacts
 from kvfit.platforms.base import Platform, StartupSteps
 from kvfit.runner.model_runner import ModelRunner
+from kvfit.step import SampledTokens, StepDelta
+
+
+class Executor(Protocol):
+    def measure(self) -> list[MemoryReading]: ...
+    def initialize_cache(self, num_blocks: int) -> None: ...
+    def execute(self, delta: StepDelta) -> SampledTokens: ...
+    def shutdown(self) -> None: ...
 
 
 class Worker:
+    """One rank: the Executor protocol for a single process, and the body of every tensor-parallel rank."""
+
     def __init__(self, config: EngineConfig, facts: ModelFacts, platform: Platform, backend, spec: KVSpec,
                  tp_rank: int = 0):
         self.platform = platform
         self.config = config
-        self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank)
+        self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank,
+                                  graphs_supported=platform.supports_graphs)
         self.reading: MemoryReading | None = None      # this rank's, once measured
 
-    def measure(self, after_load: Callable[[], None] | None = None) -> MemoryReading:
+    def measure_rank(self, after_load: Callable[[], None] | None = None) -> MemoryReading:
         """Load weights and profile, measured by the platform.
 
         after_load runs between the two (tensor parallelism: a barrier, so no rank enters the
@@ -40,24 +55,24 @@ class Worker:
             return weights_bytes
 
         steps = StartupSteps(load_weights=load_weights, profile=runner.profile_run,
-                             capture_graphs=getattr(runner, "trial_capture_graphs", None),
-                             release_graphs=getattr(runner, "release_graphs", None))
+                             capture_graphs=runner.trial_capture_graphs, release_graphs=runner.release_graphs)
         self.reading = self.platform.measure(steps, self.config.cache)
         return self.reading
 
+    def measure(self) -> list[MemoryReading]:
+        return [self.measure_rank()]
+
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
-        capture = getattr(self.runner, "capture_graphs", None)
-        if capture is not None:
-            capture()
+        self.runner.capture_graphs()
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
-        sampled = self.runner.execute(plan)
-        self.platform.keep_within(self.reading)
-        return sampled
+    @property
+    def num_cache_blocks(self) -> int:
+        caches = self.runner.kv_caches
+        return caches[0][0].shape[0] if caches else 0
 
-    def execute_steps(self, plan: StepPlan) -> dict[str, list[int]]:
-        sampled = self.runner.execute_steps(plan)
+    def execute(self, delta: StepDelta, sampled_before: SampledTokens | None = None) -> SampledTokens:
+        sampled = self.runner.execute(delta, sampled_before)
         self.platform.keep_within(self.reading)
         return sampled
 

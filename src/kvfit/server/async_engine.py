@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfit.engine.output import RequestOutput
-from kvfit.engine.sampling_params import SamplingParams
-from kvfit.errors import KvfitError
+from kvfit.sampling_params import SamplingParams
+from kvfit.errors import KvfitError, RequestError
 from kvfit.server.protocol import APIError, bad_request
 
 logger = logging.getLogger("kvfit")
@@ -213,6 +213,8 @@ class AsyncEngine:
             num_prompt_tokens = self._add(command)
         except APIError as exc:
             self._resolve(command.future, error=exc)
+        except RequestError as exc:
+            self._resolve(command.future, error=bad_request(str(exc), exc.param, exc.code))
         except KvfitError as exc:
             self._resolve(command.future, error=bad_request(str(exc)))
         except Exception as exc:      # one bad request must not take the loop down
@@ -227,18 +229,8 @@ class AsyncEngine:
         if engine.stats()["waiting"] >= self.max_waiting_requests:
             raise queue_full_error(self.max_waiting_requests)
         ids = engine.encode(command.prompt) if isinstance(command.prompt, str) else list(command.prompt)
-        max_model_len = engine.max_model_len
-        max_tokens = command.params.max_tokens
-        if len(ids) >= max_model_len:
-            raise bad_request(f"the prompt has {len(ids)} tokens but the context (--max-model-len) is "
-                              f"{max_model_len}, which must leave room for at least one output token; "
-                              "shorten the prompt", param="prompt", code="context_length_exceeded")
-        if command.max_tokens_given and len(ids) + max_tokens > max_model_len:
-            raise bad_request(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
-                              f"{len(ids) + max_tokens} > the context (--max-model-len) of {max_model_len}; "
-                              f"lower max_tokens to at most {max_model_len - len(ids)}",
-                              param="max_tokens", code="context_length_exceeded")
-        engine.add_request(ids, command.params, command.request_id)
+        # the engine's admission check is the only one; its RequestError carries param and code
+        engine.add_request(ids, command.params, command.request_id, strict_context=command.max_tokens_given)
         return len(ids)
 
     def _step(self) -> None:

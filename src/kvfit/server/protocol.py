@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvfit.engine.sampling_params import MIN_SAMPLING_TEMPERATURE, SamplingParams
+from kvfit.sampling_params import SamplingParams
 from kvfit.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
-# below this a float32 division of the logits overflows (inf / nan probabilities): 0 means greedy
+MAX_STOP_STRINGS = 16                  # each is searched after every token
 
 
 class APIError(Exception):
@@ -176,30 +176,18 @@ def _reject_unsupported(req: _SamplingFields) -> None:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """Check the ranges (400 naming the field), then build SamplingParams."""
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if temperature < 0 or 0 < temperature < MIN_SAMPLING_TEMPERATURE:
-        raise bad_request(f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}, got {temperature}",
-                          param="temperature")
-    if not 0 < top_p <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {req.top_k}", param="top_k")
+    """Build SamplingParams; it validates every range and names the field (a 400 with that param)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if any(not s for s in stop):
-        raise bad_request("stop strings must be non-empty", param="stop")
-    if len(stop) > 16:
-        raise bad_request(f"at most 16 stop strings, got {len(stop)}", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=-1 if req.top_k is None else req.top_k,
-                              seed=req.seed, max_tokens=max_tokens,
+        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=-1 if req.top_k is None else req.top_k, seed=req.seed, max_tokens=max_tokens,
                               stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                               ignore_eos=bool(req.ignore_eos))
     except RequestError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
 
 def _stream_flags(req: _SamplingFields) -> tuple[bool, bool]:

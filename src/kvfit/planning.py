@@ -1,4 +1,7 @@
-"""From settings and model facts to the planner's inputs (KVSpec, PlanLimits). No torch."""
+"""From settings and model facts to the planner's inputs (KVSpec, PlanLimits). No torch.
+
+Above kv/ (which knows nothing of EngineConfig) and below the engine, the runner and `kvfit plan`.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,44 @@
+"""The one admission check: can this request ever be served? Pure; raises RequestError(param, code).
+
+The server maps the error to OpenAI's 400 body from its param and code, without checking again.
+"""
+
+from __future__ import annotations
+
+from kvfit.errors import RequestError
+from kvfit.sampling_params import SamplingParams
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  block_size: int, num_blocks: int, strict_context: bool = False) -> int:
+    """Return the request's max_total_tokens (prompt + output, at most max_model_len).
+
+    strict_context: prompt + max_tokens past max_model_len is an error (the server, when the client
+    set max_tokens); otherwise generation stops at max_model_len with finish reason "length".
+    """
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
+                           "sampling_params")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
+        raise RequestError("a token-id prompt must be a list of integers", "prompt")
+    num_prompt = len(prompt_ids)
+    if num_prompt == 0:
+        raise RequestError("the prompt is empty; give at least one token", "prompt")
+    if any(t < 0 or t >= vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}); got one outside", "prompt")
+    if num_prompt >= max_model_len:
+        raise RequestError(
+            f"the prompt has {num_prompt} tokens but --max-model-len is {max_model_len} (prompt + at least one "
+            "output token); shorten the prompt or raise --max-model-len", "prompt", "context_length_exceeded")
+    max_tokens = params.max_tokens
+    if strict_context and max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise RequestError(
+            f"the prompt has {num_prompt} tokens and max_tokens is {max_tokens}: {num_prompt + max_tokens} > "
+            f"the context (--max-model-len) of {max_model_len}; lower max_tokens to at most "
+            f"{max_model_len - num_prompt}", "max_tokens", "context_length_exceeded")
+    max_total_tokens = min(num_prompt + (max_tokens or max_model_len), max_model_len)
+    blocks = -(-max_total_tokens // block_size)
+    if blocks > num_blocks:
+        raise RequestError(f"the request needs {blocks} KV blocks but the cache has {num_blocks}; "
+                           "lower max_tokens or give the cache more memory", "max_tokens")
+    return max_total_tokens

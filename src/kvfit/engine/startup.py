@@ -1,0 +1,81 @@
+"""Start-up in one function: facts -> platform -> executor -> load, profile, measure -> plan ->
+allocate the KV cache -> capture graphs. The engine gets the result; its constructor orchestrates nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvfit.attention.registry import get_backend
+from kvfit.config import EngineConfig
+from kvfit.errors import ConfigError
+from kvfit.kv.plan import KVPlan, MemoryReading, PlanLimits, plan_kv_cache
+from kvfit.kv.report import write_plan_json
+from kvfit.kv.spec import KVSpec
+from kvfit.model_facts import ModelFacts, load_model_facts
+from kvfit.planning import spec_and_limits
+from kvfit.platforms import get_platform
+
+logger = logging.getLogger("kvfit")
+
+
+@dataclass
+class StartedEngine:
+    """Everything start-up produced: the executor is running with its KV cache allocated."""
+
+    config: EngineConfig
+    facts: ModelFacts
+    platform: object
+    spec: KVSpec
+    limits: PlanLimits
+    executor: object                  # runner.worker.Executor
+    readings: list[MemoryReading]
+    plan: KVPlan
+    num_scheduler_steps: int
+
+
+def scheduler_steps(config: EngineConfig, platform) -> int:
+    """--num-scheduler-steps, or the platform's default for this tensor-parallel size."""
+    steps = config.scheduler.num_scheduler_steps
+    tp = config.parallel.tensor_parallel_size
+    if steps is None:
+        return platform.default_scheduler_steps(tp)
+    if steps > 1 and tp > 1:
+        raise ConfigError(f"--num-scheduler-steps {steps} needs --tensor-parallel-size 1 (got {tp}); "
+                          "use --num-scheduler-steps 1 with tensor parallelism")
+    return steps
+
+
+def _make_executor(config, facts, platform, backend, spec):
+    if config.parallel.tensor_parallel_size > 1:
+        from kvfit.runner.tp_executor import TensorParallelWorkers
+        return TensorParallelWorkers(config, facts, platform, backend, spec)
+    from kvfit.runner.worker import Worker
+    return Worker(config, facts, platform, backend, spec)
+
+
+def start_engine(config: EngineConfig) -> StartedEngine:
+    """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down."""
+    facts = load_model_facts(config.model.model)
+    platform = get_platform(config.device.device)
+    backend_name = config.device.attention_backend or platform.default_backend
+    platform.check_backend(backend_name)
+    backend = get_backend(backend_name)
+    num_steps = scheduler_steps(config, platform)
+    spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)
+    executor = _make_executor(config, facts, platform, backend, spec)
+    try:
+        readings = executor.measure()
+        plan = plan_kv_cache(readings, spec, limits, config.parallel.tensor_parallel_size)
+        logger.info(plan.log_line())
+        for warning in plan.warnings:
+            logger.warning(warning)
+        if config.cache.plan_json:
+            write_plan_json(plan, config.cache.plan_json, {"model": config.model.model})
+        executor.initialize_cache(plan.num_blocks)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return StartedEngine(config=config, facts=facts, platform=platform, spec=spec, limits=limits,
+                         executor=executor, readings=readings, plan=plan, num_scheduler_steps=num_steps)

@@ -1,0 +1,74 @@
+"""StepDelta: what the scheduler hands the runner each step. Plain data, no torch.
+
+The contract is incremental (as vLLM v1's scheduler output): a request's prompt, sampling params
+and first block ids reach the runner once, in `new_requests`, when it is first scheduled (again
+after a preemption, with the tokens it had generated). Later steps carry only the scheduled ids
+with their token counts and the block ids appended to their tables since the last step, plus the
+ids that finished or were preempted. The runner keeps everything else in its persistent batch.
+
+Invariants:
+- block tables are append-only: a request's table is its first block ids plus every later
+  new_block_ids, in order, until it finishes or is preempted;
+- the runner computes tokens num_computed..num_computed + num_scheduled_tokens of a request's
+  token ids (prompt + output), where num_computed starts at NewRequest.num_computed_tokens and
+  grows by what each step computed; it samples when that reaches the end of its known tokens;
+- removed_ids are applied before new_requests, so an id can end and start again in one delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfit.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen (or has dropped after a preemption)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]    # generated before a preemption; () for a new request
+    params: SamplingParams
+    block_ids: tuple[int, ...]           # the table so far (prefix-cache hits and this step's blocks)
+    num_computed_tokens: int             # tokens whose K/V are already in those blocks (prefix hits)
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    """One step: the scheduled requests in batch order and what changed since the last step."""
+
+    request_ids: tuple[str, ...] = ()              # scheduled, in batch order (new ones included)
+    num_scheduled_tokens: tuple[int, ...] = ()     # tokens computed this step, per scheduled request
+    new_block_ids: tuple[tuple[int, ...], ...] = ()  # appended to each scheduled table ((): none)
+    # decode steps run back to back (multi-step): step k computes one more token of each sequence
+    # whose num_steps > k, fed by the token sampled at step k-1. () means one step for every request.
+    num_steps: tuple[int, ...] = ()
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_ids: tuple[str, ...] = ()             # ended (stop, length, abort) since the last step
+    preempted_ids: tuple[str, ...] = ()            # preempted this step: their blocks are gone
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to run (the runner may still have rows to drop)."""
+        return not self.request_ids
+
+    @property
+    def max_num_steps(self) -> int:
+        """Device steps this delta runs: 1, or the most decode steps of any request (multi-step)."""
+        return max(self.num_steps, default=1)
+
+    @property
+    def removed_ids(self) -> tuple[str, ...]:
+        return self.finished_ids + self.preempted_ids
+
+    def steps_of(self, index: int) -> int:
+        return self.num_steps[index] if self.num_steps else 1
+
+
+# {request_id: tokens sampled for it, in order: one per device step of the delta}
+SampledTokens = dict[str, list[int]]

@@ -1,0 +1,134 @@
+"""The import graph of src/kvfit, read with ast: one-way layering and no import circles.
+
+Layers, lowest first: a module may import its own layer's modules and lower layers only.
+server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config -> kv.
+Every import counts, at module level or inside a function (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvfit"
+
+# component -> rank (a top-level module or a subpackage of kvfit)
+LAYERS = {
+    "errors": 0,
+    "units": 1, "catalog": 1,
+    "model_facts": 2,
+    "kv": 3,
+    "config": 4,
+    "planning": 5, "sampling_params": 5,
+    "step": 6,
+    "attention": 7,
+    "models": 8,
+    "platforms": 9,
+    "runner": 10,
+    "engine": 11,
+    "server": 12,
+    "commands": 13,
+    "cli": 14, "__init__": 14,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _component(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every kvfit module `path` imports (absolute or relative, anywhere in the file)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "kvfit")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "kvfit":
+                continue
+            for alias in node.names:       # `from kvfit.kv import pool` names a module
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _exists(candidate) else base)
+    return found
+
+
+def _exists(module: str) -> bool:
+    path = SRC.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        graph[module] = {m for m in _imports(path, module) if m != module}
+    return graph
+
+
+GRAPH = _graph()
+
+
+def test_every_component_has_a_layer():
+    assert {_component(m) for m in GRAPH} <= set(LAYERS), "a new top-level module or package needs a layer here"
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for module, deps in GRAPH.items():
+        rank = LAYERS[_component(module)]
+        for dep in deps:
+            dep_component = _component(dep)
+            if dep_component != _component(module) and LAYERS[dep_component] >= rank:
+                wrong.append(f"{module} -> {dep}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("forbidden", ["torch", "kvfit.config"])
+def test_kv_imports_neither_torch_nor_config(forbidden):
+    for path in (SRC / "kv").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(n == forbidden or n.startswith(forbidden + ".") for n in names), f"{path.name} imports {forbidden}"
+
+
+def test_no_import_circles():
+    """Depth-first search over modules; a back edge is a circle (reported with its path)."""
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    path: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(GRAPH.get(module, ())):
+            dep = dep if dep in GRAPH else dep.rpartition(".")[0]
+            if state.get(dep) == 1:
+                circles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep in GRAPH and dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+    assert circles == []
+
+
+def test_the_graph_is_read():
+    # guards the reader itself: known edges must be found
+    assert "kvfit.kv.pool" in GRAPH["kvfit.kv.manager"]
+    assert "kvfit.step" in GRAPH["kvfit.engine.scheduler"]
