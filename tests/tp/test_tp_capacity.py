@@ -1,6 +1,6 @@
 """The capacity plan over ranks: the minimum of every rank's reading, used by every rank.
 
-KVFIT_TEST_RANK_KV_BYTES (test only, read once at start-up by rank 0 and sent to the rank) caps one
+test_rank_kv_bytes (a ParallelConfig field for tests, sent to the rank with its config) caps one
 rank's available KV bytes, as another process on its GPU would. The plan must take that figure,
 the log must name each rank's bytes, and every rank must allocate the same (minimum) block count.
 The engine here is then dropped without shutdown(): garbage collection must stop its ranks.
@@ -18,7 +18,8 @@ from kvfit import LLM, SamplingParams
 from kvfit.errors import ConfigError
 from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import load_model_facts
-from kvfit.runner.tp_executor import RankHooks, read_test_hooks
+from kvfit.config import ParallelConfig
+from kvfit.runner.tp_executor import RankHooks
 from kvfit.units import parse_bytes
 
 RANK1_BLOCKS = 300
@@ -30,9 +31,8 @@ def test_every_rank_plans_the_minimum(tiny_llama, monkeypatch, caplog):
     budget = parse_bytes(ENGINE_KWARGS["kv_cache_memory"], "kv_cache_memory")
     cap = RANK1_BLOCKS * spec.bytes_per_block + spec.bytes_per_block // 2     # not a whole number of blocks
     assert cap < budget
-    monkeypatch.setenv("KVFIT_TEST_RANK_KV_BYTES", f"1:{cap}")
     caplog.set_level(logging.INFO, logger="kvfit")
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KWARGS)
+    llm = LLM(tiny_llama, tensor_parallel_size=2, test_rank_kv_bytes={1: cap}, **ENGINE_KWARGS)
     pids = rank_pids(llm)
     plan = llm.capacity
     assert plan.per_rank_available_kv_bytes == [budget, cap]
@@ -48,12 +48,20 @@ def test_every_rank_plans_the_minimum(tiny_llama, monkeypatch, caplog):
     assert all_gone(pids, timeout_s=0), "garbage collection of the LLM did not stop its ranks"
 
 
-def test_test_hooks_parse_or_say_what_is_wrong():
-    assert read_test_hooks(2, {}) == [RankHooks(), RankHooks()]
-    hooks = read_test_hooks(3, {"KVFIT_TEST_RANK_KV_BYTES": "0:10, 2:20", "KVFIT_TEST_RANK_FAIL": "1:step"})
-    assert hooks == [RankHooks(10), RankHooks(None, "step"), RankHooks(20)]
-    for env in ({"KVFIT_TEST_RANK_KV_BYTES": "2:10"}, {"KVFIT_TEST_RANK_KV_BYTES": "1:lots"},
-                {"KVFIT_TEST_RANK_KV_BYTES": "10"}, {"KVFIT_TEST_RANK_FAIL": "1:later"},
-                {"KVFIT_TEST_RANK_FAIL": "0:load"}):
-        with pytest.raises(ConfigError, match="KVFIT_TEST_RANK_"):
-            read_test_hooks(2, env)
+def test_test_hooks_are_config_fields_checked_or_say_what_is_wrong():
+    parallel = ParallelConfig(tensor_parallel_size=3, test_rank_kv_bytes={0: 10, 2: 20}, test_rank_fail={1: "step"})
+    assert [RankHooks.for_rank(parallel, r) for r in range(3)] == [RankHooks(10), RankHooks(None, "step"),
+                                                                   RankHooks(20)]
+    assert RankHooks.for_rank(ParallelConfig(tensor_parallel_size=2), 1) == RankHooks()
+    for kwargs in ({"test_rank_kv_bytes": {2: 10}}, {"test_rank_kv_bytes": {1: "lots"}},
+                   {"test_rank_fail": {1: "later"}}, {"test_rank_fail": {0: "load"}}):
+        with pytest.raises(ConfigError, match="test_rank_"):
+            ParallelConfig(tensor_parallel_size=2, **kwargs)
+
+
+def test_the_tp_timeout_is_read_from_the_environment_once(monkeypatch):
+    monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", "4")
+    assert ParallelConfig().tp_timeout_s == 4.0 and ParallelConfig(tp_timeout_s=9).tp_timeout_s == 9
+    monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="KVFIT_TP_TIMEOUT_S"):
+        ParallelConfig()

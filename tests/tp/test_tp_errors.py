@@ -1,7 +1,7 @@
 """Bad tensor-parallel settings are one-line ConfigErrors before any rank starts; a rank that fails,
 at start-up or mid-generation, is a clear KvfitError in rank 0 (not a hang) and leaves no process.
 
-Failures are injected with KVFIT_TEST_RANK_FAIL (test only): "1:start" fails rank 1 before it joins
+Failures are injected with the test_rank_fail config field (tests only): "1:start" fails rank 1 before it joins
 the group, "1:load" after loading its weights, "1:step" on its first step.
 """
 
@@ -68,17 +68,15 @@ def test_a_plan_that_fails_in_rank_0_stops_the_ranks(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("stage", ["start", "load"])
 def test_a_rank_failing_at_start_up_is_an_error_in_rank_0(tiny_llama, monkeypatch, stage):
-    monkeypatch.setenv("KVFIT_TEST_RANK_FAIL", f"1:{stage}")
     started = time.monotonic()
     with pytest.raises(KvfitError, match=rf"rank\(s\) \[1\] failed: rank 1: InjectedFault: .* at {stage}") as info:
-        LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KWARGS)
+        LLM(tiny_llama, tensor_parallel_size=2, test_rank_fail={1: stage}, **ENGINE_KWARGS)
     assert time.monotonic() - started < FAST_S
     assert "\n" not in str(info.value)
 
 
 def test_a_rank_failing_mid_generation_is_an_error_in_rank_0(tiny_llama, monkeypatch):
-    monkeypatch.setenv("KVFIT_TEST_RANK_FAIL", "1:step")
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KWARGS)
+    llm = LLM(tiny_llama, tensor_parallel_size=2, test_rank_fail={1: "step"}, **ENGINE_KWARGS)
     pids = rank_pids(llm)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     started = time.monotonic()

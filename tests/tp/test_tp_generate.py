@@ -53,10 +53,9 @@ def test_two_ranks_give_the_tokens_of_one(fixture, request):
 
 def test_an_idle_engine_keeps_its_ranks(tiny_llama, monkeypatch):
     """Waiting for the next request is not a timeout (a server may idle for hours); only start-up
-    and the model's collectives are bounded by KVFIT_TP_TIMEOUT_S (here 4 s: start-up takes ~2)."""
+    and the model's collectives are bounded by tp_timeout_s (KVFIT_TP_TIMEOUT_S; here 4 s: start-up takes ~2)."""
     import time
-    monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", "4")
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KWARGS)
+    llm = LLM(tiny_llama, tensor_parallel_size=2, tp_timeout_s=4, **ENGINE_KWARGS)
     try:
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
