@@ -8,7 +8,7 @@ import pytest
 
 from kvfit import catalog
 from kvfit.errors import ConfigError
-from kvfit.model_facts import (RUNNABLE_FAMILIES, SUPPORTED_ARCHITECTURES, count_parameters, facts_from_config,
+from kvfit.model_facts import (FAMILY_RULES, SUPPORTED_ARCHITECTURES, count_parameters, facts_from_config,
                                load_model_facts, read_config_json)
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -80,8 +80,32 @@ def test_mla_facts():
     assert not load_model_facts("llama-3.1-8b").is_mla
 
 
-def test_runnable_families_are_supported():
-    assert set(RUNNABLE_FAMILIES) <= set(SUPPORTED_ARCHITECTURES.values())
+def test_every_family_has_rules():
+    assert set(FAMILY_RULES) == set(SUPPORTED_ARCHITECTURES.values())
+
+
+# structure --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,bias,expected", [
+    # (qkv_bias, o_bias, mlp_bias, qk_norm) as transformers builds each family
+    ("LlamaForCausalLM", False, (False, False, False, False)),
+    ("LlamaForCausalLM", True, (True, True, True, False)),
+    ("MistralForCausalLM", True, (False, False, False, False)),       # Mistral ignores both flags
+    ("Qwen2ForCausalLM", False, (True, False, False, False)),         # q/k/v biases always, o_proj none
+    ("Qwen2ForCausalLM", True, (True, False, False, False)),
+    ("Qwen3ForCausalLM", False, (False, False, False, True)),
+    ("Qwen3ForCausalLM", True, (True, True, False, True)),            # attention_bias, never mlp_bias
+])
+def test_structure_follows_the_family_rules(arch, bias, expected):
+    f = facts_from_config(tiny(architectures=[arch], attention_bias=bias, mlp_bias=bias))
+    assert (f.qkv_bias, f.o_bias, f.mlp_bias, f.qk_norm) == expected
+
+
+def test_sliding_window_only_where_the_family_reads_it():
+    assert facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window=32)).sliding_window == 32
+    assert facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window=None)).sliding_window is None
+    assert facts_from_config(tiny(sliding_window=32)).sliding_window is None      # Llama has none
+    with pytest.raises(ConfigError, match="'sliding_window' must be a positive integer"):
+        facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window="4k"))
 
 
 def test_catalog_names_are_normalised_and_unknown_names_list_the_catalog():
@@ -276,6 +300,9 @@ HF_CASES = [
     _case("Llama", "llama-attention-bias", dict(_BASE, attention_bias=True)),
     _case("Llama", "llama-mlp-bias", dict(_BASE, mlp_bias=True)),
     _case("Qwen3", "qwen3-attention-bias", dict(_BASE, head_dim=16, attention_bias=True)),
+    _case("Mistral", "mistral-bias-flags-ignored", dict(_BASE, head_dim=16, attention_bias=True, mlp_bias=True)),
+    _case("Qwen2", "qwen2-bias-flags-ignored", dict(_BASE, attention_bias=True, mlp_bias=True)),
+    _case("Qwen3", "qwen3-mlp-bias-ignored", dict(_BASE, head_dim=16, mlp_bias=True)),
 ]
 
 

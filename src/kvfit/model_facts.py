@@ -28,8 +28,30 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-# families the engine can run (the rest can be planned)
-RUNNABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """What a family's layers have beyond the shared decoder, as transformers builds them."""
+
+    qkv_bias: bool = False               # q/k/v biases whatever config.json says (Qwen2)
+    reads_attention_bias: bool = False   # config.json's attention_bias puts biases on q, k, v and o_proj
+    reads_mlp_bias: bool = False         # config.json's mlp_bias puts biases on gate, up and down
+    qk_norm: bool = False                # per-head RMSNorm of q and k before RoPE
+    reads_sliding_window: bool = False   # config.json's sliding_window limits attention
+
+
+# family -> its rules; the parameter count and the models read them through ModelFacts
+FAMILY_RULES = {
+    "llama": FamilyRules(reads_attention_bias=True, reads_mlp_bias=True),
+    "mistral": FamilyRules(reads_sliding_window=True),
+    "qwen2": FamilyRules(qkv_bias=True),
+    "qwen3": FamilyRules(reads_attention_bias=True, qk_norm=True),
+    "qwen3_moe": FamilyRules(reads_attention_bias=True, qk_norm=True),
+    "mixtral": FamilyRules(reads_sliding_window=True),
+    "deepseek_v2": FamilyRules(),
+    "deepseek_v3": FamilyRules(),
+}
 
 DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -57,6 +79,12 @@ class ModelFacts:
     intermediate_size: int
     num_params: int
     weight_dtype_bytes: int          # bytes per parameter in the checkpoint (fp8 checkpoints: 1)
+    # the layers' structure, from the family's rules and config.json (FAMILY_RULES)
+    qkv_bias: bool = False           # biases on the q, k and v projections
+    o_bias: bool = False             # a bias on o_proj
+    mlp_bias: bool = False           # biases on the gate, up and down projections
+    qk_norm: bool = False            # per-head RMSNorm of q and k before RoPE
+    sliding_window: int | None = None   # tokens a position attends back over (None: the whole context)
     # MLA (DeepSeek): one latent of kv_lora_rank + qk_rope_head_dim per token per layer
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
@@ -116,6 +144,18 @@ def _dtype(cfg: dict, source: str) -> str:
     return DTYPE_ALIASES[name]
 
 
+def _structure(family: str, cfg: dict, source: str) -> dict:
+    """The structure fields of ModelFacts: the family's rules applied to config.json."""
+    rules = FAMILY_RULES[family]
+    attention_bias = rules.reads_attention_bias and bool(cfg.get("attention_bias"))
+    window = None
+    if rules.reads_sliding_window and cfg.get("sliding_window") is not None:
+        window = _positive_int(cfg, "sliding_window", source)
+    return dict(qkv_bias=rules.qkv_bias or attention_bias, o_bias=attention_bias,
+                mlp_bias=rules.reads_mlp_bias and bool(cfg.get("mlp_bias")), qk_norm=rules.qk_norm,
+                sliding_window=window)
+
+
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     """Read ModelFacts from a parsed config.json; raise ConfigError on anything missing or malformed."""
     if not isinstance(cfg, dict):
@@ -149,7 +189,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
-        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, raw=dict(cfg))
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, raw=dict(cfg), **_structure(family, cfg, source))
     return _with_params(facts, cfg, source)
 
 
@@ -169,11 +209,11 @@ def _attention_params(f: ModelFacts, cfg: dict) -> int:
         return q + kv + f.num_attention_heads * v_dim * h
     q_out, kv_out = f.num_attention_heads * hd, f.num_kv_heads * hd
     params = h * q_out + 2 * h * kv_out + q_out * h
-    if f.family == "qwen2":
-        params += q_out + 2 * kv_out  # q, k, v biases; o_proj has none
-    elif f.family in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
-        params += q_out + 2 * kv_out + h  # q, k, v and o_proj biases
-    if f.family in ("qwen3", "qwen3_moe"):
+    if f.qkv_bias:
+        params += q_out + 2 * kv_out
+    if f.o_bias:
+        params += h
+    if f.qk_norm:
         params += 2 * hd  # q_norm and k_norm
     return params
 
@@ -181,7 +221,7 @@ def _attention_params(f: ModelFacts, cfg: dict) -> int:
 def _mlp_params(f: ModelFacts, cfg: dict, layer: int) -> int:
     h = f.hidden_size
     dense = 3 * h * f.intermediate_size
-    if f.family == "llama" and cfg.get("mlp_bias"):
+    if f.mlp_bias:
         dense += 2 * f.intermediate_size + h  # gate, up and down biases
     if f.family == "mixtral":
         experts = cfg.get("num_local_experts", 8)
@@ -246,4 +286,4 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
-           "RUNNABLE_FAMILIES", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "ceil_div"]
+           "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "ceil_div"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
-from kvfit.attention.offsets import backend_max_offset
+from kvfit.attention.registry import backend_max_offset
 from kvfit.kv.spec import PADDING_SLOT_ID
 
 
@@ -13,7 +13,7 @@ class TorchReferenceBackend(AttentionBackend):
     """Gathers each sequence's K/V from its block table and runs masked softmax attention."""
 
     name = "torch"
-    # torch indexes tensors with int64 offsets (declared in offsets.py)
+    # torch indexes tensors with int64 offsets (declared in registry.py)
     max_element_offset = backend_max_offset("torch")
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):

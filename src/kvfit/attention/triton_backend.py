@@ -13,7 +13,7 @@ import os
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
-from kvfit.attention.offsets import backend_max_offset
+from kvfit.attention.registry import backend_max_offset
 from kvfit.attention.triton_decode import choose_num_splits, heads_per_program, paged_decode_attention
 from kvfit.attention.triton_kernels import write_kv_cache
 from kvfit.attention.triton_prefill import paged_prefill_attention
@@ -31,7 +31,7 @@ class TritonBackend(AttentionBackend):
     """Paged attention in Triton kernels; `num_splits` pins decode's split-K count (None: chosen per step)."""
 
     name = "triton"
-    # all kernels cast indices to int64 before multiplying by strides (declared in offsets.py)
+    # all kernels cast indices to int64 before multiplying by strides (declared in registry.py)
     max_element_offset = backend_max_offset("triton")
 
     def __init__(self, num_splits: int | None = None):
@@ -41,13 +41,15 @@ class TritonBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}   # per device, read once (no device sync)
 
     def _check_device(self, t: torch.Tensor) -> None:
-        if t.device.type != "cuda" and not _interpreting():
+        if not t.is_cuda and not _interpreting():
             raise ConfigError(f"the triton attention backend needs a CUDA device, got tensors on {t.device}; "
                               "use --attention-backend torch (or TRITON_INTERPRET=1 for tests)")
 
-    def num_sms(self, device: torch.device) -> int:
-        if device.type != "cuda":
+    def num_sms(self, t: torch.Tensor) -> int:
+        """Streaming multiprocessors of t's GPU (the interpreter's stand-in off the GPU)."""
+        if not t.is_cuda:
             return _INTERPRETER_NUM_SMS
+        device = t.device
         if device not in self._num_sms:
             self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
         return self._num_sms[device]
@@ -58,7 +60,7 @@ class TritonBackend(AttentionBackend):
             return self.num_splits
         group = query.shape[1] // num_kv_heads
         head_programs = num_kv_heads * -(-group // heads_per_program(group))
-        return choose_num_splits(meta.max_seq_len, meta.num_seqs, head_programs, self.num_sms(query.device))
+        return choose_num_splits(meta.max_seq_len, meta.num_seqs, head_programs, self.num_sms(query))
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
         # key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64

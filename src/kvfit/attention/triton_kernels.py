@@ -33,7 +33,7 @@ def largest_element_offset(t: torch.Tensor) -> int:
 
 
 def on_gpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda
 
 
 def kv_tile_tokens(elem_bytes: int, d_pad: int, gpu: bool) -> int:

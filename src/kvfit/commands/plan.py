@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvfit import catalog
-from kvfit.attention.offsets import backend_max_offset
+from kvfit.attention.registry import backend_max_offset
 from kvfit.config import EngineConfig
 from kvfit.planning import spec_and_limits
 from kvfit.kv.plan import plan_kv_cache

@@ -1,8 +1,9 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3, in plain torch, with HF tensor names.
 
-The families differ only in flags read from config.json (see `DecoderConfig`): Qwen2 has a bias on
-q/k/v; Qwen3 RMS-normalises each q and k head before RoPE and may have head_dim != hidden / heads;
-Llama/Mistral may set attention_bias / mlp_bias. GQA and MQA follow from num_key_value_heads.
+The families differ only in structure flags that ModelFacts carries (its FAMILY_RULES applied to
+config.json): Qwen2 has a bias on q/k/v; Qwen3 RMS-normalises each q and k head before RoPE and may
+have head_dim != hidden / heads; Llama and Qwen3 read attention_bias, Llama mlp_bias. GQA and MQA
+follow from num_key_value_heads. models/registry.py maps the four architectures to CausalLM.
 Attention goes through an AttentionBackend: each layer writes this step's K/V into its cache slots,
 then attends over the block tables. Module names equal the checkpoint's, so loading maps 1:1.
 """
@@ -17,7 +18,7 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
-from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
+from kvfit.model_facts import ModelFacts
 from kvfit.models import fused_ops
 from kvfit.models.fusion import fuse_rows
 from kvfit.models.gemv import linear
@@ -51,27 +52,21 @@ class DecoderConfig:
 
 
 def decoder_config(facts: ModelFacts) -> DecoderConfig:
-    """Family rules (which biases, q/k norm) plus eps and RoPE from config.json."""
-    if facts.family not in RUNNABLE_FAMILIES or facts.is_mla:
-        raise ConfigError(f"{facts.architecture} ({facts.family}) can be planned but not run; runnable families: "
-                          f"{', '.join(RUNNABLE_FAMILIES)}")
+    """The structure flags of facts (which biases, q/k norm) plus eps and RoPE from config.json."""
     raw = facts.raw
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported; the {facts.family} decoder needs 'silu'")
-    window = raw.get("sliding_window")
-    if facts.family == "mistral" and window and window < facts.max_position_embeddings:
+    window = facts.sliding_window
+    if window is not None and window < facts.max_position_embeddings:
         logger.warning("%s has sliding_window %d; kvfit attends to the whole context, so outputs past %d tokens "
                        "differ from the reference (use --max-model-len %d to stay exact)",
                        facts.architecture, window, window, window)
-    attention_bias = bool(raw.get("attention_bias", False))
-    qwen2 = facts.family == "qwen2"
     return DecoderConfig(
         num_layers=facts.num_layers, hidden_size=facts.hidden_size, num_heads=facts.num_attention_heads,
         num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, intermediate_size=facts.intermediate_size,
         vocab_size=facts.vocab_size, rms_norm_eps=float(raw.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS),
-        qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
-        mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=facts.family == "qwen3",
+        qkv_bias=facts.qkv_bias, o_bias=facts.o_bias, mlp_bias=facts.mlp_bias, qk_norm=facts.qk_norm,
         tie_word_embeddings=facts.tie_word_embeddings, rope=rope_config_from_raw(raw, facts.head_dim))
 
 

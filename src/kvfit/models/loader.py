@@ -1,4 +1,5 @@
-"""Build a CausalLM and fill its weights: from safetensors (one file or sharded) or at random ("dummy").
+"""Build a model (its class found in models/registry.py) and fill its weights: from safetensors (one
+file or sharded) or at random ("dummy").
 
 With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
 so no rank ever holds a whole sharded tensor, let alone the whole model.
@@ -14,8 +15,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend
 from kvfit.errors import ConfigError
-from kvfit.model_facts import RUNNABLE_FAMILIES, ModelFacts
-from kvfit.models.llama import CausalLM
+from kvfit.model_facts import ModelFacts
+from kvfit.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,15 +25,14 @@ DUMMY_STD = 0.02
 
 
 def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
-               load_format: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> CausalLM:
-    """A CausalLM on `device` with weights from model_path ("auto"/"safetensors") or random ("dummy")."""
-    if facts.family not in RUNNABLE_FAMILIES:
-        raise ConfigError(f"{facts.architecture} can be planned but not run yet; runnable families: "
-                          f"{', '.join(RUNNABLE_FAMILIES)}")
+               load_format: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
+    """facts.architecture's model on `device`, weights from model_path ("auto"/"safetensors") or random
+    ("dummy"); an architecture that can only be planned is a ConfigError."""
+    cls = model_class(facts.architecture)
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ConfigError(f"--load-format {load_format!r} is not supported; use auto, safetensors or dummy")
     files = None if load_format == "dummy" else safetensors_files(model_path)
-    model = CausalLM(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+    model = cls(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
     if files is None:
         init_dummy_weights(model)
     else:

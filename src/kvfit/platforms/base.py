@@ -1,4 +1,10 @@
-"""The platform interface: measure() runs the start-up steps and reads memory around them."""
+"""The platform interface: measure() runs the start-up steps and reads memory around them.
+
+A platform also owns the facts about its device that the rest of kvfit asks for (how many
+devices, the collective backend, CUDA-graph support, scheduler steps, attention backends), so
+nothing outside platforms/ checks which device it is on. Platforms are found by name in
+registry.py; this module knows none of them.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +28,51 @@ class StartupSteps:
 
 
 class Platform:
-    """A device kind. Subclasses implement measure() and name their backend; nothing else."""
+    """A device kind: measures memory at start-up and answers questions about its device."""
 
-    name = "abstract"
+    name = "abstract"                  # the --device value
+    label = "abstract"                 # the device kind in messages ("CPU", "CUDA")
+    device_count_unit = "devices"      # what device_count() counts, for messages ("GPUs", "CPU cores")
+    distributed_backend = "gloo"       # torch.distributed backend of the model's collectives
+    supports_graphs = False            # decode steps may be captured as CUDA graphs
+    supported_backends: tuple[str, ...] = ("torch",)   # attention backends that run here
     default_backend = "torch"
+
+    def __init__(self, device_index: int = 0):
+        self.device_index = device_index
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this process can use the platform (`--device auto` takes the first that can)."""
+        raise NotImplementedError
+
+    def device_count(self) -> int:
+        """Devices that tensor-parallel ranks can each take one of."""
+        raise NotImplementedError
 
     def torch_device(self):
         raise NotImplementedError
+
+    def set_current_device(self) -> None:
+        """Make this platform's device the process's current one (collectives use it). Default: nothing."""
+
+    def default_scheduler_steps(self, tensor_parallel_size: int) -> int:
+        """Decode steps per scheduling round when --num-scheduler-steps is not given."""
+        return 1
+
+    def check_backend(self, name: str) -> None:
+        """Raise a ConfigError when attention backend `name` cannot run on this platform."""
+        if name in self.supported_backends:
+            return
+        from kvfit.platforms.registry import platforms_supporting
+        devices = " or ".join(f"--device {d}" for d in platforms_supporting(name))
+        needs = f"needs {devices}" if devices else f"does not run on --device {self.name}"
+        raise ConfigError(f"--attention-backend {name} {needs}; use --attention-backend {self.default_backend} "
+                          f"on {self.label}")
+
+    def free_device_bytes(self) -> int | None:
+        """Free device memory now, where the device reports it (None: it does not)."""
+        return None
 
     def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
         raise NotImplementedError
@@ -36,17 +80,3 @@ class Platform:
     def keep_within(self, reading: MemoryReading) -> None:
         """After a step: hand cached memory back if this process holds more than reading's budget
         allows (an allocator cache can grow past the profiled peak). Default: nothing cached."""
-
-
-def get_platform(device: str = "auto", device_index: int = 0) -> Platform:
-    """The platform for --device: cuda when asked (or auto with a GPU), else cpu."""
-    import torch
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
-        from kvfit.platforms.cuda import CudaPlatform
-        return CudaPlatform(device_index)
-    if device not in ("auto", "cpu"):
-        raise ConfigError(f"--device {device!r} is not supported; use auto, cpu or cuda")
-    from kvfit.platforms.cpu import CpuPlatform
-    return CpuPlatform()

@@ -24,8 +24,25 @@ def read_meminfo() -> tuple[int, int]:
 
 
 class CpuPlatform(Platform):
+    """The host: always available; ranks each take a usable core; torch attention only."""
+
     name = "cpu"
+    label = "CPU"
+    device_count_unit = "CPU cores"
+    distributed_backend = "gloo"
+    supports_graphs = False
+    supported_backends = ("torch",)
     default_backend = "torch"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        """Cores this process may run on (its affinity mask, where the OS has one)."""
+        if hasattr(os, "sched_getaffinity"):
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
 
     def torch_device(self):
         import torch

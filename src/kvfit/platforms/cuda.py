@@ -26,16 +26,48 @@ def _expandable_segments() -> None:
         pass
 
 
+# Decode steps per scheduling round on CUDA: the host's part of a step (schedule, inputs, update,
+# outputs: about 1 ms at batch 1 and 4 ms at batch 256 on the H200 host, benchmarks/profile_kernels.py)
+# is paid once per round instead of once per token, while a new request waits at most one round.
+CUDA_SCHEDULER_STEPS = 8
+
+
 class CudaPlatform(Platform):
+    """One NVIDIA GPU per rank: NCCL collectives, CUDA graphs, Triton or torch attention."""
+
     name = "cuda"
+    label = "CUDA"
+    device_count_unit = "GPUs"
+    distributed_backend = "nccl"
+    supports_graphs = True
+    supported_backends = ("triton", "torch")
     default_backend = "triton"
 
     def __init__(self, device_index: int = 0):
+        super().__init__(device_index)
         self.device = torch.device("cuda", device_index)
         self.num_cache_releases = 0      # keep_within's releases of the allocator cache
 
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
     def torch_device(self):
         return self.device
+
+    def set_current_device(self) -> None:
+        torch.cuda.set_device(self.device)         # NCCL uses the current device
+
+    def default_scheduler_steps(self, tensor_parallel_size: int) -> int:
+        # multi-step rounds run on one rank only (the engine refuses them with tensor parallelism)
+        return CUDA_SCHEDULER_STEPS if tensor_parallel_size == 1 else 1
+
+    def free_device_bytes(self) -> int | None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free
 
     def _used_bytes(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -89,7 +89,7 @@ class Launch:
 
     world: int
     port: int
-    device_type: str          # cuda | cpu
+    device_type: str          # a platform name (platforms/registry.py)
     timeout_s: float
     num_threads: int          # torch threads per rank
     parent_pid: int
@@ -104,15 +104,13 @@ def _take(store, key: str):
     return pickle.loads(store.get(key))
 
 
-def _init_group(rank: int, launch: Launch, raw_store):
-    """Join the default group (the model's collectives); return the gloo group the plans travel on."""
+def _init_group(rank: int, launch: Launch, raw_store, platform):
+    """Join the default group (the model's collectives); return the gloo group the deltas travel on."""
     timeout = datetime.timedelta(seconds=launch.timeout_s)
-    cuda = launch.device_type == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)            # NCCL uses the current device: device index = rank
-    dist.init_process_group("nccl" if cuda else "gloo", store=raw_store, rank=rank, world_size=launch.world,
+    platform.set_current_device()              # NCCL uses the current device: device index = rank
+    dist.init_process_group(platform.distributed_backend, store=raw_store, rank=rank, world_size=launch.world,
                             timeout=timeout)
-    # plans travel over their own gloo group (even when the model's collectives use NCCL), whose
+    # deltas travel over their own gloo group (even when the model's collectives use NCCL), whose
     # timeout is the longest idle spell of a server: a rank waits there until the next request
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
@@ -148,12 +146,12 @@ def _rank_main(rank, launch: Launch, config, facts, backend_name, spec, hooks: R
 
 def _serve(rank, launch: Launch, raw_store, config, facts, backend_name, spec, hooks: RankHooks) -> None:
     from kvfit.attention.registry import get_backend
-    from kvfit.platforms.base import get_platform
+    from kvfit.platforms import get_platform
     store = dist.PrefixStore("kvfit/", raw_store)
     _post(store, f"joined/{rank}", True)
-    control = _init_group(rank, launch, raw_store)
-    worker = Worker(config, facts, get_platform(launch.device_type, device_index=rank),
-                    get_backend(backend_name), spec, tp_rank=rank)
+    platform = get_platform(launch.device_type, device_index=rank)
+    control = _init_group(rank, launch, raw_store, platform)
+    worker = Worker(config, facts, platform, get_backend(backend_name), spec, tp_rank=rank)
 
     def after_load() -> None:
         hooks.fail_if("load")
@@ -197,12 +195,12 @@ class _Ranks:
 
     @property
     def serving(self) -> bool:
-        """The ranks' next wait is a plan on the gloo group (not a store key)."""
+        """The ranks' next wait is a delta on the gloo group (not a store key)."""
         return not self.pending
 
-    def rendezvous(self) -> None:
+    def rendezvous(self, platform) -> None:
         self.gather("joined", "that it started")
-        self.control = _init_group(0, self.launch, self.raw_store)
+        self.control = _init_group(0, self.launch, self.raw_store, platform)
 
     def post(self, key: str, value) -> None:
         _post(self.store, key, value)
@@ -300,17 +298,13 @@ class _Ranks:
 
 def _check_world(world: int, platform, facts) -> None:
     """One-line ConfigErrors before anything starts: too few devices, heads that do not split."""
-    from kvfit.model_facts import RUNNABLE_FAMILIES
     from kvfit.models.parallel import check_tensor_parallel
-    if platform.name == "cuda":
-        count, what = torch.cuda.device_count(), "GPUs"
-    else:
-        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        what = "CPU cores"
+    from kvfit.models.registry import is_runnable
+    count, what = platform.device_count(), platform.device_count_unit
     if world > count:
         raise ConfigError(f"--tensor-parallel-size {world} needs {world} {what} (one per rank) but there "
                           f"are {count}; use at most {count}")
-    if facts.family in RUNNABLE_FAMILIES and not facts.is_mla:    # others fail at load with their own error
+    if is_runnable(facts.architecture):    # others fail at load with their own error
         check_tensor_parallel(facts.num_attention_heads, facts.num_kv_heads, facts.intermediate_size,
                               facts.vocab_size, world)
     if dist.is_initialized():
@@ -357,7 +351,7 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(self, self._ranks.close)
         with self._guard():
             torch.set_num_threads(launch_args["num_threads"])
-            self._ranks.rendezvous()
+            self._ranks.rendezvous(platform)
             self.worker = Worker(config, facts, platform, backend, spec, tp_rank=0)
 
     @contextlib.contextmanager
