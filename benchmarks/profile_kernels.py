@@ -3,9 +3,15 @@
 python benchmarks/profile_kernels.py --model qwen3-0.6b --num-requests 256
 python benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1
 
-Runs the throughput workload (or one request), profiles one prefill step and a few steady-state
-decode steps (graph replay and eager), and times the host phases of a decode step. Prints the top
-kernels by device time and a per-phase table.
+Runs the throughput workload (or one request) with one device step per scheduling round, profiles
+one prefill (mixed) step, a few consecutive steady-state decode steps (graph replay) and eager decode,
+and times the host phases of a decode step. Prints the top kernels by device time and a per-phase table.
+
+A StepDelta runs exactly once (executing it again would re-add its new requests), so every profiled
+step is a real step of the workload, scheduled, executed and applied as LLMEngine.step does. Where one
+step's inputs are run several times (eager, host phases), the delta's changes are applied to the
+persistent batch by hand, its inputs built and run, and the step then finishes through the executor
+with those changes taken out; the repeats rewrite the same KV slots with the same values.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from common import gpu_only
+
+from kvfit.runner.batch import build_inputs
 
 
 def kernel_table(prof, steps: int, top: int = 14) -> str:
@@ -31,75 +40,119 @@ def kernel_table(prof, steps: int, top: int = 14) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--decode-warm", type=int, default=60, help="decode steps before profiling")
-    args = ap.parse_args()
-    if not gpu_only("profile_kernels"):
-        return 0
-    from torch.profiler import ProfilerActivity, profile
+# steps by hand, as LLMEngine.step runs them ---------------------------------------------------------
+def is_mixed(delta) -> bool:
+    # some request computes several tokens (a prefill chunk): not a one-token-each decode step
+    return delta.num_tokens != len(delta.request_ids)
 
-    from common import request_set
-    from kvfit import LLM, SamplingParams
-    from kvfit.model_facts import load_model_facts
-    from kvfit.runner.batch import build_inputs
-    from kvfit.runner.sampler import sample
-    prompts, outs = request_set(args.num_requests, vocab=load_model_facts(args.model).vocab_size)
-    if args.num_requests == 1:
-        prompts, outs = [prompts[0][:128]], [400]
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
-              enable_prefix_caching=False)
-    engine = llm.engine
-    runner = engine.workers.runner
-    for p, n in zip(prompts, outs):
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    prefill_done = False
-    num_mixed = 0
-    while True:
-        plan = engine.scheduler.schedule()
-        mixed = any(len(s.token_ids) > 1 for s in plan.seqs)
-        if mixed and num_mixed == 1:
+
+def finish_step(engine, delta, tokens) -> None:
+    """Apply a delta's sampled tokens as LLMEngine.step(stream=False) does: finishes decided, outputs dropped."""
+    outputs = {}
+    for step in range(delta.max_num_steps):
+        engine._apply(delta, tokens, step, False, outputs)
+
+
+def run_step(engine, delta) -> None:
+    finish_step(engine, delta, engine.workers.execute(delta))
+
+
+def without_changes(delta):
+    """The delta once runner.batch.apply(delta) has run: executing it runs the step and applies nothing again."""
+    return replace(delta, new_requests=(), finished_ids=(), preempted_ids=(),
+                   new_block_ids=((),) * len(delta.request_ids))
+
+
+def next_decode(engine):
+    """Schedule the next step, which must be decode-only (every prefill is done by then)."""
+    delta = engine.scheduler.schedule(engine.num_scheduler_steps)
+    if delta.empty or is_mixed(delta):
+        raise RuntimeError(f"expected a decode step, got {delta.num_tokens} tokens for {len(delta.request_ids)} "
+                           "requests (the workload ended, or a request was preempted); lower --decode-warm")
+    return delta
+
+
+def describe(engine, delta) -> str:
+    seq_lens = [engine.scheduler.requests[rid].num_computed_tokens + n
+                for rid, n in zip(delta.request_ids, delta.num_scheduled_tokens)]
+    return f"batch {len(seq_lens)}, mean context {sum(seq_lens) / len(seq_lens):.0f}"
+
+
+def decode_logits(runner, inputs) -> torch.Tensor:
+    """One decode step's model forward and LM head on built inputs: graph replay when captured, else eager."""
+    meta = inputs.meta
+    if runner.graphs is not None:
+        return runner.graphs.replay(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                    meta.block_tables)                                      # [B, vocab]
+    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, meta)       # [B, hidden]
+    return runner.model.compute_logits(hidden[inputs.sample_rows])                         # [B, vocab]
+
+
+def sample(runner, logits, inputs) -> torch.Tensor:
+    # the tokens are thrown away; the per-row token counts sample() keeps gain them (nothing reads them here)
+    return runner.batch.sampling.sample(logits, inputs.batch_rows, inputs.batch_rows_host, inputs.num_generated)
+
+
+# the sections ---------------------------------------------------------------------------------------
+def warm_up(engine, profile, prefill_index: int, decode_warm: int) -> None:
+    """Run the prefills and decode_warm decode steps; profile mixed step number prefill_index."""
+    num_mixed = num_decode = 0
+    while num_decode < decode_warm:
+        delta = engine.scheduler.schedule(engine.num_scheduler_steps)
+        if delta.empty:
+            raise RuntimeError("the workload ended during warm-up; lower --decode-warm")
+        if is_mixed(delta) and num_mixed == prefill_index:
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                sampled = engine.workers.execute(plan)
+            with profile() as prof:
+                tokens = engine.workers.execute(delta)
                 torch.cuda.synchronize()
-            print(f"== prefill step: {plan.num_tokens} tokens, {len(plan.seqs)} seqs")
+            print(f"== prefill step: {delta.num_tokens} tokens, {len(delta.request_ids)} seqs")
             print(kernel_table(prof, 1))
         else:
-            sampled = engine.workers.execute(plan)
-        num_mixed += mixed
-        engine.scheduler.update(plan, sampled)
-        if not mixed:
-            if not prefill_done:
-                prefill_done = True
-                warm = args.decode_warm
-            warm -= 1
-            if warm == 0:
-                break
-    # steady-state decode: graph replay under the profiler
-    plan = engine.scheduler.schedule()
-    ctx = [s.start_pos + 1 for s in plan.seqs]
-    print(f"== decode: batch {len(plan.seqs)}, mean context {sum(ctx) / len(ctx):.0f}")
-    steps = 5
+            tokens = engine.workers.execute(delta)
+        finish_step(engine, delta, tokens)
+        num_mixed += is_mixed(delta)
+        num_decode += not is_mixed(delta)
+
+
+def profile_decode(engine, profile, steps: int) -> None:
+    """Consecutive real decode steps: graph replay, LM head and sampling (batch changes included)."""
+    runner = engine.workers.runner
+    first = None
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile() as prof:
         for _ in range(steps):
-            engine.workers.execute(plan)          # same plan: rewrites the same slots
+            delta = next_decode(engine)
+            first = first or describe(engine, delta)
+            run_step(engine, delta)
         torch.cuda.synchronize()
-    print("-- graph replay + lm head + sample")
+    print(f"== decode: {first} (first profiled step)")
+    print("-- graph replay + lm head + sample" if runner.graphs is not None else "-- eager (no graphs) + sample")
     print(kernel_table(prof, steps, top=18))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            runner._execute(plan, runner.kv_caches)
+
+
+def profile_eager(engine, profile, reps: int) -> None:
+    """One decode step's inputs built and run eagerly reps times (model, LM head, sampling); then the step
+    finishes normally."""
+    runner = engine.workers.runner
+    delta = next_decode(engine)
+    runner.batch.apply(delta)
+    bs = runner.spec.block_size
+    torch.cuda.synchronize()
+    with profile() as prof:
+        for _ in range(reps):
+            inputs = build_inputs(runner.batch, delta, bs)
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)  # [B, hidden]
+            sample(runner, runner.model.compute_logits(hidden[inputs.sample_rows]), inputs)
         torch.cuda.synchronize()
     print("-- eager")
-    print(kernel_table(prof, steps, top=24))
+    print(kernel_table(prof, steps=reps, top=24))
+    finish_step(engine, delta, engine.workers.execute(without_changes(delta)))
 
-    # host phases (synchronised) and an unsynchronised step
+
+def host_phases(engine, reps: int) -> dict[str, float]:
+    """Seconds per decode step of each phase, synchronised: the parts on one step's inputs, then whole steps."""
     timings = defaultdict(float)
-    reps = 20
 
     def timed(name, fn, *a):
         torch.cuda.synchronize()
@@ -109,22 +162,28 @@ def main() -> int:
         timings[name] += (time.perf_counter() - t0) / reps
         return out
 
-    graphs = runner.graphs
+    runner, graphs = engine.workers.runner, engine.workers.runner.graphs
+    delta = next_decode(engine)
+    runner.batch.apply(delta)
+    forward = "replay+lm_head" if graphs is not None else "eager forward+lm_head"
     for _ in range(reps):
-        inputs = timed("build_inputs", build_inputs, plan, runner.spec.block_size, runner.device)
-        meta = inputs.meta
-        logits = timed("replay+lm_head", graphs.replay, inputs.input_ids, inputs.positions, meta.slot_mapping,
-                       meta.seq_lens, meta.block_tables)
-        timed("sample", sample, logits, [s.params for s in plan.seqs], [s.num_generated for s in plan.seqs])
-        timed("execute (all)", engine.workers.execute, plan)
-    size = graphs.bucket_for(len(plan.seqs))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graphs.graphs[size].replay()
-    end.record()
-    end.synchronize()
-    timings["graph replay only (events)"] = start.elapsed_time(end) / 1e3 / reps
+        inputs = timed("build_inputs", build_inputs, runner.batch, delta, runner.spec.block_size)
+        logits = timed(forward, decode_logits, runner, inputs)
+        timed("sample", sample, runner, logits, inputs)
+    if graphs is not None:
+        graph = graphs.graphs[graphs.bucket_for(len(delta.request_ids))]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        timings["graph replay only (events)"] = start.elapsed_time(end) / 1e3 / reps
+    finish_step(engine, delta, engine.workers.execute(without_changes(delta)))
+    for _ in range(reps):           # whole real steps, phase by phase
+        delta = timed("schedule", engine.scheduler.schedule, engine.num_scheduler_steps)
+        tokens = timed("execute (all)", engine.workers.execute, delta)
+        timed("apply outputs", finish_step, engine, delta, tokens)
     # whole engine steps, unsynchronised, on the live requests
     t0 = time.perf_counter()
     n = 0
@@ -133,6 +192,40 @@ def main() -> int:
         n += 1
     torch.cuda.synchronize()
     timings["engine.step (live)"] = (time.perf_counter() - t0) / max(n, 1)
+    return timings
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--decode-warm", type=int, default=60, help="decode steps before profiling")
+    args = ap.parse_args()
+    if not gpu_only("profile_kernels"):
+        return 0
+    from functools import partial
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import request_set
+    from kvfit import LLM, SamplingParams
+    from kvfit.model_facts import load_model_facts
+    prompts, outs = request_set(args.num_requests, vocab=load_model_facts(args.model).vocab_size)
+    if args.num_requests == 1:
+        prompts, outs = [prompts[0][:128]], [400]
+    # one device step per round: multi-step rounds would fold several decode steps into one profile
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
+              enable_prefix_caching=False, num_scheduler_steps=1)
+    engine = llm.engine
+    for p, n in zip(prompts, outs):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    device_profile = partial(profile, activities=[ProfilerActivity.CUDA])
+    with torch.inference_mode():        # the steps by hand run the model outside ModelRunner.execute
+        # the second prefill step, past any first-step work; a single request has only one
+        warm_up(engine, device_profile, prefill_index=1 if len(prompts) > 1 else 0, decode_warm=args.decode_warm)
+        profile_decode(engine, device_profile, steps=5)
+        profile_eager(engine, device_profile, reps=5)
+        timings = host_phases(engine, reps=20)
     for name, t in timings.items():
         print(f"  {name:28s} {t * 1e3:8.3f} ms")
     llm.shutdown()

@@ -34,3 +34,18 @@ def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset:
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
         max_num_blocks=config.cache.max_num_blocks, max_element_offset=max_element_offset, backend=backend)
     return spec, limits
+
+
+# The runner's persistent batch (runner/input_batch.py) lives on the device from the profile on, so its
+# bytes are part of the measured activation peak; this is their one definition, for the estimate.
+SAMPLING_ROW_BYTES = 6 * 4 + 8      # temperature, top_p, top_k, three penalties (4 bytes each); a seed (8)
+BLOCK_ID_BYTES = 4                  # int32 block ids in the block table
+
+
+def persistent_batch_bytes(max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int,
+                           with_sampling: bool = True) -> int:
+    """Device bytes of the persistent batch: a block-table row per sequence slot, and on the rank that
+    samples a sampling row each (parameters and int32 output-token counts per token id)."""
+    table = max_num_seqs * max_blocks_per_seq * BLOCK_ID_BYTES
+    sampling = max_num_seqs * (SAMPLING_ROW_BYTES + 4 * vocab_size) if with_sampling else 0
+    return table + sampling

@@ -42,7 +42,7 @@ def run(args) -> int:
     dtype = config.model.dtype
     dtype_bytes = None if dtype == "auto" else DTYPE_BYTES[DTYPE_ALIASES[dtype.lower()]]
     reading = estimate_reading(facts, total, config.cache, config.scheduler,
-                               config.parallel.tensor_parallel_size, dtype_bytes)
+                               config.parallel.tensor_parallel_size, dtype_bytes, limits.max_model_len)
     plan = plan_kv_cache(reading, spec, limits, config.parallel.tensor_parallel_size)
     if args.json:
         print(json.dumps({**plan.to_dict(), "model": args.model, "device": device_name,

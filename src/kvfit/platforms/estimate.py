@@ -10,6 +10,7 @@ from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.model_facts import ModelFacts
+from kvfit.planning import persistent_batch_bytes
 from kvfit.units import MiB, gib
 
 # CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
@@ -46,9 +47,12 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
 
 
 def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sched: SchedulerConfig,
-                     tensor_parallel_size: int = 1, dtype_bytes: int | None = None) -> MemoryReading:
-    """What a GPU of total_bytes would measure at start-up, from documented formulas."""
+                     tensor_parallel_size: int = 1, dtype_bytes: int | None = None,
+                     max_model_len: int | None = None) -> MemoryReading:
+    """What a GPU of total_bytes would measure at start-up (rank 0), from documented formulas."""
     weights = estimate_weights_bytes(facts, dtype_bytes, tensor_parallel_size)
+    max_len = max_model_len or facts.max_position_embeddings
+    batch = persistent_batch_bytes(sched.max_num_seqs, -(-max_len // cache.block_size), facts.vocab_size)
     act_bytes = dtype_bytes or (2 if facts.weight_dtype_bytes == 1 else facts.weight_dtype_bytes)
     budget = int(total_bytes * cache.gpu_memory_utilization)
     if cache.kv_cache_memory is None and weights >= budget - CUDA_CONTEXT_BYTES:
@@ -58,7 +62,7 @@ def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sc
             "--device-memory / --gpu, or a higher --gpu-memory-utilization")
     return MemoryReading(
         total_bytes=total_bytes, budget_bytes=budget, weights_bytes=weights,
-        activation_peak_bytes=estimate_activation_bytes(facts, sched, act_bytes, tensor_parallel_size),
+        activation_peak_bytes=estimate_activation_bytes(facts, sched, act_bytes, tensor_parallel_size) + batch,
         non_torch_bytes=NON_TORCH_BYTES, cuda_graph_bytes=CUDA_GRAPH_BYTES,
         in_use_at_start_bytes=CUDA_CONTEXT_BYTES, kv_cache_memory_bytes=cache.kv_cache_memory,
         source="estimated")
