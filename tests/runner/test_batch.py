@@ -159,3 +159,12 @@ def test_a_table_shorter_than_its_tokens_is_refused():
     # positions 4..5 need a second block of 4: the zero padding must not stand in for it
     with pytest.raises(AssertionError, match="block table too short"):
         step_inputs([seq("a", [1, 2], 4, [7], True), seq("b", [3], 0, [1, 2], True)], 4)
+
+
+@pytest.mark.parametrize("with_sampling", [True, False])
+def test_num_bytes_is_what_the_tensors_hold(with_sampling):
+    """planning.persistent_batch_bytes (what `kvfit plan` adds to its estimate) equals the allocation."""
+    batch = InputBatch(5, 7, vocab_size=33, device=CPU, with_sampling=with_sampling)
+    owners = [batch] + ([batch.sampling] if with_sampling else [])
+    tensors = [t for owner in owners for t in vars(owner).values() if isinstance(t, torch.Tensor)]
+    assert batch.num_bytes == sum(t.numel() * t.element_size() for t in tensors)

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from kvfit.planning import persistent_batch_bytes
 from kvfit.runner.sampling_state import SamplingState
 from kvfit.step import NewRequest, StepDelta
 
@@ -42,6 +43,7 @@ class InputBatch:
         self.device = device
         self.max_num_rows = max_num_rows
         self.max_blocks_per_row = max_blocks_per_row
+        self.vocab_size = vocab_size
         self.block_table = torch.zeros((max_num_rows, max_blocks_per_row), dtype=torch.int32,
                                        device=device)                                    # [R, W]
         # only the rank that samples keeps sampling rows (tensor parallelism: rank 0)
@@ -51,9 +53,9 @@ class InputBatch:
 
     @property
     def num_bytes(self) -> int:
-        """Device bytes this batch holds (block table and sampling rows)."""
-        extra = self.sampling.num_bytes if self.sampling is not None else 0
-        return self.block_table.numel() * self.block_table.element_size() + extra
+        """Device bytes this batch holds: planning.persistent_batch_bytes (tested equal to the tensors)."""
+        return persistent_batch_bytes(self.max_num_rows, self.max_blocks_per_row, self.vocab_size,
+                                      self.sampling is not None)
 
     def apply(self, delta: StepDelta) -> None:
         """Drop ended requests, add new ones, append new block ids: the whole delta, in that order."""

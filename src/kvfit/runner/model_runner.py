@@ -20,6 +20,11 @@ from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
 from kvfit.sampling_params import SamplingParams
 from kvfit.step import NewRequest, SampledTokens, StepDelta
 
+# The sampler's most expensive rows, for the profile: seeded (hashed noise) with top-p and no top-k
+# (a full sort of the vocabulary). Every sampled row of the widest profiled step uses them, so the
+# sampler's temporaries are part of the measured activation peak.
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+
 
 def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
     name = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
@@ -91,7 +96,7 @@ class ModelRunner:
             blocks = tuple(range(next_block, next_block + -(-n // bs)))
             next_block += len(blocks)
             new.append(NewRequest(request_id=f"profile-{i}", prompt_token_ids=(0,) * n, output_token_ids=(),
-                                  params=SamplingParams(temperature=0), block_ids=blocks, num_computed_tokens=0))
+                                  params=PROFILE_SAMPLING, block_ids=blocks, num_computed_tokens=0))
         return StepDelta(request_ids=tuple(r.request_id for r in new), num_scheduled_tokens=tuple(per_seq),
                          new_block_ids=((),) * len(new), new_requests=tuple(new))
 
@@ -157,10 +162,11 @@ class ModelRunner:
         return (len(delta.request_ids) <= self.graphs.buckets[-1] and delta.num_tokens == len(delta.request_ids)
                 and len(inputs.sample_seqs) == len(delta.request_ids))
 
-    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, step: int = 0) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, step: int = 0,
+                counted: torch.Tensor | None = None) -> torch.Tensor:
         # logits [N, vocab] -> tokens [N] on the device, no host sync
         generated = inputs.num_generated + step if step else inputs.num_generated
-        return self.batch.sampling.sample(logits, inputs.batch_rows, inputs.batch_rows_host, generated)
+        return self.batch.sampling.sample(logits, inputs.batch_rows, inputs.batch_rows_host, generated, counted)
 
     def _execute_one(self, delta: StepDelta, inputs: ModelInputs, kv_caches: KVCaches) -> SampledTokens:
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
@@ -186,18 +192,20 @@ class ModelRunner:
         ids, positions, seq_lens, slots = inputs.input_ids, inputs.positions, meta.seq_lens, meta.slot_mapping
         tables = meta.block_tables                                                              # [B, W]
         tokens = torch.empty((num_steps, len(steps)), dtype=torch.int64, device=self.device)     # [K, B]
+        if num_steps > 1:       # only a round of several steps needs these (not a one-step decode)
+            remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
+            rows = torch.arange(len(steps), device=self.device)                                     # [B]
+        active = None           # [B] bool: rows still within their steps (None: all of them)
         for k in range(num_steps):
             step_meta = replace(meta, slot_mapping=slots, seq_lens=seq_lens, max_seq_len=meta.max_seq_len + k,
                                 seq_lens_host=[n + min(k, m - 1) for n, m in zip(meta.seq_lens_host, steps)])
             logits = self._decode_logits(ids, positions, step_meta)                             # [B, vocab]
             if self.tp_rank == 0:
-                tokens[k] = self._sample(logits, inputs, k)
+                # a row past its last step still samples, but its token is dropped and not counted
+                tokens[k] = self._sample(logits, inputs, k, active)
             del logits              # one step's logits alive at a time, as in the profiled step
             if k + 1 == num_steps:
                 break
-            if k == 0:          # only a round of several steps needs these (not a one-step decode)
-                remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
-                rows = torch.arange(len(steps), device=self.device)                                     # [B]
             active = remaining > k + 1                                                          # [B] bool
             ids = tokens[k]
             positions = positions + active

@@ -1,0 +1,282 @@
+"""Sampling for the persistent batch: per-row parameters kept on the device, every row sampled at once.
+
+A request's parameters are written to its row once (set_rows), not rebuilt each step. sample() is a
+few whole-batch kernels: temperature, one sort for the rows that filter (top-k, top-p), noise, one
+argmax. It never synchronises with the host, so multi-step decoding feeds its tokens straight into
+the next step.
+
+Draws use the exponential race: argmax_i(p_i / q_i) with q_i ~ Exp(1) i.i.d. picks i with probability
+p_i; it is taken in log space, argmax_i(logit_i / T - log q_i), which needs no softmax and never
+underflows. Unseeded rows draw q from the default generator (one exponential_ for all of them).
+A seeded row's q is a counter-based hash of (seed, num_generated, token id), so its token depends on
+nothing but those and its own logits: not on the batch, its row, other rows or the global RNG.
+
+Invariants:
+- a row's host mirrors (greedy / seeded / top-k / top-p) and its device parameters are written
+  together, by set_rows and clear_rows only;
+- a free row (never set, or cleared) holds neutral parameters (greedy) and zero counts;
+- output_token_counts[row] counts every token sample() returned for the row since set_rows, plus the
+  output_token_ids set_rows was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvfit.planning import persistent_batch_bytes
+from kvfit.sampling_params import SamplingParams
+
+# splitmix64 (Steele, Lea, Flood 2014): the golden-ratio increment and the two finaliser multipliers,
+# as signed int64 (torch has no uint64 arithmetic; int64 multiplication wraps, which is what we want).
+_U64 = 1 << 64
+
+
+def _signed(value: int) -> int:
+    return value - _U64 if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+_UNIFORM_BITS = 23      # u = (j + 0.5) / 2^23: exact in fp32 and strictly inside (0, 1), so -log(u) > 0
+# When every filtering row sets a top-k no larger than this, a top-k of the largest k replaces the full sort.
+MAX_TOPK_CANDIDATES = 4096
+
+
+def sampling_state_bytes(max_num_rows: int, vocab_size: int) -> int:
+    """Device bytes a SamplingState holds (the [R, vocab] int32 counts dominate), for capacity planning."""
+    return persistent_batch_bytes(max_num_rows, 0, vocab_size)
+
+
+def _xorshift_right_(z: torch.Tensor, shift: int) -> torch.Tensor:
+    # z ^= z >>> shift. torch's >> on int64 is arithmetic (copies the sign bit): mask to make it logical.
+    return z.bitwise_xor_(z.bitwise_right_shift(shift).bitwise_and_((1 << (64 - shift)) - 1))
+
+
+def mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on an int64 tensor (any shape); returns z."""
+    _xorshift_right_(z, 30).mul_(_MIX1)
+    _xorshift_right_(z, 27).mul_(_MIX2)
+    return _xorshift_right_(z, 31)
+
+
+def hashed_exponential(seed: torch.Tensor, num_generated: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise from a hash of (seed, num_generated, token id): equal inputs give equal noise on any batch.
+
+    seed, num_generated: [S] int64 -> [S, vocab_size] float32, every value > 0.
+    Element (s, v) is splitmix64's output number v + 1 from the state mix64(mix64(seed) ^ num_generated).
+    """
+    key = mix64_(mix64_(seed.clone()).bitwise_xor_(num_generated))                       # [S]
+    counter = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seed.device).mul_(_GOLDEN)  # [V]
+    z = key[:, None] + counter                                                            # [S, V]
+    _xorshift_right_(z, 30).mul_(_MIX1)
+    _xorshift_right_(z, 27).mul_(_MIX2)
+    # splitmix64 ends with z ^= z >>> 31, which leaves the top 33 bits alone: take the top 23 directly
+    j = z.bitwise_right_shift_(64 - _UNIFORM_BITS).bitwise_and_((1 << _UNIFORM_BITS) - 1)
+    u = j.to(torch.float32).add_(0.5).mul_(2.0 ** -_UNIFORM_BITS)                        # [S, V] in (0, 1)
+    return u.log_().neg_()
+
+
+def filter_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_p: bool,
+                      num_candidates: int | None = None) -> torch.Tensor:
+    """The smallest logit each row keeps after top-k then top-p; logits equal to it are kept too.
+
+    scaled: [F, V] float32 logits / temperature; top_k: [F] int32 (0 = off); top_p: [F] float32 (1 = off)
+    -> [F] float32. One sort for all rows: top-k keeps ranks < k; top-p keeps the smallest prefix of the
+    renormalised top-k distribution reaching top_p (rank r dropped when the mass before it exceeds top_p).
+    num_candidates (host int, default V): when every row sets a top-k, their largest; below V only that
+    many largest logits are sorted (torch.topk), since nothing past them can be kept.
+    """
+    vocab_size = scaled.shape[-1]
+    n = vocab_size if num_candidates is None else min(num_candidates, vocab_size)
+    if n < vocab_size:
+        sorted_logits = torch.topk(scaled, n, dim=-1).values                             # [F, n] descending
+    else:
+        sorted_logits = torch.sort(scaled, dim=-1, descending=True).values               # [F, V]
+    k = torch.where((top_k > 0) & (top_k < n), top_k, n).to(torch.int64)                 # [F]
+    num_keep = k
+    if any_top_p:
+        ranks = torch.arange(n, device=scaled.device)                                     # [n]
+        sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)                                      # [F, n]
+        mass_before = torch.cumsum(probs, dim=-1).sub_(probs)                            # [F, n] nondecreasing
+        within = (mass_before <= top_p[:, None]).sum(dim=-1)                              # [F]; rank 0 always
+        # top_p 1 is off: rounding can push the mass before the tail over 1.0, which must not drop it
+        num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
+    return sorted_logits.gather(1, (num_keep - 1)[:, None]).squeeze(1)                    # rank < k: unmasked
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which logits rows need which work, decided on the host from the mirrors (no device sync)."""
+
+    sampled: list[int]        # positions in the batch of the non-greedy rows
+    seeded: list[int]         # positions among `sampled` of the seeded rows
+    filtered: list[int]       # positions among `sampled` of the rows using top-k or top-p
+    any_top_p: bool
+    num_candidates: int       # the largest logits the filters can keep: V unless every filtered row sets top-k
+
+    def index_tensors(self, device: torch.device, num_rows: int
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The three position lists in one host-to-device copy (none when no list is partial); None where
+        a list covers every row (no gather needed). An empty list gives an empty tensor."""
+        lists = [self.sampled, self.seeded, self.filtered]
+        partial = [len(ids) < total for ids, total in zip(lists, (num_rows, len(self.sampled), len(self.sampled)))]
+        values = [i for ids, part in zip(lists, partial) if part for i in ids]
+        host = torch.tensor(values, dtype=torch.int64)
+        # non_blocking: an async copy, the host does not wait for the stream
+        flat = host.to(device, non_blocking=True)                                         # [sum of partial lengths]
+        out, start = [], 0
+        for ids, part in zip(lists, partial):
+            out.append(flat[start:start + len(ids)] if part else None)
+            start += len(ids) if part else 0
+        return out[0], out[1], out[2]
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+class SamplingState:
+    """Per-row sampling parameters kept on the device, rows indexed like the runner's persistent batch."""
+
+    def __init__(self, max_num_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_rows, self.vocab_size, self.device = max_num_rows, vocab_size, torch.device(device)
+
+        def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(max_num_rows, *shape, dtype=dtype, device=self.device)
+        self.temperature = zeros(torch.float32)            # [R]; 0 = greedy
+        self.top_p = zeros(torch.float32).fill_(1.0)       # [R]; 1 = off
+        self.top_k = zeros(torch.int32)                    # [R]; 0 = off
+        self.seed = zeros(torch.int64)                     # [R]; the seed mod 2^64, as int64
+        # room for penalties (not applied yet: SamplingParams has no such fields); neutral values
+        self.presence_penalty = zeros(torch.float32)       # [R]
+        self.frequency_penalty = zeros(torch.float32)      # [R]
+        self.repetition_penalty = zeros(torch.float32).fill_(1.0)   # [R]
+        self.output_token_counts = zeros(torch.int32, vocab_size)   # [R, vocab]
+        # host mirrors, so sample() decides which work to skip without reading the device
+        self.greedy = [True] * max_num_rows
+        self.seeded = [False] * max_num_rows
+        self.uses_top_k = [False] * max_num_rows
+        self.top_k_host = [0] * max_num_rows               # the top-k of rows that use it, else 0
+        self.uses_top_p = [False] * max_num_rows
+
+    def set_rows(self, rows: Sequence[int], params: Sequence[SamplingParams],
+                 output_token_ids: Sequence[Sequence[int]]) -> None:
+        """Give rows to new (or resumed) requests: their parameters, and counts of the tokens they generated."""
+        assert len(rows) == len(params) == len(output_token_ids), "one params and one output list per row"
+        self._check_rows(rows)
+        if not rows:
+            return
+        rows_d = self._to_device(rows, torch.int64)                                       # [n]
+        self.temperature[rows_d] = self._to_device([p.temperature for p in params], torch.float32)
+        self.top_p[rows_d] = self._to_device([float(p.top_p) for p in params], torch.float32)
+        self.top_k[rows_d] = self._to_device([max(p.top_k, 0) for p in params], torch.int32)
+        self.seed[rows_d] = self._to_device([_signed((p.seed or 0) % _U64) for p in params], torch.int64)
+        self.output_token_counts.index_fill_(0, rows_d, 0)
+        self._add_counts(rows, output_token_ids)
+        for row, p in zip(rows, params):
+            self.greedy[row] = p.greedy
+            self.seeded[row] = p.seed is not None and not p.greedy
+            self.uses_top_k[row] = 0 < p.top_k < self.vocab_size and not p.greedy
+            self.top_k_host[row] = p.top_k if self.uses_top_k[row] else 0
+            self.uses_top_p[row] = p.top_p < 1.0 and not p.greedy
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Free rows (their requests finished or were preempted): neutral parameters, zero counts."""
+        self._check_rows(rows)
+        if not rows:
+            return
+        rows_d = self._to_device(rows, torch.int64)                                       # [n]
+        for tensor, neutral in ((self.temperature, 0.0), (self.top_p, 1.0), (self.top_k, 0), (self.seed, 0),
+                                (self.presence_penalty, 0.0), (self.frequency_penalty, 0.0),
+                                (self.repetition_penalty, 1.0), (self.output_token_counts, 0)):
+            tensor.index_fill_(0, rows_d, neutral)
+        for row in rows:
+            self.greedy[row], self.seeded[row], self.uses_top_k[row], self.uses_top_p[row] = True, False, False, False
+            self.top_k_host[row] = 0
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: Sequence[int],
+               num_generated: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per logits row, with no host synchronisation; counts them in output_token_counts.
+
+        logits: [N, V] any float dtype (computed in fp32); rows: [N] int64, the persistent-batch row of each;
+        rows_host: the same as a list; num_generated: [N] int64, tokens each request generated before
+        this one (a seeded row's noise depends on it); counted: [N] bool, the rows whose token is kept
+        (multi-step decoding samples rows past their last step and drops those tokens). Returns [N] int64
+        on logits' device.
+        """
+        assert logits.shape == (len(rows_host), self.vocab_size), "logits: [len(rows_host), vocab_size]"
+        plan = self._plan(rows_host)
+        if not plan.sampled:
+            tokens = torch.argmax(logits, dim=-1)                                          # [N]
+        else:
+            tokens = self._sample_rows(logits, rows, num_generated, plan)                  # [N]
+        flat = rows * self.vocab_size + tokens                                             # [N]
+        ones = torch.ones_like(flat, dtype=torch.int32) if counted is None else counted.to(torch.int32)
+        self.output_token_counts.view(-1).index_add_(0, flat, ones)
+        return tokens
+
+    def _plan(self, rows_host: Sequence[int]) -> _Plan:
+        sampled = [i for i, row in enumerate(rows_host) if not self.greedy[row]]
+        sampled_rows = [rows_host[i] for i in sampled]
+        filtered = [j for j, row in enumerate(sampled_rows) if self.uses_top_k[row] or self.uses_top_p[row]]
+        top_ks = [self.top_k_host[sampled_rows[j]] for j in filtered]
+        largest_k = max(top_ks) if top_ks and min(top_ks) > 0 else self.vocab_size
+        return _Plan(sampled=sampled,
+                     seeded=[j for j, row in enumerate(sampled_rows) if self.seeded[row]],
+                     filtered=filtered,
+                     any_top_p=any(self.uses_top_p[row] for row in sampled_rows),
+                     num_candidates=largest_k if largest_k <= MAX_TOPK_CANDIDATES else self.vocab_size)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: torch.Tensor, num_generated: torch.Tensor,
+                     plan: _Plan) -> torch.Tensor:
+        # the M non-greedy rows of the N; greedy rows keep their argmax
+        sampled_idx, seeded_idx, filtered_idx = plan.index_tensors(logits.device, logits.shape[0])
+        sub_rows = _take(rows, sampled_idx)                                                # [M]
+        temperature = self.temperature[sub_rows]                                           # [M] all > 0
+        scaled = torch.empty((len(plan.sampled), self.vocab_size), dtype=torch.float32, device=logits.device)
+        torch.div(_take(logits, sampled_idx), temperature[:, None], out=scaled)            # [M, V] fp32
+        if plan.filtered:
+            f_rows = _take(sub_rows, filtered_idx)                                         # [F]
+            threshold = filter_thresholds(_take(scaled, filtered_idx), self.top_k[f_rows], self.top_p[f_rows],
+                                          plan.any_top_p, plan.num_candidates)             # [F]
+            if filtered_idx is not None:
+                threshold = torch.full_like(temperature, float("-inf")).index_copy_(0, filtered_idx, threshold)
+            scaled.masked_fill_(scaled < threshold[:, None], float("-inf"))
+        noise = self._exponential_noise(scaled, sub_rows, _take(num_generated, sampled_idx), seeded_idx, plan)
+        sampled = torch.argmax(scaled.sub_(noise.log_()), dim=-1)                          # [M]
+        if sampled_idx is None:
+            return sampled
+        return torch.argmax(logits, dim=-1).index_copy_(0, sampled_idx, sampled)           # [N]
+
+    def _exponential_noise(self, scaled: torch.Tensor, sub_rows: torch.Tensor, num_generated: torch.Tensor,
+                           seeded_idx: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
+        # -> [M, V] float32 Exp(1): hashed for seeded rows, the default generator for the others
+        if len(plan.seeded) == len(plan.sampled):
+            return hashed_exponential(self.seed[sub_rows], num_generated, self.vocab_size)
+        # CUDA's exponential_ never returns 0 (it moves that mass to -log(1 - eps)); on CPU the chance is 2^-53
+        noise = torch.empty_like(scaled).exponential_()      # seeded rows are overwritten: one pass, no gather
+        if plan.seeded:
+            seeded_rows = sub_rows.index_select(0, seeded_idx)                             # [S]
+            hashed = hashed_exponential(self.seed[seeded_rows], num_generated.index_select(0, seeded_idx),
+                                        self.vocab_size)                                   # [S, V]
+            noise.index_copy_(0, seeded_idx, hashed)
+        return noise
+
+    def _add_counts(self, rows: Sequence[int], output_token_ids: Sequence[Sequence[int]]) -> None:
+        flat = [row * self.vocab_size + t for row, ids in zip(rows, output_token_ids) for t in ids]
+        assert all(0 <= t < self.vocab_size for ids in output_token_ids for t in ids), "token id out of vocab"
+        if flat:
+            flat_d = self._to_device(flat, torch.int64)                                    # [sum of lengths]
+            self.output_token_counts.view(-1).index_add_(0, flat_d, torch.ones_like(flat_d, dtype=torch.int32))
+
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        assert all(0 <= r < self.max_num_rows for r in rows), f"rows must be in [0, {self.max_num_rows})"
+        assert len(set(rows)) == len(rows), "rows must be distinct"
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
