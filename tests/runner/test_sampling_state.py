@@ -252,6 +252,17 @@ def test_sample_counts_output_tokens():
     assert state.output_token_counts.sum().item() == 15
 
 
+def test_tokens_not_counted_are_left_out_of_the_counts():
+    """Multi-step decoding samples rows past their last step; those tokens are dropped, not counted."""
+    state = SamplingState(4, V, torch.device("cpu"))
+    state.set_rows([0, 2], [SamplingParams(temperature=0), SamplingParams(temperature=0)], [[], []])
+    logits = logits_batch(2)
+    tokens = state.sample(logits, torch.tensor([0, 2]), [0, 2], torch.tensor([0, 0]),
+                          counted=torch.tensor([True, False])).tolist()
+    assert tokens == torch.argmax(logits, dim=-1).tolist()
+    assert state.output_token_counts[0, tokens[0]].item() == 1 and state.output_token_counts[2].sum().item() == 0
+
+
 def test_set_rows_counts_a_resumed_requests_outputs():
     state = SamplingState(4, V, torch.device("cpu"))
     outputs = [[5, 5, 9, 63, 5], []]
