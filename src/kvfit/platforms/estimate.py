@@ -21,8 +21,11 @@ NON_TORCH_BYTES = 320 * MiB
 # Decode CUDA graphs: one pool shared by every batch-size bucket, holding the largest bucket's
 # activations (the LM head runs outside the graphs).
 CUDA_GRAPH_BYTES = 64 * MiB
-# Bytes per logit of each sampled row: the LM head's output in the model dtype (2) plus fp32 (4).
-LOGIT_BYTES = 6
+# Bytes per logit of each sampled row at the sampler's worst (seeded rows with top-p, which the profile
+# runs): the LM head's output in the model dtype (2) plus the sampler's temporaries (fp32 scaled logits,
+# a full sort's values and int64 indices, softmax and cumsum, int64 hash state, fp32 noise): 1336 MiB
+# for 256 rows x 151,936 ids measured on the H200 (2026-12-03), 36 bytes per logit.
+LOGIT_BYTES = 2 + 36
 
 
 def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_parallel_size: int) -> int:
