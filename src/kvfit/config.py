@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -106,8 +107,12 @@ class ParallelConfig:
         if self.tp_timeout_s is None:
             object.__setattr__(self, "tp_timeout_s", _env_timeout())
         timeout = self.tp_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+                or not timeout > 0):
             raise ConfigError(f"tp_timeout_s must be a positive number of seconds, got {timeout!r}")
+        for name in ("test_rank_kv_bytes", "test_rank_fail"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a dict {{rank: value}}, got {getattr(self, name)!r}")
         world = self.tensor_parallel_size
         for rank, cap in (self.test_rank_kv_bytes or {}).items():
             if not _is_rank(rank, 0, world) or isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
@@ -131,7 +136,7 @@ def _env_timeout() -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"KVFIT_TP_TIMEOUT_S={text!r} must be a positive number of seconds")
     return value
 

@@ -31,6 +31,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise RequestError("stop must be a string or a list of strings", "stop")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise RequestError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)

@@ -45,7 +45,7 @@ class StepDelta:
     # whose num_steps > k, fed by the token sampled at step k-1. () means one step for every request.
     num_steps: tuple[int, ...] = ()
     new_requests: tuple[NewRequest, ...] = ()
-    finished_ids: tuple[str, ...] = ()             # ended (stop, length, abort) since the last step
+    finished_ids: tuple[str, ...] = ()             # ended (stop, length, abort) since the last delta
     preempted_ids: tuple[str, ...] = ()            # preempted this step: their blocks are gone
 
     @property

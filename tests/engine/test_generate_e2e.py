@@ -120,6 +120,11 @@ def test_bad_requests_are_clear_errors(tiny_llama):
         llm.generate([[5] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(RequestError, match="empty"):
         llm.generate([[]], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(RequestError, match="a prompt must be a string or a list of token ids") as info:
+        llm.engine.add_request(None, SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt"
+    with pytest.raises(ConfigError, match="unknown attention backend 'flash'"):
+        LLM(tiny_llama, device="cpu", attention_backend="flash")
     assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
     with pytest.raises(ConfigError, match="unknown setting"):
         LLM(tiny_llama, device="cpu", not_a_flag=1)

@@ -52,6 +52,8 @@ def test_params_are_frozen():
     (dict(stop=""), "stop strings must be non-empty"),
     (dict(stop=("ok", "")), "stop strings"),
     (dict(stop=[""]), "stop strings"),
+    (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list"),
 ])
 def test_invalid_values_raise_request_error(kwargs, match):
     with pytest.raises(RequestError, match=match) as info:

@@ -45,6 +45,21 @@ def test_finished_and_aborted_ids_reach_the_runner_once():
     plan = sched.schedule()
     sched.update(plan, {s.request_id: fake_token(s.request_id, 0) for s in plan.seqs})   # a ends (length)
     sched.finish("b", "abort")
-    sched.finish("never-run", "abort")            # still waiting: the runner never saw it
-    assert sched.schedule().delta.finished_ids == ("a", "b")
+    sched.finish("never-run", "abort")            # still waiting: the runner never saw it, and ignores it
+    assert sched.schedule().delta.finished_ids == ("a", "b", "never-run")
     assert sched.schedule().delta.finished_ids == ()
+
+
+def test_an_empty_step_still_drops_ended_rows_in_the_runner(tiny_llama):
+    """A step with nothing to run still hands the runner the ids that ended (else their rows leak)."""
+    from kvfit import LLM, SamplingParams
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory="4MiB", block_size=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for _ in range(3):                           # more rounds than rows: a leak would run out of rows
+        ids = [engine.add_request([5, 6, 7], params) for _ in range(2)]
+        engine.step()
+        for request_id in ids:
+            engine.abort(request_id)
+        assert engine.step() == []               # nothing to run: the delta only carries the ids
+        assert engine.workers.runner.batch.requests == {}

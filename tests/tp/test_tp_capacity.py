@@ -54,7 +54,8 @@ def test_test_hooks_are_config_fields_checked_or_say_what_is_wrong():
                                                                    RankHooks(20)]
     assert RankHooks.for_rank(ParallelConfig(tensor_parallel_size=2), 1) == RankHooks()
     for kwargs in ({"test_rank_kv_bytes": {2: 10}}, {"test_rank_kv_bytes": {1: "lots"}},
-                   {"test_rank_fail": {1: "later"}}, {"test_rank_fail": {0: "load"}}):
+                   {"test_rank_fail": {1: "later"}}, {"test_rank_fail": {0: "load"}},
+                   {"test_rank_fail": "1:step"}, {"test_rank_kv_bytes": [1, 2]}):
         with pytest.raises(ConfigError, match="test_rank_"):
             ParallelConfig(tensor_parallel_size=2, **kwargs)
 
@@ -62,6 +63,10 @@ def test_test_hooks_are_config_fields_checked_or_say_what_is_wrong():
 def test_the_tp_timeout_is_read_from_the_environment_once(monkeypatch):
     monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", "4")
     assert ParallelConfig().tp_timeout_s == 4.0 and ParallelConfig(tp_timeout_s=9).tp_timeout_s == 9
-    monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", "soon")
-    with pytest.raises(ConfigError, match="KVFIT_TP_TIMEOUT_S"):
-        ParallelConfig()
+    for text in ("soon", "inf", "0"):
+        monkeypatch.setenv("KVFIT_TP_TIMEOUT_S", text)
+        with pytest.raises(ConfigError, match="KVFIT_TP_TIMEOUT_S"):
+            ParallelConfig()
+    monkeypatch.delenv("KVFIT_TP_TIMEOUT_S")
+    with pytest.raises(ConfigError, match="tp_timeout_s"):
+        ParallelConfig(tp_timeout_s=float("inf"))

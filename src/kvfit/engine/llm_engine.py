@@ -79,6 +79,9 @@ class LLMEngine:
         strict_context: prompt + max_tokens past --max-model-len is an error rather than a cut."""
         if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with this model", "stop")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                               "prompt")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_total = check_request(ids, params, self.facts.vocab_size, self.max_model_len, self.spec.block_size,
                                   self.pool.num_blocks, strict_context)
@@ -110,9 +113,11 @@ class LLMEngine:
         """
         delta = self.scheduler.schedule(self.num_scheduler_steps)
         if delta.empty:
-            # only possible with nothing running and a head request that cannot get blocks,
-            # which admission rules out; fail loudly rather than spin
+            # with requests waiting, only possible when the head request cannot get blocks with
+            # nothing running, which admission rules out: fail loudly rather than spin
             assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
+            if delta.removed_ids:       # ended requests: the runner still drops their rows
+                self.workers.execute(delta)
             return []
         tokens = self.workers.execute(delta)
         outputs: dict[str, RequestOutput] = {}

@@ -188,9 +188,11 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._finished_ids.append(request_id)
-        elif req.status is RequestStatus.WAITING:     # never scheduled, or preempted: not in the runner
+        elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        # the runner drops the row if it has one (a waiting request may hold one when the delta that
+        # preempted it never reached the runner); unknown ids are ignored there
+        self._finished_ids.append(request_id)
         self.kv.free(request_id)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         return req

@@ -60,8 +60,8 @@ def start_engine(config: EngineConfig) -> StartedEngine:
     facts = load_model_facts(config.model.model)
     platform = get_platform(config.device.device)
     backend_name = config.device.attention_backend or platform.default_backend
+    backend = get_backend(backend_name)         # an unknown name is its own error, before "not on this device"
     platform.check_backend(backend_name)
-    backend = get_backend(backend_name)
     num_steps = scheduler_steps(config, platform)
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)
     executor = _make_executor(config, facts, platform, backend, spec)
