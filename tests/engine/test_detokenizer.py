@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfit.engine.detokenizer import IncrementalDetokenizer, _is_safe_cut, _stop_prefix_len, clean_up
-from kvfit.models.tokenizer import _CLEANUPS, Tokenizer
+from kvfit.models.tokenizer import CLEANUPS, Tokenizer
 from tiny_models import CORPUS
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
@@ -169,7 +169,7 @@ def test_a_safe_cut_splits_the_clean_up(left, right):
 
 def test_clean_up_patterns_only_delete_spaces():
     # _is_safe_cut's argument: a pattern starts with a space and its replacement is it minus spaces
-    for before, after in _CLEANUPS:
+    for before, after in CLEANUPS:
         assert before.startswith(" ") and before.replace(" ", "") == after.replace(" ", "")
         assert len(after) < len(before)
 
@@ -182,7 +182,7 @@ def _ids_of(tok: Tokenizer, text: str) -> list[int]:
 def test_first_token_keeps_the_whole_decodes_leading_space_rule(tokenizers):
     tok = tokenizers["metaspace"]
     ids = _ids_of(tok, "Hello world")
-    assert tok._tok.id_to_token(ids[0]).startswith("▁")
+    assert tok.backend.id_to_token(ids[0]).startswith("▁")
     detok, *_ = feed(tok, ids)
     assert detok.final_text() == tok.decode(ids) == "Hello world"
 
@@ -191,7 +191,7 @@ def test_context_that_decodes_to_nothing_is_not_an_anchor(tokenizers):
     # with Strip(start=2), "▁" alone decodes to "" and "▁▁y" to "y": a window starting at that "▁"
     # would lose the space decoded right after it, so the window keeps the token before it
     from tokenizers import Tokenizer as Backend, decoders
-    backend = Backend.from_str(tokenizers["byte_fallback"]._tok.to_str())
+    backend = Backend.from_str(tokenizers["byte_fallback"].backend.to_str())
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 2, 0)])
     tok = _wrap(backend)
@@ -203,7 +203,7 @@ def test_context_that_decodes_to_nothing_is_not_an_anchor(tokenizers):
 def test_split_character_is_held_back_until_complete(tokenizers):
     tok = tokenizers["byte_level"]
     alphabet = _byte_alphabet()
-    ids = [tok._tok.token_to_id(alphabet[byte]) for byte in "🙂".encode()]     # one token per byte
+    ids = [tok.backend.token_to_id(alphabet[byte]) for byte in "🙂".encode()]     # one token per byte
     detok = IncrementalDetokenizer(tok)
     for token_id in ids[:-1]:
         assert detok.add(token_id) is None
@@ -309,7 +309,7 @@ class _CountingBackend:
 def test_each_token_decodes_a_short_window(tokenizers, name):
     tok = tokenizers[name]
     ids = _ids_of(tok, TEXT * 5)
-    counting = _CountingBackend(tok._tok)
+    counting = _CountingBackend(tok.backend)
     detok = IncrementalDetokenizer(tok, ("\n\nUser:",))
     detok._window._backend = counting
     for token_id in ids:

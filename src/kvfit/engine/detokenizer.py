@@ -27,18 +27,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvfit.models.tokenizer import _CLEANUPS
+from kvfit.models.tokenizer import CLEANUPS
 
 INCOMPLETE_CHAR = "\ufffd"       # what a lossy UTF-8 decode yields for a character still missing bytes
 # the clean-up's patterns all start with a space and only delete spaces, so a cut that no pattern can
 # straddle is one whose left side ends in a char no pattern holds, or has no space in its last few chars
-_CLEANUP_CHARS = frozenset("".join(before for before, _ in _CLEANUPS))
-_CLEANUP_MAX_CHARS = max(len(before) for before, _ in _CLEANUPS)
+_CLEANUP_CHARS = frozenset("".join(before for before, _ in CLEANUPS))
+_CLEANUP_MAX_CHARS = max(len(before) for before, _ in CLEANUPS)
 
 
 def clean_up(text: str) -> str:
     """The Tokenizer's clean-up (clean_up_tokenization_spaces), applied in the same order."""
-    for before, after in _CLEANUPS:
+    for before, after in CLEANUPS:
         text = text.replace(before, after)
     return text
 
@@ -158,8 +158,8 @@ class IncrementalDetokenizer:
         """
         assert tokenizer is not None or not stop, "stop strings need a tokenizer"
         assert all(stop), "stop strings must be non-empty (SamplingParams checks)"
-        self._window = None if tokenizer is None else _WindowDecoder(tokenizer._tok)
-        self._clean = tokenizer is not None and tokenizer._clean_up
+        self._window = None if tokenizer is None else _WindowDecoder(tokenizer.backend)
+        self._clean = tokenizer is not None and tokenizer.cleans_up_spaces
         self._stops = tuple(stop)
         self._stop_first_chars = frozenset(s[0] for s in self._stops)
         self._context_chars = max(map(len, self._stops), default=1) - 1   # where a stop could have begun

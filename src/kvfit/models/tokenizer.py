@@ -16,7 +16,7 @@ from kvfit.models.chat_template import compile_chat_template, render_chat_templa
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # the clean-up transformers applies on decode when clean_up_tokenization_spaces is set (never for BPE)
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
@@ -65,6 +65,16 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled = None
 
+    @property
+    def backend(self):
+        """The tokenizers.Tokenizer (the incremental detokenizer decodes windows of ids with it)."""
+        return self._tok
+
+    @property
+    def cleans_up_spaces(self) -> bool:
+        """Whether decode applies CLEANUPS (clean_up_tokenization_spaces, never for BPE)."""
+        return self._clean_up
+
     @classmethod
     def from_folder(cls, folder: str) -> "Tokenizer":
         """Read tokenizer.json, tokenizer_config.json and chat_template.jinja from a model folder."""
@@ -93,7 +103,7 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self._clean_up:
-            for before, after in _CLEANUPS:
+            for before, after in CLEANUPS:
                 text = text.replace(before, after)
         return text
 
