@@ -18,6 +18,11 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_KV_CACHE_SHARE = 0.25
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"--{name.replace('_', '-')} must be true or false, got {value!r}")
+
+
 def _check_int(name: str, value, minimum: int = 1, allow_none: bool = False):
     if value is None and allow_none:
         return
@@ -35,6 +40,8 @@ class ModelConfig:
     served_model_name: str | None = None
 
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("a model is required: a Hugging Face folder, a config.json or a catalog name")
         if os.path.basename(self.model) == "config.json" and os.path.isfile(self.model):
@@ -68,6 +75,7 @@ class CacheConfig:
             resolve_kv_cache_dtype(self.kv_cache_dtype, "bfloat16")  # raises the one-line error
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         _check_int("max_num_blocks", self.max_num_blocks, allow_none=True)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "--kv-cache-memory"))
 
@@ -148,6 +156,7 @@ class DeviceConfig:
     enforce_eager: bool = False            # no CUDA graphs
 
     def __post_init__(self):
+        _check_bool("enforce_eager", self.enforce_eager)
         if self.device not in DEVICES:
             raise ConfigError(f"--device {self.device!r} is not supported; use one of {', '.join(DEVICES)}")
 

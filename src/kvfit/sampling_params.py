@@ -56,6 +56,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty", "stop")
 

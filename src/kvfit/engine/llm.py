@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -23,8 +25,11 @@ class LLM:
     tensor_parallel_size, load_format, seed, attention_backend, enforce_eager, plan_json.
     """
 
-    def __init__(self, model: str, **kwargs):
-        self.config = EngineConfig.from_kwargs(model, **kwargs)
+    def __init__(self, model: str | os.PathLike, **kwargs):
+        self.config = EngineConfig.from_kwargs(os.fspath(model) if isinstance(model, os.PathLike) else model,
+                                               **kwargs)
+        # one engine, one caller at a time: generate() from several threads runs them in turn
+        self._lock = threading.Lock()
         logging.getLogger("kvfit").setLevel(logging.INFO)
         self.engine = LLMEngine(self.config)
 
@@ -39,10 +44,14 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        Thread-safe: calls from several threads run one after another (the engine has one batch)."""
+        prompts = _prompt_list(prompts)
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -75,4 +84,26 @@ class LLM:
         return [done[i] for i in ids]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        with self._lock:
+            self.engine.shutdown()
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text or token ids) or a sequence of them -> a list of prompts; anything else is a
+    RequestError (bytes are not token ids, None is not a prompt)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise RequestError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                           f"{type(prompts).__name__}", "prompt")
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            continue
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise RequestError(f"each prompt must be a string or a list of token ids (ints); got "
+                               f"{type(prompt).__name__}", "prompt")
+    return prompts

@@ -1,0 +1,62 @@
+"""The offline API's inputs: misuse is a one-line KvfitError, never a misreading; generate is thread-safe."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.errors import ConfigError, RequestError
+
+KW = dict(device="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=4, max_model_len=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(pathlib.Path(tiny_llama), **KW)          # a Path is a model path
+
+
+@pytest.mark.parametrize("prompts", [b"hello", None, 5, [b"hi"], [[1, "2"]], [None], [[True, 2]]])
+def test_prompts_that_are_not_text_or_token_ids_are_request_errors(llm, prompts):
+    with pytest.raises(RequestError, match="prompt") as info:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert "\n" not in str(info.value)
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(stop={"a": 1}), "stop must be"),
+                                           (dict(ignore_eos="no"), "ignore_eos must be true or false"),
+                                           (dict(stop_token_ids="5"), "stop_token_ids")])
+def test_sampling_params_of_the_wrong_type_are_refused(kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(enable_prefix_caching="no"), dict(enforce_eager=1)])
+def test_boolean_settings_must_be_booleans(tiny_llama, kwargs):
+    with pytest.raises(ConfigError, match="must be true or false"):
+        LLM(tiny_llama, **KW, **kwargs)
+
+
+def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = [o.token_ids for o in llm.generate(prompts[i::3], GREEDY, use_tqdm=False)]
+        except Exception as exc:      # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for i in range(3):
+        assert results[i] == expected[i::3]
+    assert llm.engine.stats()["kv_blocks_used"] == 0
