@@ -72,3 +72,7 @@ class StepDelta:
 
 # {request_id: tokens sampled for it, in order: one per device step of the delta}
 SampledTokens = dict[str, list[int]]
+
+# The token the runner reports for a request whose logits were not finite (NaN or inf): the engine
+# ends that request alone with finish reason "error"; the rest of the batch goes on.
+NONFINITE_TOKEN = -1

@@ -21,7 +21,7 @@ from kvfit.errors import RequestError
 from kvfit.kv.manager import KVCacheManager
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
-from kvfit.step import SampledTokens, StepDelta
+from kvfit.step import NONFINITE_TOKEN, SampledTokens, StepDelta
 
 logger = logging.getLogger("kvfit")
 
@@ -130,6 +130,14 @@ class LLMEngine:
         """Apply step `step` of the delta: record tokens, decide finishes, make outputs (a finished
         request's, and when streaming each request's after its last token of the delta)."""
         sampled = {rid: toks[step] for rid, toks in tokens.items() if step < len(toks)}
+        for request_id in [rid for rid, token in sampled.items() if token == NONFINITE_TOKEN]:
+            del sampled[request_id]
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and not req.finished:        # this request fails alone
+                logger.warning("request %s: the model's logits were not finite; ending it (finish reason "
+                               "'error')", request_id)
+                self.scheduler.finish(request_id, "error")
+                outputs[request_id] = self.outputs.output(req, finished=True)
         for req in self.scheduler.update(delta, sampled, step):
             reason = self.outputs.finish_reason(req)
             if reason is not None:

@@ -15,5 +15,5 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None       # stop | length | abort
+    finish_reason: str | None = None       # stop | length | abort | error (non-finite logits)
     num_cached_tokens: int = 0

@@ -29,7 +29,7 @@ class Request:
     num_cached_prompt_tokens: int = 0    # prefix-cache hit at the first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None     # stop | length | abort
+    finish_reason: str | None = None     # stop | length | abort | error (non-finite logits)
     # prompt + output in one list, appended one token at a time: slicing a step's tokens and
     # committing full blocks to the prefix cache never rebuild it
     token_ids: list[int] = field(init=False)

@@ -207,7 +207,7 @@ class ModelRunner:
             if k + 1 == num_steps:
                 break
             active = remaining > k + 1                                                          # [B] bool
-            ids = tokens[k]
+            ids = tokens[k].clamp(min=0)        # a NONFINITE_TOKEN row runs on, its request already lost
             positions = positions + active
             seq_lens = seq_lens + active.to(seq_lens.dtype)
             slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)

@@ -28,6 +28,7 @@ import torch
 
 from kvfit.planning import persistent_batch_bytes
 from kvfit.sampling_params import SamplingParams
+from kvfit.step import NONFINITE_TOKEN
 
 # splitmix64 (Steele, Lea, Flood 2014): the golden-ratio increment and the two finaliser multipliers,
 # as signed int64 (torch has no uint64 arithmetic; int64 multiplication wraps, which is what we want).
@@ -205,7 +206,8 @@ class SamplingState:
 
         logits: [N, V] any float dtype (computed in fp32); rows: [N] int64, the persistent-batch row of each;
         rows_host: the same as a list; num_generated: [N] int64, tokens each request generated before
-        this one (a seeded row's noise depends on it); counted: [N] bool, the rows whose token is kept
+        this one (a seeded row's noise depends on it); a row whose logits are not all finite gets
+        NONFINITE_TOKEN and is not counted; counted: [N] bool, the rows whose token is kept
         (multi-step decoding samples rows past their last step and drops those tokens). Returns [N] int64
         on logits' device.
         """
@@ -216,9 +218,11 @@ class SamplingState:
         else:
             tokens = self._sample_rows(logits, rows, num_generated, plan)                  # [N]
         flat = rows * self.vocab_size + tokens                                             # [N]
-        ones = torch.ones_like(flat, dtype=torch.int32) if counted is None else counted.to(torch.int32)
-        self.output_token_counts.view(-1).index_add_(0, flat, ones)
-        return tokens
+        finite = torch.isfinite(logits).all(dim=-1)                                        # [N] bool
+        kept = finite if counted is None else finite & counted
+        self.output_token_counts.view(-1).index_add_(0, flat, kept.to(torch.int32))
+        # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
+        return torch.where(finite, tokens, NONFINITE_TOKEN)
 
     def _plan(self, rows_host: Sequence[int]) -> _Plan:
         sampled = [i for i, row in enumerate(rows_host) if not self.greedy[row]]

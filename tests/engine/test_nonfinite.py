@@ -1,0 +1,36 @@
+"""A request whose logits are not finite fails alone (finish reason "error"); the batch goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.models.llama import CausalLM
+
+KW = dict(device="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_nan_logits_end_one_request_and_the_others_finish(tiny_llama, monkeypatch, num_scheduler_steps):
+    llm = LLM(tiny_llama, num_scheduler_steps=num_scheduler_steps, **KW)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    real = CausalLM.compute_logits
+    calls = []
+
+    def poisoned(self, hidden):
+        logits = real(self, hidden)               # [N, vocab]: row 0 is the first request's
+        calls.append(1)
+        if len(calls) == 3:
+            logits[0] = float("nan")
+        return logits
+    monkeypatch.setattr(CausalLM, "compute_logits", poisoned)
+    first, second = llm.generate(prompts, params, use_tqdm=False)
+    assert first.finished and first.finish_reason == "error"
+    assert first.token_ids == expected[0].token_ids[:len(first.token_ids)] and len(first.token_ids) < 12
+    assert (second.token_ids, second.finish_reason) == (expected[1].token_ids, "length")
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+    monkeypatch.setattr(CausalLM, "compute_logits", real)
+    again = llm.generate(prompts, params, use_tqdm=False)          # the engine keeps serving
+    assert [o.token_ids for o in again] == [o.token_ids for o in expected]
