@@ -7,6 +7,7 @@ No torch here: `kvfit plan` must run anywhere. Parameter counts are computed fro
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -106,30 +107,72 @@ class ModelFacts:
         return self.num_params * self.weight_dtype_bytes
 
 
-def _get(cfg: dict, key: str, source: str, default=None, required=True):
-    value = cfg.get(key)
-    if value is None:   # absent or null: transformers takes the default for both
-        value = default
-    if value is None and required:
-        raise ConfigError(f"{source}: missing '{key}'; a Hugging Face config.json for this architecture needs it")
-    return value
+def _show(value) -> str:
+    """repr of a config value, cut short so an error stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite_float(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:   # an integer past float's range
+        return None
+    return number if math.isfinite(number) else None
+
+
+# kind -> (check, what the error says is allowed)
+_KINDS = {
+    "bool": (lambda v: isinstance(v, bool), "true or false (a JSON boolean)"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: _finite_float(v) is not None, "a finite number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "object": (lambda v: isinstance(v, dict), "a JSON object"),
+    "list": (lambda v: isinstance(v, list), "a JSON list"),
+}
+
+
+def read_field(cfg: dict, name: str, kind: str, source: str = "config.json", default=None, required: bool = False,
+               minimum=None, above=None):
+    """cfg[name] checked against kind (bool, int, number, str, object, list) and the bounds (value >= minimum,
+    value > above); absent or null gives default, as transformers does. Anything else is a one-line
+    ConfigError naming source, the field, the value and what is allowed. A "number" comes back as a float.
+    """
+    value = cfg.get(name)
+    if value is None:
+        if required and default is None:
+            raise ConfigError(f"{source}: missing '{name}'; a Hugging Face config for this architecture needs it")
+        return default
+    check, allowed = _KINDS[kind]
+    in_range = check(value) and (minimum is None or value >= minimum) and (above is None or value > above)
+    if not in_range:
+        raise ConfigError(f"{source}: '{name}' must be {_allowed(kind, allowed, minimum, above)}, got {_show(value)}")
+    return float(value) if kind == "number" else value
+
+
+def _allowed(kind: str, allowed: str, minimum, above) -> str:
+    if kind == "int" and minimum == 1 and above is None:
+        return "a positive integer"
+    if kind == "number" and above == 0 and minimum is None:
+        return "a positive finite number"
+    return allowed + "".join(f" {op} {bound}" for op, bound in ((">=", minimum), (">", above)) if bound is not None)
 
 
 def _positive_int(cfg: dict, key: str, source: str, default=None) -> int:
-    value = _get(cfg, key, source, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
-    return value
+    return read_field(cfg, key, "int", source, default=default, required=True, minimum=1)
 
 
 def _architecture(cfg: dict, source: str) -> str:
-    archs = cfg.get("architectures")
-    if isinstance(archs, list) and archs:
+    archs = read_field(cfg, "architectures", "list", source, default=[])
+    model_type = read_field(cfg, "model_type", "str", source)
+    if archs:
         arch = archs[0]
-    elif cfg.get("model_type") in _MODEL_TYPE_TO_ARCH:
-        arch = _MODEL_TYPE_TO_ARCH[cfg["model_type"]]
+        if not isinstance(arch, str):
+            raise ConfigError(f"{source}: 'architectures' must list architecture names, got {_show(archs)}")
     else:
-        arch = archs[0] if isinstance(archs, list) and archs else cfg.get("model_type", "<none>")
+        arch = _MODEL_TYPE_TO_ARCH.get(model_type, model_type or "<none>")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
             f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -137,8 +180,8 @@ def _architecture(cfg: dict, source: str) -> str:
 
 
 def _dtype(cfg: dict, source: str) -> str:
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    name = str(name).replace("torch.", "")
+    name = read_field(cfg, "torch_dtype", "str", source) or read_field(cfg, "dtype", "str", source) or "bfloat16"
+    name = name.replace("torch.", "")
     if name not in DTYPE_ALIASES:
         raise ConfigError(f"{source}: torch_dtype {name!r} is not one of float32, bfloat16, float16")
     return DTYPE_ALIASES[name]
@@ -147,12 +190,13 @@ def _dtype(cfg: dict, source: str) -> str:
 def _structure(family: str, cfg: dict, source: str) -> dict:
     """The structure fields of ModelFacts: the family's rules applied to config.json."""
     rules = FAMILY_RULES[family]
-    attention_bias = rules.reads_attention_bias and bool(cfg.get("attention_bias"))
+    attention_bias = rules.reads_attention_bias and read_field(cfg, "attention_bias", "bool", source, default=False)
     window = None
     if rules.reads_sliding_window and cfg.get("sliding_window") is not None:
         window = _positive_int(cfg, "sliding_window", source)
     return dict(qkv_bias=rules.qkv_bias or attention_bias, o_bias=attention_bias,
-                mlp_bias=rules.reads_mlp_bias and bool(cfg.get("mlp_bias")), qk_norm=rules.qk_norm,
+                mlp_bias=rules.reads_mlp_bias and read_field(cfg, "mlp_bias", "bool", source, default=False),
+                qk_norm=rules.qk_norm,
                 sliding_window=window)
 
 
@@ -168,22 +212,25 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     kv_heads = _positive_int(cfg, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = cfg.get("head_dim")
+    head_dim = read_field(cfg, "head_dim", "int", source, minimum=1)
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
         head_dim = hidden // heads
-    head_dim = _positive_int({"head_dim": head_dim}, "head_dim", source)
     vocab = _positive_int(cfg, "vocab_size", source)
     max_pos = _positive_int(cfg, "max_position_embeddings", source, default=2048)
     inter = _positive_int(cfg, "intermediate_size", source)
-    tie = bool(cfg.get("tie_word_embeddings", False))
+    tie = read_field(cfg, "tie_word_embeddings", "bool", source, default=False)
+    # the models read these from raw; checked here so every command (plan included) rejects them
+    read_field(cfg, "rms_norm_eps", "number", source, above=0)
+    read_field(cfg, "hidden_act", "str", source)
     kv_lora = rope_dim = None
     if family.startswith("deepseek"):
         kv_lora = _positive_int(cfg, "kv_lora_rank", source)
         rope_dim = _positive_int(cfg, "qk_rope_head_dim", source)
-    quant = cfg.get("quantization_config") or {}
-    weight_bytes = 1 if str(quant.get("quant_method", "")).startswith("fp8") else DTYPE_BYTES[_dtype(cfg, source)]
+    quant = read_field(cfg, "quantization_config", "object", source, default={})
+    quant_method = read_field(quant, "quant_method", "str", f"{source} quantization_config", default="")
+    weight_bytes = 1 if quant_method.startswith("fp8") else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch, family=family, num_layers=layers, hidden_size=hidden,
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
@@ -198,11 +245,12 @@ def _with_params(facts: ModelFacts, cfg: dict, source: str) -> ModelFacts:
     return replace(facts, num_params=count_parameters(facts, cfg, source))
 
 
-def _attention_params(f: ModelFacts, cfg: dict) -> int:
+def _attention_params(f: ModelFacts, cfg: dict, source: str) -> int:
     h, hd = f.hidden_size, f.head_dim
     if f.is_mla:
-        nope, rope, v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        q_lora = cfg.get("q_lora_rank")
+        nope, rope, v_dim = (_positive_int(cfg, key, source) for key in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                        "v_head_dim"))
+        q_lora = read_field(cfg, "q_lora_rank", "int", source, minimum=1)
         qk = f.num_attention_heads * (nope + rope)
         q = h * qk if not q_lora else h * q_lora + q_lora + q_lora * qk
         kv = h * (f.kv_lora_rank + rope) + f.kv_lora_rank + f.kv_lora_rank * f.num_attention_heads * (nope + v_dim)
@@ -218,52 +266,80 @@ def _attention_params(f: ModelFacts, cfg: dict) -> int:
     return params
 
 
-def _mlp_params(f: ModelFacts, cfg: dict, layer: int) -> int:
+def _qwen3_moe_sparse_layers(f: ModelFacts, cfg: dict, source: str) -> tuple[int, int]:
+    """(experts, number of layers that use them) of a Qwen3-MoE config: every step-th layer but mlp_only_layers."""
+    # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
+    experts = read_field(cfg, "num_experts", "int", source, minimum=0)
+    if experts is None:
+        experts = read_field(cfg, "num_local_experts", "int", source, default=0, minimum=0)
+    step = read_field(cfg, "decoder_sparse_step", "int", source, default=1, minimum=1)
+    dense_only = read_field(cfg, "mlp_only_layers", "list", source, default=[])
+    if experts == 0:
+        return 0, 0
+    dense_sparse_steps = {layer for layer in dense_only if isinstance(layer, int) and 0 <= layer < f.num_layers
+                          and (layer + 1) % step == 0}
+    return experts, f.num_layers // step - len(dense_sparse_steps)
+
+
+def _mlp_params(f: ModelFacts, cfg: dict, source: str) -> int:
+    """The MLP parameters of every layer together (dense, or routed and shared experts)."""
     h = f.hidden_size
     dense = 3 * h * f.intermediate_size
     if f.mlp_bias:
         dense += 2 * f.intermediate_size + h  # gate, up and down biases
     if f.family == "mixtral":
-        experts = cfg.get("num_local_experts", 8)
-        return h * experts + experts * dense
+        experts = read_field(cfg, "num_local_experts", "int", source, default=8, minimum=1)
+        return f.num_layers * (h * experts + experts * dense)
     if f.family == "qwen3_moe":
-        # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        sparse = experts > 0 and (layer + 1) % step == 0 and layer not in (cfg.get("mlp_only_layers") or [])
-        if not sparse:
-            return dense
-        return h * experts + experts * 3 * h * cfg["moe_intermediate_size"]
+        experts, num_sparse = _qwen3_moe_sparse_layers(f, cfg, source)
+        if not num_sparse:
+            return f.num_layers * dense
+        moe = h * experts + experts * 3 * h * _positive_int(cfg, "moe_intermediate_size", source)
+        return num_sparse * moe + (f.num_layers - num_sparse) * dense
     if f.family.startswith("deepseek"):
-        if cfg.get("n_routed_experts") is None or layer < cfg.get("first_k_dense_replace", 0):
-            return dense
-        routed, shared = cfg["n_routed_experts"], cfg.get("n_shared_experts") or 0
+        routed = read_field(cfg, "n_routed_experts", "int", source, minimum=1)
+        num_dense_first = read_field(cfg, "first_k_dense_replace", "int", source, default=0, minimum=0)
+        if routed is None:
+            return f.num_layers * dense
+        shared = read_field(cfg, "n_shared_experts", "int", source, default=0, minimum=0)
         gate = h * routed + (routed if f.family == "deepseek_v3" else 0)  # v3: e_score_correction_bias
-        return gate + (routed + shared) * 3 * h * cfg["moe_intermediate_size"]
-    return dense
+        moe = gate + (routed + shared) * 3 * h * _positive_int(cfg, "moe_intermediate_size", source)
+        num_sparse = max(f.num_layers - num_dense_first, 0)
+        return num_sparse * moe + (f.num_layers - num_sparse) * dense
+    return f.num_layers * dense
 
 
 def count_parameters(f: ModelFacts, cfg: dict, source: str = "config.json") -> int:
     """Parameters in the checkpoint's tensors, computed from the config (embeddings included)."""
-    try:
-        per_layer_fixed = _attention_params(f, cfg) + 2 * f.hidden_size  # + two RMSNorms
-        mlp = sum(_mlp_params(f, cfg, layer) for layer in range(f.num_layers))
-    except KeyError as missing:
-        raise ConfigError(f"{source}: missing {missing} needed for architecture {f.architecture}") from None
+    per_layer_fixed = _attention_params(f, cfg, source) + 2 * f.hidden_size  # + two RMSNorms
     embed = f.vocab_size * f.hidden_size
     head = 0 if f.tie_word_embeddings else embed
-    return embed + head + f.num_layers * per_layer_fixed + mlp + f.hidden_size
+    return embed + head + f.num_layers * per_layer_fixed + _mlp_params(f, cfg, source) + f.hidden_size
+
+
+def read_json_object(path: str) -> dict:
+    """Parse a JSON file that must hold an object; malformed, too deeply nested or with integers past
+    Python's 4,300 digits, it is a one-line ConfigError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to parse; fix or replace the file") from None
+    except (ValueError, UnicodeDecodeError) as exc:   # JSONDecodeError, and the int digit limit
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path} is not valid JSON ({reason}); fix or replace the file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}; fix or replace the file")
+    return data
 
 
 def read_config_json(path: str) -> dict:
     """Parse a config.json file; a missing or malformed file is a ConfigError."""
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json at {path}: give a Hugging Face model folder, a config.json or a catalog name")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
+    return read_json_object(path)
 
 
 def load_model_facts(model: str) -> ModelFacts:
@@ -286,4 +362,5 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
-           "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "ceil_div"]
+           "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
+           "read_field", "ceil_div"]

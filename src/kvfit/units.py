@@ -6,6 +6,8 @@ from kvfit.errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20
+# the largest byte count any allocator can be asked for (torch sizes are int64)
+MAX_BYTES = (1 << 63) - 1
 
 _UNITS = {
     "": 1, "b": 1,
@@ -30,12 +32,15 @@ def parse_bytes(text, flag: str = "size") -> int:
                 f"{flag} {text!r} is not a byte size: use a number with an optional unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB or 8e9")
         number = match.group(1)
-        if number.isdigit():   # exact for integers past 2**53, which a float would round
+        if number.isdigit() and len(number) <= 30:   # exact for integers past 2**53, which a float would round
             value = int(number) * _UNITS[unit]
         else:
-            value = int(float(number) * _UNITS[unit])
+            scaled = float(number) * _UNITS[unit]   # inf for 1e400 or a 400-digit integer
+            value = int(scaled) if scaled <= MAX_BYTES else MAX_BYTES + 1
     if value <= 0:
         raise ConfigError(f"{flag} must be positive, got {text!r}")
+    if value > MAX_BYTES:
+        raise ConfigError(f"{flag} {str(text)[:40]!r} is too large: at most {MAX_BYTES:,} bytes (8 EiB), e.g. 80GiB")
     return value
 
 

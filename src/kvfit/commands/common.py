@@ -11,10 +11,11 @@ def setup_logging() -> None:
 
 
 def add_sampling_flags(p) -> None:
-    p.add_argument("--max-tokens", type=int, default=16)
+    from kvfit.commands.flags import int_flag
+    p.add_argument("--max-tokens", type=int_flag, default=16)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-k", type=int_flag, default=-1)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 

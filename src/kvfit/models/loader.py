@@ -7,15 +7,15 @@ so no rank ever holds a whole sharded tensor, let alone the whole model.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
 import torch
 
 from kvfit.attention.base import AttentionBackend
-from kvfit.errors import ConfigError
-from kvfit.model_facts import ModelFacts
+from kvfit.errors import CapacityError, ConfigError
+from kvfit.model_facts import ModelFacts, read_field, read_json_object
+from kvfit.units import gib
 from kvfit.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -32,13 +32,34 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ConfigError(f"--load-format {load_format!r} is not supported; use auto, safetensors or dummy")
     files = None if load_format == "dummy" else safetensors_files(model_path)
-    model = cls(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
-    if files is None:
-        init_dummy_weights(model)
-    else:
-        model.load_weights(_iter_tensors(files))
-    model.fuse_projections()
+    try:
+        model = cls(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+        if files is None:
+            init_dummy_weights(model)
+        else:
+            model.load_weights(_iter_tensors(files))
+        model.fuse_projections()
+    except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
+        # past int64 is a TypeError from torch.empty
+        if not _is_allocation_failure(exc):
+            raise
+        per_rank = facts.num_params * torch.tensor([], dtype=dtype).element_size() // tp_size
+        raise CapacityError(
+            f"the weights do not fit: allocating them on {device} failed (about {gib(per_rank)} per rank for "
+            f"{facts.num_params:,} parameters); use a larger device, --tensor-parallel-size or a smaller --dtype"
+        ) from None
     return model.eval()
+
+
+# what torch says when a tensor cannot be had: CUDA and CPU allocators, and sizes past int64
+_ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "overflow", "negative dimension")
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    message = str(exc).lower()
+    return any(words in message for words in _ALLOCATION_FAILURES)
 
 
 def safetensors_files(model_path: str) -> list[str]:
@@ -46,11 +67,11 @@ def safetensors_files(model_path: str) -> list[str]:
     index = os.path.join(model_path, INDEX_FILE)
     single = os.path.join(model_path, SINGLE_FILE)
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{index} is not a valid safetensors index ({exc!r}); fix or re-download it") from None
+        weight_map = read_field(read_json_object(index), "weight_map", "object", index, required=True)
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+                raise ConfigError(f"{index}: 'weight_map' must map tensor names to shard file names in the model "
+                                  f"folder, got {tensor!r}: {shard!r}; fix or re-download it")
         files = [os.path.join(model_path, name) for name in dict.fromkeys(weight_map.values())]
         for path in files:
             if not os.path.isfile(path):
@@ -110,11 +131,7 @@ def load_generation_eos(model_path: str | None, facts: ModelFacts) -> list[int]:
     if model_path is not None:
         path = os.path.join(model_path, "generation_config.json")
         if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    eos = json.load(fh).get("eos_token_id")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise ConfigError(f"{path} is not valid JSON ({exc}); fix or delete the file") from None
+            eos = read_json_object(path).get("eos_token_id")
             if eos is not None:
                 return _id_list(eos, path)
     eos = facts.raw.get("eos_token_id")
@@ -123,6 +140,7 @@ def load_generation_eos(model_path: str | None, facts: ModelFacts) -> list[int]:
 
 def _id_list(value, source: str) -> list[int]:
     ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ConfigError(f"{source}: eos_token_id must be an int or a list of ints, got {value!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{source}: 'eos_token_id' must be a token id (an integer >= 0) or a list of them, "
+                          f"got {str(value)[:60]}")
     return list(ids)

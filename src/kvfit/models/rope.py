@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.errors import ConfigError
+from kvfit.model_facts import read_field
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -31,38 +32,41 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
-def _rope_dict(raw: dict) -> dict:
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:   # per-layer-type form
-        params = params["full_attention"]
-    merged = dict(raw.get("rope_scaling") or {})
-    merged.update(params or {})
+def _rope_dict(raw: dict, source: str) -> dict:
+    params = read_field(raw, "rope_parameters", "object", source, default={})
+    if "full_attention" in params:   # per-layer-type form
+        params = read_field(params, "full_attention", "object", f"{source} rope_parameters", default={})
+    merged = dict(read_field(raw, "rope_scaling", "object", source, default={}))
+    merged.update(params)
     if "rope_theta" not in merged and raw.get("rope_theta") is not None:
         merged["rope_theta"] = raw["rope_theta"]
     return merged
 
 
-def rope_config_from_raw(raw: dict, head_dim: int) -> RopeConfig:
-    """Read RoPE settings from a config.json dict; unsupported rope types are a ConfigError."""
-    d = _rope_dict(raw)
-    rope_type = d.get("rope_type") or d.get("type") or "default"
+def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json") -> RopeConfig:
+    """Read RoPE settings from a config.json dict; unsupported or out-of-range settings are a ConfigError."""
+    d = _rope_dict(raw, source)
+    where = f"{source} (rope_theta / rope_scaling / rope_parameters)"
+    rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("config.json: partial_rotary_factor != 1.0 is not supported; use a model with full RoPE")
-    theta = float(d.get("rope_theta") or DEFAULT_ROPE_THETA)
+        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if read_field(d, "partial_rotary_factor", "number", where, default=1.0) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor != 1.0 is not supported; use a model with full RoPE")
+    # null means the default (as transformers reads it); 0 or a negative theta is an error, not the default
+    theta = read_field(d, "rope_theta", "number", where, default=DEFAULT_ROPE_THETA, above=0)
     if rope_type == "default":
         return RopeConfig(head_dim=head_dim, theta=theta)
-    try:
-        factor = float(d["factor"])
-        if rope_type == "linear":
-            return RopeConfig(head_dim=head_dim, theta=theta, rope_type="linear", factor=factor)
-        return RopeConfig(head_dim=head_dim, theta=theta, rope_type="llama3", factor=factor,
-                          low_freq_factor=float(d["low_freq_factor"]), high_freq_factor=float(d["high_freq_factor"]),
-                          original_max_position_embeddings=int(d["original_max_position_embeddings"]))
-    except KeyError as missing:
-        raise ConfigError(f"config.json: rope_type {rope_type!r} needs {missing} in rope_scaling or "
-                          "rope_parameters") from None
+    factor = read_field(d, "factor", "number", where, required=True, above=0)
+    if rope_type == "linear":
+        return RopeConfig(head_dim=head_dim, theta=theta, rope_type="linear", factor=factor)
+    low, high = (read_field(d, key, "number", where, required=True, above=0)
+                 for key in ("low_freq_factor", "high_freq_factor"))
+    if not high > low:   # the llama3 smoothing divides by high - low
+        raise ConfigError(f"{where}: high_freq_factor must be greater than low_freq_factor, got {high} <= {low}")
+    original = read_field(d, "original_max_position_embeddings", "int", where, required=True,
+                          minimum=1)
+    return RopeConfig(head_dim=head_dim, theta=theta, rope_type="llama3", factor=factor, low_freq_factor=low,
+                      high_freq_factor=high, original_max_position_embeddings=original)
 
 
 def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:

@@ -8,10 +8,10 @@ chat_template.jinja if present, else tokenizer_config.json's chat_template.
 
 from __future__ import annotations
 
-import json
 import os
 
 from kvfit.errors import ConfigError
+from kvfit.model_facts import read_field, read_json_object
 from kvfit.models.chat_template import compile_chat_template, render_chat_template
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -20,21 +20,22 @@ CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-def _token_str(value) -> str | None:
-    if isinstance(value, dict):     # a serialized AddedToken
-        return value.get("content")
-    return value if isinstance(value, str) else None
+def _special_tokens(config: dict, source: str) -> dict[str, str]:
+    """{key: token text} of the special tokens tokenizer_config.json names (a string or a serialized AddedToken)."""
+    tokens = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):     # a serialized AddedToken
+            value = read_field(value, "content", "str", f"{source} {key}", required=True)
+        elif value is not None and not isinstance(value, str):
+            raise ConfigError(f"{source}: '{key}' must be a token string or an AddedToken object, got {value!r:.60}")
+        if value:
+            tokens[key] = value
+    return tokens
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def _chat_template(folder: str, config: dict) -> str | None:
@@ -43,6 +44,9 @@ def _chat_template(folder: str, config: dict) -> str | None:
         with open(jinja_path, encoding="utf-8") as fh:
             return fh.read()
     template = config.get("chat_template")
+    if template is not None and not isinstance(template, (str, list)):
+        raise ConfigError(f"tokenizer_config.json: 'chat_template' must be a string or a list of named templates, "
+                          f"got {type(template).__name__}")
     if isinstance(template, list):   # named templates: use "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -52,18 +56,37 @@ def _chat_template(folder: str, config: dict) -> str | None:
 class Tokenizer:
     """encode / decode / chat templates for one model folder."""
 
-    def __init__(self, backend, config: dict, chat_template: str | None = None):
+    def __init__(self, backend, config: dict, chat_template: str | None = None, model_vocab_size: int | None = None):
+        """model_vocab_size: the model's token embeddings (config.json vocab_size); every special token must
+        have an id below it."""
+        source = "tokenizer_config.json"
         self._tok = backend                         # a tokenizers.Tokenizer
-        self.special_tokens = {k: s for k in SPECIAL_TOKEN_KEYS if (s := _token_str(config.get(k)))}
+        self.special_tokens = _special_tokens(config, source)
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         missing = [s for s in self.special_tokens.values() if s not in added]
-        if missing:
+        if missing:   # as transformers does: a special token not in tokenizer.json gets the next free id
             self._tok.add_special_tokens(missing)
+        self._check_special_ids(model_vocab_size)
+        add_bos, add_eos, clean_up = (read_field(config, key, "bool", source, default=False)
+                                      for key in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"))
         if "add_bos_token" in config or "add_eos_token" in config or self._tok.post_processor is None:
-            self._set_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
-        self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(self._tok.model).__name__ != "BPE"
+            self._set_post_processor(add_bos, add_eos)
+        self._clean_up = clean_up and type(self._tok.model).__name__ != "BPE"
         self.chat_template = chat_template
         self._compiled = None
+
+    def _check_special_ids(self, model_vocab_size: int | None) -> None:
+        # transformers appends a special token missing from tokenizer.json as a new id; past the model's
+        # embeddings every prompt that contains it (bos: every prompt) would fail, so refuse at load time
+        if model_vocab_size is None:
+            return
+        for key, token in self.special_tokens.items():
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None and token_id >= model_vocab_size:
+                raise ConfigError(
+                    f"tokenizer_config.json: {key} {token!r} is not in tokenizer.json's vocabulary (it would get id "
+                    f"{token_id}, but config.json's vocab_size is {model_vocab_size}); name a token the vocabulary "
+                    "has, or add it to tokenizer.json")
 
     @property
     def backend(self):
@@ -85,7 +108,9 @@ class Tokenizer:
         except Exception as exc:   # tokenizers raises a plain Exception for a malformed file
             raise ConfigError(f"{path} could not be read ({str(exc).splitlines()[0]}); re-download it") from None
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        return cls(backend, config, _chat_template(folder, config))
+        model_config = _read_json(os.path.join(folder, "config.json"))
+        vocab_size = read_field(model_config, "vocab_size", "int", os.path.join(folder, "config.json"), minimum=1)
+        return cls(backend, config, _chat_template(folder, config), vocab_size)
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         from tokenizers import processors
