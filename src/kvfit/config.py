@@ -12,6 +12,8 @@ from kvfit.kv.spec import KV_CACHE_DTYPES, check_block_size, resolve_kv_cache_dt
 from kvfit.model_facts import DTYPE_ALIASES
 from kvfit.units import parse_bytes
 
+# torch.manual_seed takes seeds up to 2**64 - 1; per-request seeds are taken mod 2**64 (sampling_state.py)
+MAX_SEED = 2**64 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 # Share of the memory available at start-up that the CPU platform gives the KV cache by default.
@@ -53,6 +55,8 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
         _check_int("seed", self.seed, minimum=0)
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"--seed must be at most 2**64 - 1 (torch.manual_seed's range), got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ class SamplingParams:
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
+                or self.top_k >= 2**31):
+            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer below 2**31, got {self.top_k!r}",
+                               "top_k")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")

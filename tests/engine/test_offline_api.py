@@ -60,3 +60,8 @@ def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
     for i in range(3):
         assert results[i] == expected[i::3]
     assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_seed_past_torchs_range_is_a_config_error(tiny_llama):
+    with pytest.raises(ConfigError, match="--seed must be at most 2"):
+        LLM(tiny_llama, seed=2**64, **KW)

@@ -53,6 +53,7 @@ def test_params_are_frozen():
     (dict(stop=("ok", "")), "stop strings"),
     (dict(stop=[""]), "stop strings"),
     (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(top_k=2**62), "below 2\\*\\*31"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list"),
 ])
 def test_invalid_values_raise_request_error(kwargs, match):

@@ -12,8 +12,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-# torch.manual_seed takes seeds up to 2**64 - 1; per-request seeds are taken mod 2**64 (sampling_state.py)
-MAX_SEED = 2**64 - 1
 INT64_MAX = 2**63 - 1
 
 
@@ -23,6 +21,7 @@ def _seed(text: str) -> int:
         value = int(text)
     except ValueError:   # not an integer, or past Python's 4,300 digits
         value = None
+    from kvfit.config import MAX_SEED
     if value is None or not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64 - 1], got {text[:40]!r}")
     return value
