@@ -1,5 +1,8 @@
 """Run an app under uvicorn on a socket bound here, with a graceful SIGTERM/SIGINT shutdown.
 
+Also the start-up safety: the API key (flag, file or KVFIT_API_KEY, checked once), the warnings
+printed at start-up, the guards middleware, and uvicorn's connection limits and timeouts.
+
 On a signal: the engine refuses new requests and ends running ones (their streams get an error
 event and [DONE]), uvicorn stops accepting and drains connections, the lifespan joins the engine
 thread, and the process exits 0.
@@ -9,14 +12,111 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import socket
 import threading
-from typing import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvfit.errors import ConfigError
+from kvfit.server.guards import GuardMiddleware, is_loopback_host
+from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
+                                 DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES)
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
+
+logger = logging.getLogger("kvfit")
+
+
+# start-up safety --------------------------------------------------------------------------------
+def resolve_api_key(api_key: str | None, api_key_file: str | None,
+                    environ: Mapping[str, str] = os.environ) -> str | None:
+    """The API key from --api-key, --api-key-file (read once, here) or $KVFIT_API_KEY, in that order;
+    None when none is given. A ConfigError when both flags are given, the file cannot be read, or the
+    key is empty or not printable ASCII (a header could never carry it, so no request would match)."""
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            key, source = Path(api_key_file).read_text(encoding="utf-8").strip(), f"--api-key-file {api_key_file}"
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"cannot read --api-key-file {api_key_file}: {reason}") from None
+    elif api_key is not None:
+        key, source = api_key.strip(), "--api-key"
+    elif API_KEY_ENV in environ:
+        key, source = environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key:
+        raise ConfigError(f"the API key from {source} is empty; give a non-empty key")
+    bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ConfigError(f"the API key from {source} has a character outside printable ASCII (position {bad}); "
+                          "clients send it in an HTTP header, so use letters, digits and punctuation only")
+    return key
+
+
+def startup_warnings(host: str, api_key: str | None, key_on_command_line: bool) -> list[str]:
+    """One line per unsafe choice, for `kvfit serve` to print before it listens."""
+    warnings = []
+    if api_key is None:
+        reach = "this machine" if is_loopback_host(host) else f"the network at {host}"
+        warnings.append(f"warning: no API key is set, so any program on {reach} can use /v1; set "
+                        f"${API_KEY_ENV} or --api-key-file")
+    elif key_on_command_line:
+        warnings.append(f"warning: --api-key is visible to other users (ps, /proc); prefer --api-key-file "
+                        f"or ${API_KEY_ENV}")
+    return warnings
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """What GuardMiddleware enforces; validated when built, so `kvfit serve` fails before loading.
+
+    host: the bind address (a loopback one turns the Host check on); api_key: resolved by
+    resolve_api_key; metrics_require_key: /metrics wants the key too."""
+
+    host: str
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_SECONDS
+
+    def __post_init__(self):
+        if self.metrics_require_key and self.api_key is None:
+            raise ConfigError(f"--metrics-require-key needs an API key (--api-key-file, ${API_KEY_ENV} or --api-key)")
+        if not 0 < self.body_timeout_s < float("inf"):
+            raise ConfigError(f"--body-timeout must be a positive number of seconds, got {self.body_timeout_s}")
+
+
+def install_guards(app, options: GuardOptions) -> None:
+    """Add GuardMiddleware to app (before it starts)."""
+    app.add_middleware(GuardMiddleware, check_host=is_loopback_host(options.host),
+                       metrics_api_key=options.api_key if options.metrics_require_key else None,
+                       body_timeout_s=options.body_timeout_s)
+
+
+# uvicorn ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client's connections may hold: see limits.py for the defaults' reasons."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS
+    keep_alive_s: int = DEFAULT_KEEP_ALIVE_SECONDS
+
+    def __post_init__(self):
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not 0 < self.header_timeout_s < float("inf"):
+            raise ConfigError(f"--header-timeout must be a positive number of seconds, got {self.header_timeout_s}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -28,7 +128,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        from kvfit.errors import ConfigError
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port or --host") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -73,8 +172,53 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(app, sock: socket.socket, on_exit: Callable[[], None], log_level: str = "info") -> None:
+class _HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline on each request head: a connection that has not sent a
+    complete head within head_timeout_s of connecting (or of starting a new request after a response)
+    is closed. uvicorn has no such timeout: its keep-alive timer stops at the first byte."""
+
+    head_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS      # set per server by uvicorn_config
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:     # a new request begins
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+        super().data_received(data)
+        if self._head_timer is not None and self.conn.their_state is not h11.IDLE:   # its head is complete
+            self._cancel_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.debug("closing a connection from %s: no complete request head within %s s",
+                         self.client and self.client[0], self.head_timeout_s)
+            self.transport.close()
+
+
+def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level: str = "info",
+                   graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_SECONDS) -> uvicorn.Config:
+    """uvicorn's settings for kvfit: the h11 protocol with a head timeout (whatever else is installed),
+    limit_concurrency as the connection cap (past it, requests get 503), the keep-alive timeout and
+    the head size cap."""
+    protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": limits.header_timeout_s})
+    return uvicorn.Config(app, http=protocol, log_level=log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.max_connections,
+                          timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+
+
+def serve(app, sock: socket.socket, on_exit: Callable[[], None], log_level: str = "info",
+          limits: ConnectionLimits = ConnectionLimits()) -> None:
     """Serve app on sock until a signal (or should_exit); returns after the lifespan shut down."""
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    GracefulServer(config, on_exit).run(sockets=[sock])
+    GracefulServer(uvicorn_config(app, limits, log_level), on_exit).run(sockets=[sock])

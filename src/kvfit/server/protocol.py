@@ -7,6 +7,8 @@ raises APIError, which the app turns into OpenAI's error JSON with the status co
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -99,23 +101,113 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict | None = None
 
 
+MAX_JSON_DEPTH = 32                    # OpenAI bodies nest about 5 levels (messages[i].content[j].text)
+MAX_JSON_INT = 2**64                   # integers in [-MAX_JSON_INT, MAX_JSON_INT): seeds and ids fit
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")   # then 20 zeros: maybe an int past MAX_JSON_INT
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")          # an escaped UTF-16 surrogate, maybe lone
+
+
 def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
-    """Bytes -> a validated request model, or a 400 APIError naming the first bad field."""
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    """Bytes -> a validated request model, or a 400 APIError naming the first bad field.
+
+    Limits (each a 400 `invalid_json`): nesting past MAX_JSON_DEPTH, integers outside
+    +-MAX_JSON_INT, non-finite numbers; text holding a lone surrogate is a 400 naming its field.
+    The checks past the parser run only when a cheap scan of the bytes says they may fail.
+    """
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(data, MAX_JSON_DEPTH):
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    if _MAYBE_SURROGATE.search(raw):
+        _reject_surrogates(data)
     try:
         return model_class.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
 
 
+def _load_json(raw: bytes):
+    # the C parser stops at the interpreter's recursion limit (RecursionError) and at 4,300 digits
+    # (ValueError); the int hook, slower, runs only when a long run of digits is present
+    parse_int = _bounded_int if b"0" * 20 in raw.translate(_DIGITS_AS_ZERO) else None
+    try:
+        # JSON on the wire is UTF-8 (RFC 8259); strict decoding also refuses encoded surrogates
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
+                          parse_int=parse_int)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json") from None
+    except ValueError as exc:            # _bounded_int, _finite_float, or an int past 4,300 digits
+        message = str(exc) if isinstance(exc, _NumberError) else "an integer has too many digits"
+        raise bad_request(f"the request body is not valid JSON: {message}", code="invalid_json") from None
+
+
+class _NumberError(ValueError):
+    pass
+
+
 def _reject_constant(name: str):
     # Python's json reads NaN and Infinity, which JSON does not allow (and which would reach the sampler)
-    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+    raise _NumberError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):       # 1e400 reads as inf
+        raise _NumberError(f"the number {text[:32]} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > 20:
+        raise _NumberError(f"an integer of {digits} digits is out of range (allowed: -2**64 to 2**64 - 1)")
+    value = int(text)
+    if not -MAX_JSON_INT <= value < MAX_JSON_INT:
+        raise _NumberError(f"the integer {value} is out of range (allowed: -2**64 to 2**64 - 1)")
+    return value
+
+
+def _deeper_than(data, limit: int) -> bool:
+    """Whether parsed JSON nests more than `limit` containers, one level at a time (no recursion)."""
+    level = [data]
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def _reject_surrogates(data) -> None:
+    """A 400 naming the first string (key or value) holding a lone UTF-16 surrogate (not text)."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                item_path = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    raise bad_request("a field name holds a lone UTF-16 surrogate, which is not text",
+                                      code="invalid_text")
+                stack.append((item, item_path))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, str) and not _is_text(value):
+            param = re.split(r"[.\[]", path, maxsplit=1)[0]
+            raise bad_request(f"'{path}' holds a lone UTF-16 surrogate (such as \\ud800), which is not text; "
+                              "send valid UTF-8 or a surrogate pair", param=param, code="invalid_text")
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # fields with several accepted shapes: one readable line instead of one error per shape
