@@ -254,7 +254,7 @@ def test_a_body_over_the_limit_is_413(server):
     def chunked():                   # no Content-Length: the limit is counted while reading
         for _ in range(20):
             yield b"x" * 65536
-    r = httpx.post(f"{server}/v1/completions", content=chunked(), headers=AUTH)
+    r = httpx.post(f"{server}/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413
 
 

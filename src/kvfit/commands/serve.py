@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
+import sys
+
 from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
     from kvfit.commands.flags import add_engine_flags
     # the server's defaults, without importing fastapi for every other subcommand
-    from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+    from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
+                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)")
+                   help="require `Authorization: Bearer KEY` on /v1/* (/health stays open); visible in `ps`: "
+                        f"prefer --api-key-file or ${API_KEY_ENV}")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help=f"read the API key from this file, once at start-up (else ${API_KEY_ENV}, if set)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require the API key on /metrics too (default: open, prefix-cache figures coarsened)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"open connections; past it requests get 503 (default {DEFAULT_MAX_CONNECTIONS}; "
+                        "keep it under `ulimit -n`)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_SECONDS, metavar="SECONDS",
+                   help="a connection must send a complete request head within this (default "
+                        f"{DEFAULT_HEADER_TIMEOUT_SECONDS} s), else it is closed")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_SECONDS, metavar="SECONDS",
+                   help=f"a request body must arrive within this (default {DEFAULT_BODY_TIMEOUT_SECONDS} s), "
+                        "else 408")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests allowed to wait for the batch; beyond it new ones get 429")
@@ -33,8 +50,6 @@ def _check_args(args) -> None:
         raise ConfigError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError("--api-key must not be empty")
 
 
 def run(args) -> int:
@@ -45,21 +60,33 @@ def run(args) -> int:
     from kvfit.config import EngineConfig
     from kvfit.engine.llm_engine import LLMEngine
     from kvfit.server.app import create_app
-    from kvfit.server.launch import bind_socket, serve, url_of
+    from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,
+                                     serve, startup_warnings, url_of)
+    api_key = resolve_api_key(args.api_key, args.api_key_file)     # before loading: a bad key fails fast
+    guards = GuardOptions(args.host, api_key, args.metrics_require_key, args.body_timeout)
+    limits = ConnectionLimits(args.max_connections, args.header_timeout)
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     sock = bind_socket(args.host, args.port)     # before loading: a taken port fails fast
     try:
         engine = LLMEngine(config)
         try:
             name = config.model.served_model_name or args.model
-            app = create_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                             max_body_bytes=args.max_request_body_bytes)
+            app = create_app(engine, name, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+                             max_body_bytes=args.max_request_body_bytes,
+                             metrics_require_key=args.metrics_require_key)
+            install_guards(app, guards)
+            for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
+                print(line, file=sys.stderr, flush=True)
             print(f"capacity: {engine.plan.log_line()}", flush=True)
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
-            serve(app, sock, app.state.kvfit.engine.begin_shutdown, log_level=args.log_level)
+            serve(app, sock, app.state.kvfit.engine.begin_shutdown, log_level=args.log_level, limits=limits)
+            dead_reason = app.state.kvfit.engine.check_dead()
         finally:
             engine.shutdown()
     finally:
         sock.close()
     print("kvfit serve: stopped", flush=True)
+    if dead_reason is not None:     # a supervisor should restart it: not a clean exit
+        print(f"error: the engine stopped while serving ({dead_reason})", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -4,6 +4,10 @@ create_app(engine, ...) wraps an LLMEngine in an AsyncEngine (started and stoppe
 lifespan) and a per-app metrics registry. Handlers validate, hand the request to the engine
 thread and either stream its outputs as server-sent events or wait for the last one. A client
 that goes away (disconnect, cancel) has its request aborted, which frees its blocks at once.
+
+Work that grows with a client's input (parsing the body, rendering the chat template,
+tokenizing) runs on the AsyncEngine's prepare threads, so one large body never stalls the event
+loop (/health, other streams) or the engine thread.
 """
 
 from __future__ import annotations
@@ -45,11 +49,11 @@ class ServerState:
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False) -> FastAPI:
     """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown."""
     async_engine = AsyncEngine(engine, max_waiting_requests)
-    state = ServerState(async_engine, ServerMetrics(async_engine.stats), served_model_name, api_key,
-                        max_body_bytes, int(time.time()))
+    metrics = ServerMetrics(async_engine.stats, exact_prefix_cache=metrics_require_key)
+    state = ServerState(async_engine, metrics, served_model_name, api_key, max_body_bytes, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,8 +94,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        if not state.engine.is_alive:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+        error = state.engine.health()
+        if error is not None:
+            return JSONResponse(error.body(), status_code=error.status)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -112,16 +117,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         _check_auth(request, state)
-        body = parse_body(await _read_body(request, state.max_body_bytes), CompletionRequest)
+        raw = await _read_body(request, state.max_body_bytes)
+        body = await state.engine.prepare(parse_body, raw, CompletionRequest)
         _check_model(body.model, state)
         return await _generate(request, state, completion_input(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         _check_auth(request, state)
-        body = parse_body(await _read_body(request, state.max_body_bytes), ChatCompletionRequest)
+        raw = await _read_body(request, state.max_body_bytes)
+        body = await state.engine.prepare(parse_body, raw, ChatCompletionRequest)
         _check_model(body.model, state)
-        prompt = _apply_chat_template(state.engine.engine.tokenizer, chat_messages(body))
+        tokenizer = state.engine.engine.tokenizer
+        prompt = await state.engine.prepare(lambda: _apply_chat_template(tokenizer, chat_messages(body)))
         return await _generate(request, state, chat_input(body, prompt), chat=True)
 
 

@@ -5,8 +5,16 @@ engine thread. Handlers put commands on a queue (FIFO: an abort sent after an ad
 and get outputs back on per-request asyncio queues through loop.call_soon_threadsafe. The thread
 batches every client's requests: it drains all pending commands, then runs one step.
 
+Prompts are tokenized before the add command is sent, on a small thread pool (`prepare`), so the
+engine thread never waits on a client's input; a text too long to fit in any tokenization is
+refused without tokenizing it (see max_prompt_chars).
+
 Invariant: a request id is in `_streams` exactly while the engine holds the request, so when a
 client goes away, aborting its id frees its blocks at once.
+
+Health: the engine is dead once its thread exits with an error, a step fails in a way the
+executor cannot recover from (a tensor-parallel rank stopped), or a rank process is gone; from
+then on /health and every new request get a 503 (`health()`), and `dead_reason` says why.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvfit.engine.output import RequestOutput
@@ -24,6 +33,20 @@ from kvfit.errors import KvfitError, RequestError
 from kvfit.server.protocol import APIError, bad_request
 
 logger = logging.getLogger("kvfit")
+
+PREPARE_THREADS = 2          # parse bodies, render chat templates, tokenize (Tokenizer.encode releases the GIL)
+# No token of a vocabulary stands for more characters than the longest vocabulary entry is long
+# (entries spell each character or byte they stand for with at least one character), so a text
+# whose tokens fit in max_model_len has at most max_model_len x that many characters. The floor
+# leaves room for normalizers that shrink text (NFKC composition merges at most a few characters).
+MIN_CHARS_PER_TOKEN = 64
+
+
+def max_prompt_chars(engine) -> int:
+    """The most characters a prompt text can have and still fit in --max-model-len tokens."""
+    backend = getattr(engine.tokenizer, "backend", None)      # a tokenizers.Tokenizer, if any
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) if backend is not None else 0
+    return engine.max_model_len * max(longest, MIN_CHARS_PER_TOKEN)
 
 
 def queue_full_error(max_waiting_requests: int) -> APIError:
@@ -34,6 +57,38 @@ def queue_full_error(max_waiting_requests: int) -> APIError:
 def shutting_down_error() -> APIError:
     return APIError(503, "the server is shutting down; retry later", "service_unavailable",
                     None, "server_shutting_down")
+
+
+def engine_dead_error(reason: str) -> APIError:
+    return APIError(503, f"the engine has stopped and this server cannot serve requests until it is restarted "
+                         f"({reason})", "service_unavailable", None, "engine_dead")
+
+
+def _as_api_error(exc: KvfitError) -> APIError:
+    """A request the engine refused as the client's 400 (a RequestError carries its param and code)."""
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), exc.param, exc.code)
+    return bad_request(str(exc))
+
+
+def _tp_ranks(engine):
+    """The tensor-parallel executor's ranks (None on one device): their processes can die on their own."""
+    return getattr(getattr(engine, "workers", None), "_ranks", None)
+
+
+def _fatal_step_error(engine, exc: Exception) -> str | None:
+    """Why a failed step leaves the engine unable to run another (None: the next step may work).
+
+    The tensor-parallel executor stops every rank when a step fails, and each later step raises
+    "the tensor-parallel ranks have stopped ...": that engine is dead, not one batch.
+    """
+    message = str(exc)
+    if isinstance(exc, KvfitError) and ("tensor-parallel rank" in message or "ranks have stopped" in message):
+        return message
+    ranks = _tp_ranks(engine)
+    if ranks is not None and (ranks.closed or ranks.dead()):
+        return f"the tensor-parallel ranks stopped after a failed step: {message}"
+    return None
 
 
 @dataclass
@@ -66,9 +121,43 @@ class RequestStream:
 
 
 @dataclass
+class _Room:
+    """What the next step can still admit, as of the last step: batch slots and allocatable blocks.
+
+    Requests added since take them in arrival order, as the scheduler's FIFO admits them; once one
+    does not fit, it and every later one wait. Only those count against --max-waiting-requests.
+    """
+
+    num_free_slots: int
+    num_free_blocks: int
+    block_size: int
+    blocked: bool              # a request waits ahead: nothing newer is admitted next step
+    num_taken: int = 0         # requests added since the last step that the next step will run
+
+    @classmethod
+    def of(cls, stats: dict, max_num_seqs: int) -> "_Room":
+        block_size = stats["token_capacity"] // max(stats["kv_blocks_total"], 1)
+        return cls(max(max_num_seqs - stats["running"], 0), stats["kv_blocks_free"] + stats["kv_blocks_cached"],
+                   max(block_size, 1), stats["waiting"] > 0)
+
+    def fits(self, num_prompt_tokens: int) -> bool:
+        return (not self.blocked and self.num_free_slots > 0
+                and -(-num_prompt_tokens // self.block_size) <= self.num_free_blocks)
+
+    def take(self, num_prompt_tokens: int) -> None:
+        """Record an added request: it runs next step if it fits, else it (and all after it) waits."""
+        if self.fits(num_prompt_tokens):
+            self.num_free_slots -= 1
+            self.num_free_blocks -= -(-num_prompt_tokens // self.block_size)
+            self.num_taken += 1
+        else:
+            self.blocked = True
+
+
+@dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt_ids: list[int]
     params: SamplingParams
     max_tokens_given: bool
     stream: RequestStream
@@ -86,6 +175,13 @@ class AsyncEngine:
     def __init__(self, engine, max_waiting_requests: int = 1024):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        # requests run at once; engines without a scheduler config (stand-ins) get no free-slot credit
+        scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
+        self.max_num_seqs: int = scheduler.max_num_seqs if scheduler is not None else 0
+        self.max_prompt_chars = max_prompt_chars(engine)
+        self.dead_reason: str | None = None   # set once, when the engine can no longer serve
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvfit-prepare")
+        self._exited = False          # the thread ended on its own (dead engine); commands are refused
         self._commands: deque = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, RequestStream] = {}     # engine thread only
@@ -93,6 +189,7 @@ class AsyncEngine:
         self._closing = False        # no new requests; the thread aborts what it holds
         self._stopped = False        # the thread exits
         self._stats = dict(engine.stats())
+        self._room = _Room.of(self._stats, self.max_num_seqs)    # engine thread only
         self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
 
     # event-loop side -----------------------------------------------------------------------------
@@ -100,9 +197,38 @@ class AsyncEngine:
         self._loop = loop
         self._thread.start()
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing
+    def check_dead(self) -> str | None:
+        """Why the engine can no longer serve (None while it can); also notices a rank that exited."""
+        if self.dead_reason is None:
+            ranks = _tp_ranks(self.engine)
+            dead = ranks.dead() if ranks is not None and not ranks.closed else []
+            if dead:
+                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
+            elif self._loop is not None and not self._stopped and not self._thread.is_alive():
+                self.dead_reason = "the engine thread exited"
+        return self.dead_reason
+
+    def health(self) -> APIError | None:
+        """None while requests are served; else the 503 to answer (engine dead or shutting down)."""
+        if (reason := self.check_dead()) is not None:
+            return engine_dead_error(reason)
+        return shutting_down_error() if self._closing else None
+
+    async def prepare(self, fn, *args):
+        """fn(*args) on the prepare threads (parsing, chat templates, tokenizing), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt text, tokenized off the event loop and the engine thread; a text
+        with more characters than could ever fit is refused (400) without tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(text)} characters, more than {self.max_prompt_chars} (what "
+                              f"--max-model-len {self.engine.max_model_len} tokens can hold at most); shorten the "
+                              "prompt or raise --max-model-len", "prompt", "context_length_exceeded")
+        try:
+            return await self.prepare(self.engine.encode, text)
+        except KvfitError as exc:
+            raise _as_api_error(exc) from None
 
     def stats(self) -> dict:
         """The engine's stats as of the end of its last step or command (a snapshot, never torn)."""
@@ -110,12 +236,13 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   max_tokens_given: bool = True) -> RequestStream:
-        """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down)."""
-        if self._closing:
-            raise shutting_down_error()
+        """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead)."""
+        if (error := self.health()) is not None:
+            raise error
         stream = RequestStream(request_id)
+        ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         future = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_id, prompt, params, max_tokens_given, stream, future))
+        self._send(_Add(request_id, ids, params, max_tokens_given, stream, future))
         try:
             stream.num_prompt_tokens = await future
         except asyncio.CancelledError:
@@ -140,9 +267,14 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._prepare.shutdown(wait=False, cancel_futures=True)
 
     def _send(self, command) -> None:
         with self._wake:
+            if self._exited:          # nobody is left to run it: an add fails now, an abort is moot
+                if isinstance(command, _Add):
+                    raise self.health() or engine_dead_error("the engine thread exited")
+                return
             self._commands.append(command)
             self._wake.notify()
 
@@ -178,18 +310,31 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished():
                     self._step()
+                if self.dead_reason is not None:
+                    self._exit(engine_dead_error(self.dead_reason))
+                    return
                 self._stats = dict(self.engine.stats())
+                self._room = _Room.of(self._stats, self.max_num_seqs)
         except BaseException:          # a bug in this loop: fail every request rather than hang them
             logger.exception("the engine loop stopped")
-            error = APIError(500, "the engine loop stopped; see the server log", "server_error")
-            with self._wake:
-                self._closing = True
-                pending = [c for c in self._commands if isinstance(c, _Add)]
-                self._commands.clear()
-            for command in pending:
-                self._resolve(command.future, error=error)
-            self._abort_all(error)
+            self.dead_reason = self.dead_reason or "the engine loop stopped; see the server log"
+            self._exit(APIError(500, "the engine loop stopped; see the server log", "server_error"))
             raise
+
+    def _exit(self, error: APIError) -> None:
+        """The thread is about to end on its own: fail queued adds and held requests with `error`."""
+        with self._wake:
+            self._exited = True
+            pending = [c for c in self._commands if isinstance(c, _Add)]
+            self._commands.clear()
+        for command in pending:
+            self._resolve(command.future, error=error)
+        try:
+            self._abort_all(error)
+        except Exception:             # the engine itself is broken: still tell every client
+            for stream in self._streams.values():
+                self._deliver(stream, error)
+            self._streams.clear()
 
     def _take_commands(self) -> tuple[list, bool, bool]:
         with self._wake:
@@ -213,10 +358,8 @@ class AsyncEngine:
             num_prompt_tokens = self._add(command)
         except APIError as exc:
             self._resolve(command.future, error=exc)
-        except RequestError as exc:
-            self._resolve(command.future, error=bad_request(str(exc), exc.param, exc.code))
         except KvfitError as exc:
-            self._resolve(command.future, error=bad_request(str(exc)))
+            self._resolve(command.future, error=_as_api_error(exc))
         except Exception as exc:      # one bad request must not take the loop down
             logger.exception("adding request %s failed", command.request_id)
             self._resolve(command.future, error=APIError(500, f"internal error: {exc}", "server_error"))
@@ -225,22 +368,29 @@ class AsyncEngine:
             self._resolve(command.future, num_prompt_tokens)
 
     def _add(self, command: _Add) -> int:
-        engine = self.engine
-        if engine.stats()["waiting"] >= self.max_waiting_requests:
+        engine, num_prompt_tokens = self.engine, len(command.prompt_ids)
+        # new requests are all "waiting" until the next step: those that will take a free batch slot
+        # are not queued, so only the rest count against --max-waiting-requests
+        num_queued = engine.stats()["waiting"] - self._room.num_taken
+        if not self._room.fits(num_prompt_tokens) and num_queued >= self.max_waiting_requests:
             raise queue_full_error(self.max_waiting_requests)
-        ids = engine.encode(command.prompt) if isinstance(command.prompt, str) else list(command.prompt)
         # the engine's admission check is the only one; its RequestError carries param and code
-        engine.add_request(ids, command.params, command.request_id, strict_context=command.max_tokens_given)
-        return len(ids)
+        engine.add_request(command.prompt_ids, command.params, command.request_id,
+                           strict_context=command.max_tokens_given)
+        self._room.take(num_prompt_tokens)
+        return num_prompt_tokens
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            # the engine cannot say which request broke the step: fail the batch, keep serving
+        except Exception as exc:
+            # the engine cannot say which request broke the step: fail the batch, keep serving,
+            # unless the executor cannot run another step (then the engine is dead)
             logger.exception("an engine step failed; ending the %d active requests", len(self._streams))
-            self._abort_all(APIError(500, "the engine failed while running this request; see the server log",
-                                     "server_error"))
+            self.dead_reason = self.dead_reason or _fatal_step_error(self.engine, exc)
+            if self.dead_reason is None:
+                self._abort_all(APIError(500, "the engine failed while running this request; see the server "
+                                         "log", "server_error"))
             return
         now = time.monotonic()
         for output in outputs:

@@ -12,6 +12,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvfit.server.guards import public_prefix_cache_hit_rate
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -23,8 +25,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 class _EngineCollector:
     """Turns one stats dict (LLMEngine.stats()) into the cache and scheduler metrics."""
 
-    def __init__(self, stats: Callable[[], dict]):
+    def __init__(self, stats: Callable[[], dict], exact_prefix_cache: bool = False):
         self._stats = stats
+        # an open /metrics shows only a coarse hit rate: exact counters could confirm another user's prompt
+        self._exact_prefix_cache = exact_prefix_cache
 
     def collect(self):
         s = self._stats()
@@ -43,6 +47,12 @@ class _EngineCollector:
         yield CounterMetricFamily("kvfit_preemptions", "running requests preempted (recomputed later) "
                                   "because no block was free", value=s["preemptions"])
         queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+        if not self._exact_prefix_cache:
+            yield GaugeMetricFamily("kvfit_prefix_cache_hit_rate", "share of prompt tokens found in the prefix "
+                                    "cache, rounded to 0.1, 0 until 100000 prompt tokens were looked up (exact "
+                                    "counters with --metrics-require-key)",
+                                    value=public_prefix_cache_hit_rate(hits, queries))
+            return
         yield GaugeMetricFamily("kvfit_prefix_cache_hit_rate", "share of prompt tokens found in the prefix "
                                 "cache since start-up", value=hits / queries if queries else 0.0)
         yield CounterMetricFamily("kvfit_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
@@ -54,9 +64,9 @@ class _EngineCollector:
 class ServerMetrics:
     """The app's registry: engine gauges plus request latency histograms and token counters."""
 
-    def __init__(self, stats: Callable[[], dict]):
+    def __init__(self, stats: Callable[[], dict], exact_prefix_cache: bool = False):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, exact_prefix_cache))
         self.ttft = Histogram("kvfit_time_to_first_token_seconds", "arrival to the first output token",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kvfit_time_per_output_token_seconds", "per request: (last token - first "

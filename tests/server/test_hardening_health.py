@@ -1,0 +1,161 @@
+"""Issue 12, item 2: a dead engine thread or tensor-parallel rank makes the server unhealthy:
+/health and new requests answer 503 with an OpenAI error, and `kvfit serve` exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from fake_engine import FakeEngine
+from server_testing import openai_error, running_server, wait_healthy
+from test_server_cli import read_until, start
+
+from kvfit.errors import KvfitError
+
+RANKS_STOPPED = "the tensor-parallel ranks have stopped after an earlier error; start a new engine"
+
+
+class FakeRanks:
+    """The tensor-parallel executor's `_ranks` surface the server reads: closed and dead()."""
+
+    def __init__(self):
+        self.closed = False
+        self.dead_ranks: list[int] = []
+
+    def dead(self) -> list[int]:
+        return list(self.dead_ranks)
+
+
+class FakeTPEngine(FakeEngine):
+    """A prompt containing 'KILL-RANK' makes step() fail as a step does after a rank died."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.workers = type("Workers", (), {})()
+        self.workers._ranks = FakeRanks()
+
+    def step(self):
+        if any("KILL-RANK" in self.tokenizer.decode(r["prompt"]) for r in self.requests.values()):
+            self.workers._ranks.closed = True
+            raise KvfitError("tensor-parallel rank(s) [1] failed: rank 1 was killed by signal 9")
+        return super().step()
+
+
+class BrokenLoopEngine(FakeEngine):
+    """A prompt containing 'BREAK-LOOP' makes stats() raise after the step: a bug in the loop itself."""
+
+    def stats(self):
+        if any("BREAK-LOOP" in self.tokenizer.decode(r["prompt"]) for r in self.requests.values()):
+            raise RuntimeError("loop bug")
+        return super().stats()
+
+
+def assert_dead(url: str) -> None:
+    r = httpx.get(f"{url}/health")
+    assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2})
+    err = openai_error(r)
+    assert r.status_code == 503 and err["code"] == "engine_dead" and err["type"] == "service_unavailable", r.text
+
+
+def test_a_rank_that_exits_while_idle_makes_health_and_new_requests_503():
+    engine = FakeTPEngine()
+    with running_server(engine, "fake") as (url, app):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2})
+        assert r.status_code == 200
+        engine.workers._ranks.dead_ranks = [1]
+        assert_dead(url)
+        assert "rank(s) [1]" in app.state.kvfit.engine.check_dead()
+
+
+def test_a_step_failing_because_a_rank_died_fails_its_batch_then_every_new_request_503():
+    engine = FakeTPEngine()
+    with running_server(engine, "fake") as (url, app):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "KILL-RANK", "max_tokens": 4})
+        assert r.status_code >= 500, r.text
+        openai_error(r)
+        assert_dead(url)
+        assert engine.requests == {}
+
+
+@pytest.mark.parametrize("message", [RANKS_STOPPED, "tensor-parallel rank(s) [2] failed: rank 2: boom"])
+def test_a_kvfit_error_naming_the_ranks_marks_the_engine_dead(message):
+    class Engine(FakeEngine):
+        def step(self):
+            raise KvfitError(message)
+    with running_server(Engine(), "fake") as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert_dead(url)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_makes_health_and_new_requests_503():
+    with running_server(BrokenLoopEngine(), "fake") as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="fake", prompt="BREAK-LOOP", max_tokens=4)
+        deadline = time.monotonic() + 5
+        while app.state.kvfit.engine._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert_dead(url)
+
+
+def test_an_ordinary_failed_step_keeps_the_server_healthy():
+    with running_server(FakeTPEngine(), "fake") as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "FAIL-STEP", "max_tokens": 2})
+        assert r.status_code == 500
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def _rank_pids(parent_pid: int) -> list[int]:
+    """Children of parent_pid started by multiprocessing's spawn (the ranks, not its resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent_pid and "spawn_main" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def test_serve_with_a_killed_rank_reports_503_and_exits_non_zero(tiny_llama, tmp_path):
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc, lines = start(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2", stderr=err)
+        try:
+            match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
+            url = match.group(1)
+            wait_healthy(url)
+            ranks = _rank_pids(proc.pid)
+            assert len(ranks) == 1, ranks
+            os.kill(ranks[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            r = httpx.get(f"{url}/health")
+            assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        log = err.read()
+    assert "error: the engine stopped while serving" in log, log[-2000:]
