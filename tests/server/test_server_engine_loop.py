@@ -32,6 +32,7 @@ def test_an_add_that_raises_is_a_500_for_that_request_only():
     with running_server(FakeEngine(), "fake") as (url, _):
         r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "FAIL-ADD"})
         assert r.status_code == 500 and openai_error(r)["type"] == "server_error"
+        assert "exploded" not in r.text and "see the server log" in openai_error(r)["message"]   # no internals
         assert client(url).completions.create(model="fake", prompt="ok", max_tokens=2).choices[0].text == "ab"
 
 

@@ -30,7 +30,7 @@ from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQU
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerateInput,
                                    ResponseBuilder, bad_request, chat_input, chat_messages, completion_input,
-                                   error_body, parse_body, sse)
+                                   error_body, new_id, parse_body, sse)
 
 logger = logging.getLogger("kvfit")
 
@@ -87,8 +87,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+        # the client gets an id to quote, never the exception text (it can hold internal details)
+        error_id = new_id("err")
+        logger.exception("internal error %s on %s", error_id, request.url.path)
+        return JSONResponse(error_body(f"internal error {error_id}; see the server log", "server_error"),
+                            status_code=500)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -360,9 +360,10 @@ class AsyncEngine:
             self._resolve(command.future, error=exc)
         except KvfitError as exc:
             self._resolve(command.future, error=_as_api_error(exc))
-        except Exception as exc:      # one bad request must not take the loop down
+        except Exception:             # one bad request must not take the loop down
             logger.exception("adding request %s failed", command.request_id)
-            self._resolve(command.future, error=APIError(500, f"internal error: {exc}", "server_error"))
+            self._resolve(command.future, error=APIError(
+                500, f"internal error while adding request {command.request_id}; see the server log", "server_error"))
         else:
             self._streams[command.request_id] = command.stream
             self._resolve(command.future, num_prompt_tokens)
