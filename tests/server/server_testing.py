@@ -9,7 +9,8 @@ import time
 import httpx
 
 from kvfit.server.app import create_app
-from kvfit.server.launch import GracefulServer, GuardOptions, bind_socket, install_guards, url_of, uvicorn_config
+from kvfit.server.launch import (ConnectionLimits, GracefulServer, GuardOptions, bind_socket, install_guards, url_of,
+                                 uvicorn_config)
 
 # Every server test is CPU, float32, with a small cache; the model loads once per module.
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_model_len=128, block_size=16, max_num_seqs=64,
@@ -23,13 +24,17 @@ def make_engine(model_path: str, **overrides):
 
 
 @contextlib.contextmanager
-def running_server(engine, model_name: str = "tiny", **app_kwargs):
-    """Serve `engine` on 127.0.0.1:<free port> in a thread; yields (base_url, app); joins on exit."""
+def running_server(engine, model_name: str = "tiny", guards: GuardOptions | None = None,
+                   limits: ConnectionLimits = ConnectionLimits(), **app_kwargs):
+    """Serve `engine` on 127.0.0.1:<free port> in a thread; yields (base_url, app); joins on exit.
+
+    The guards and uvicorn settings are `kvfit serve`'s, so every server test goes through them
+    (guards: what they are told; default: bound to 127.0.0.1 with the app's key)."""
     app = create_app(engine, model_name, **app_kwargs)
-    # the guards and uvicorn settings `kvfit serve` uses, so every server test goes through them
-    install_guards(app, GuardOptions("127.0.0.1", app_kwargs.get("api_key"), app_kwargs.get("metrics_require_key", False)))
+    install_guards(app, guards or GuardOptions("127.0.0.1", app_kwargs.get("api_key"),
+                                               app_kwargs.get("metrics_require_key", False)))
     sock = bind_socket("127.0.0.1", 0)
-    config = uvicorn_config(app, log_level="warning", graceful_shutdown_s=5)
+    config = uvicorn_config(app, limits, log_level="warning", graceful_shutdown_s=5)
     server = GracefulServer(config, app.state.kvfit.engine.begin_shutdown)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()

@@ -13,7 +13,7 @@ import pytest
 
 from fake_engine import FakeEngine
 from server_testing import openai_error, running_server, wait_healthy
-from test_server_cli import read_until, start
+from test_server_cli import read_until, serving
 
 from kvfit.errors import KvfitError
 
@@ -134,28 +134,22 @@ def _rank_pids(parent_pid: int) -> list[int]:
 
 
 def test_serve_with_a_killed_rank_reports_503_and_exits_non_zero(tiny_llama, tmp_path):
-    with open(tmp_path / "stderr.txt", "w+") as err:
-        proc, lines = start(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2", stderr=err)
-        try:
-            match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
-            url = match.group(1)
-            wait_healthy(url)
-            ranks = _rank_pids(proc.pid)
-            assert len(ranks) == 1, ranks
-            os.kill(ranks[0], signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            r = httpx.get(f"{url}/health")
-            assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
-            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
-            assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 1
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        log = err.read()
+    with serving(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                 log_path=tmp_path / "stderr.txt") as (proc, lines):
+        match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
+        url = match.group(1)
+        wait_healthy(url)
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1
+    log = (tmp_path / "stderr.txt").read_text()
     assert "error: the engine stopped while serving" in log, log[-2000:]

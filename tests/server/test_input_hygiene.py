@@ -11,17 +11,14 @@ import contextlib
 import json
 import logging
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
 from fake_engine import FakeEngine
-from kvfit.server.app import create_app
-from kvfit.server.launch import (ConnectionLimits, GracefulServer, GuardOptions, bind_socket, install_guards, url_of,
-                                 uvicorn_config)
-from server_testing import openai_error, wait_healthy
+from kvfit.server.launch import ConnectionLimits, GuardOptions
+from server_testing import openai_error, running_server
 
 JSON = {"Content-Type": "application/json"}
 
@@ -32,23 +29,9 @@ def guarded_server(bind_host: str = "127.0.0.1", limits: ConnectionLimits = Conn
     """A fake-engine app with the guards, under kvfit's uvicorn config, on 127.0.0.1:<free port>.
 
     bind_host is what the guards are told the server is bound to (the socket is loopback anyway)."""
-    app = create_app(FakeEngine(), "fake", api_key=api_key)
-    install_guards(app, GuardOptions(bind_host, api_key, **guard_kwargs))
-    sock = bind_socket("127.0.0.1", 0)
-    server = GracefulServer(uvicorn_config(app, limits, log_level="warning", graceful_shutdown_s=2),
-                            app.state.kvfit.engine.begin_shutdown)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    url = url_of(sock)
-    try:
-        wait_healthy(url)
+    guards = GuardOptions(bind_host, api_key, **guard_kwargs)
+    with running_server(FakeEngine(), "fake", guards=guards, limits=limits, api_key=api_key) as (url, _):
         yield url
-    finally:
-        app.state.kvfit.engine.begin_shutdown()
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        assert not thread.is_alive(), "the server did not shut down"
 
 
 @pytest.fixture(scope="module")

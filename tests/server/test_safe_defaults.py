@@ -4,7 +4,6 @@ request cannot move."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -130,12 +129,6 @@ def test_the_public_hit_rate_hides_one_request():
     assert public_prefix_cache_hit_rate(n // 2 + 128, n + 128) == public_prefix_cache_hit_rate(n // 2, n + 128)
 
 
-def _metrics_are_coarse() -> bool:
-    from kvfit.server.metrics import ServerMetrics
-    return "exact_prefix_cache" in inspect.signature(ServerMetrics).parameters
-
-
-@pytest.mark.skipif(not _metrics_are_coarse(), reason="needs the metrics.py change of issue 12 item 4")
 def test_an_open_metrics_scrape_shows_no_prefix_cache_counts():
     from fake_engine import FakeEngine
     from kvfit.server.metrics import ServerMetrics
@@ -148,12 +141,6 @@ def test_an_open_metrics_scrape_shows_no_prefix_cache_counts():
 
 
 # the CLI ----------------------------------------------------------------------------------------
-def _serve_is_wired() -> bool:
-    from kvfit.commands import serve
-    return "resolve_api_key" in inspect.getsource(serve)
-
-
-@pytest.mark.skipif(not _serve_is_wired(), reason="needs the commands/serve.py wiring of issue 12 items 3-4")
 def test_serve_refuses_a_non_ascii_key_from_the_environment_in_one_line(tiny_llama):
     cmd = [sys.executable, "-m", "kvfit.cli", "serve", tiny_llama, "--port", "0", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
@@ -164,26 +151,15 @@ def test_serve_refuses_a_non_ascii_key_from_the_environment_in_one_line(tiny_lla
     assert line.startswith("error:") and "printable ASCII" in line, proc.stderr
 
 
-@pytest.mark.skipif(not _serve_is_wired(), reason="needs the commands/serve.py wiring of issue 12 items 3-4")
 def test_serve_without_a_key_warns_and_refuses_a_foreign_host(tiny_llama, tmp_path):
-    from test_server_cli import read_until, start
-    with open(tmp_path / "stderr.txt", "w+") as err:
-        env_key = os.environ.pop("KVFIT_API_KEY", None)
-        try:
-            proc, lines = start(tiny_llama, "--served-model-name", "tiny", stderr=err)
-        finally:
-            if env_key is not None:
-                os.environ["KVFIT_API_KEY"] = env_key
-        try:
-            url = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)")[0].group(1)
-            assert httpx.get(f"{url}/health", headers={"Host": "rebound.example"}, timeout=10).status_code == 403
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-            proc.terminate()
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        log = err.read()
+    from test_server_cli import read_until, serving
+    env = {k: v for k, v in os.environ.items() if k != "KVFIT_API_KEY"}
+    with serving(tiny_llama, "--served-model-name", "tiny", log_path=tmp_path / "stderr.txt", env=env) \
+            as (proc, _lines):
+        url = read_until(_lines, r"listening on (http://127\.0\.0\.1:\d+)")[0].group(1)
+        assert httpx.get(f"{url}/health", headers={"Host": "rebound.example"}, timeout=10).status_code == 403
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    log = (tmp_path / "stderr.txt").read_text()
     assert "warning: no API key is set" in log and "Traceback" not in log, log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -16,14 +17,28 @@ import pytest
 from server_testing import wait_healthy
 
 
-def start(model_path: str, *flags: str, stderr) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+def start(model_path: str, *flags: str, stderr, env: dict | None = None) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
     cmd = [sys.executable, "-m", "kvfit.cli", "serve", model_path, "--port", "0", "--device", "cpu",
            "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "32", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     return proc, lines
+
+
+@contextlib.contextmanager
+def serving(model_path: str, *flags: str, log_path, env: dict | None = None):
+    """`kvfit serve` as a process, its stderr in log_path (read it after the block); yields
+    (process, stdout lines); killed at the end of the block if it still runs."""
+    with open(log_path, "w") as err:
+        proc, lines = start(model_path, *flags, stderr=err, env=env)
+        try:
+            yield proc, lines
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def read_until(lines: "queue.Queue[str]", pattern: str, timeout_s: float = 60.0) -> tuple[re.Match, list[str]]:
@@ -38,30 +53,24 @@ def read_until(lines: "queue.Queue[str]", pattern: str, timeout_s: float = 60.0)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_prints_capacity_and_url_and_exits_0_on_a_signal(tiny_llama, tmp_path, sig):
-    with open(tmp_path / "stderr.txt", "w+") as err:
-        proc, lines = start(tiny_llama, "--served-model-name", "tiny", "--api-key", "k", stderr=err)
-        try:
-            match, seen = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)")
-            assert any(line.startswith("capacity: ") and "blocks" in line for line in seen), seen
-            url = match.group(1)
-            wait_healthy(url)
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=30)
-            resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=3,
-                                             extra_body={"ignore_eos": True})
-            assert resp.usage.completion_tokens == 3
-            stream = iter(client.completions.create(model="tiny", prompt="Hello", max_tokens=100, stream=True,
-                                                    extra_body={"ignore_eos": True}))
-            next(stream)
-            proc.send_signal(sig)
-            with pytest.raises(openai.APIError, match="shutting down"):   # ended, explicitly
-                for _ in stream:
-                    pass
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        log = err.read()
+    with serving(tiny_llama, "--served-model-name", "tiny", "--api-key", "k", log_path=tmp_path / "stderr.txt") \
+            as (proc, lines):
+        match, seen = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)")
+        assert any(line.startswith("capacity: ") and "blocks" in line for line in seen), seen
+        url = match.group(1)
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=30)
+        resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == 3
+        stream = iter(client.completions.create(model="tiny", prompt="Hello", max_tokens=100, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        next(stream)
+        proc.send_signal(sig)
+        with pytest.raises(openai.APIError, match="shutting down"):   # ended, explicitly
+            for _ in stream:
+                pass
+        assert proc.wait(timeout=30) == 0
+    log = (tmp_path / "stderr.txt").read_text()
     read_until(lines, r"kvfit serve: stopped", timeout_s=5)
     assert "Traceback" not in log, log
