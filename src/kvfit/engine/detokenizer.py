@@ -25,8 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from kvfit.models.tokenizer import CLEANUPS
 
 INCOMPLETE_CHAR = "\ufffd"       # what a lossy UTF-8 decode yields for a character still missing bytes
@@ -149,12 +147,12 @@ class _WindowDecoder:
 class IncrementalDetokenizer:
     """One request's output text, built token by token."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
         """tokenizer: a kvfit Tokenizer, or None (then the text stays "" and stop must be empty).
 
-        prompt_token_ids is accepted for the engine's call but not used: the text is defined as the
-        decode of the output ids alone, whose first window starts at the output's first token exactly
-        as that decode does; prompt context would turn a stripped "Hello" into " Hello".
+        No prompt context: the text is the decode of the output ids alone, whose first window starts
+        at the output's first token exactly as that decode does (prompt context would turn a stripped
+        "Hello" into " Hello").
         """
         assert tokenizer is not None or not stop, "stop strings need a tokenizer"
         assert all(stop), "stop strings must be non-empty (SamplingParams checks)"

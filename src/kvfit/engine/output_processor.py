@@ -21,7 +21,7 @@ class OutputProcessor:
         self._prompts: dict[str, str | None] = {}
 
     def add(self, req: Request, prompt: str | None) -> None:
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.prompt_token_ids)
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self._prompts[req.request_id] = prompt
 
     def drop(self, request_id: str) -> None:
