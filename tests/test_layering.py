@@ -18,19 +18,19 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvfit"
 LAYERS = {
     "errors": 0,
     "units": 1, "catalog": 1,
-    "model_facts": 2,
+    "model_facts": 2, "hub": 2,          # hub: model ids -> local Hugging Face cache folders
     "kv": 3,
     "config": 4,
     "planning": 5, "sampling_params": 5,
     "step": 6,
     "attention": 7,
     "models": 8,
-    "platforms": 9,
+    "platforms": 9, "structured": 9,     # structured: grammar compile/match for structured outputs
     "runner": 10,
     "engine": 11,
     "server": 12,
     "commands": 13,
-    "cli": 14, "__init__": 14,
+    "cli": 14, "__init__": 14, "__main__": 14,
 }
 
 
