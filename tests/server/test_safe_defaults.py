@@ -4,7 +4,9 @@ request cannot move."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -89,6 +91,22 @@ def test_on_a_loopback_bind_a_foreign_host_is_403_everywhere():
                 assert openai_error(r)["code"] == "forbidden_host"
         for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", "[::1]"):
             assert httpx.get(f"{url}/v1/models", headers={"Host": host}, timeout=5).status_code == 200, host
+
+
+def test_on_a_loopback_bind_an_empty_or_missing_host_is_403():
+    with guarded_server() as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        # an empty Host (HTTP/1.1) and none at all (HTTP/1.0) name no loopback host either
+        for head in (b"GET /v1/models HTTP/1.1\r\nHost: \r\nConnection: close\r\n\r\n",
+                     b"GET /v1/models HTTP/1.0\r\n\r\n"):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(head)
+                reply = b""
+                while chunk := sock.recv(65536):
+                    reply += chunk
+            status_line, _, rest = reply.partition(b"\r\n")
+            assert b" 403 " in status_line, reply
+            assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "forbidden_host"
 
 
 def test_on_a_public_bind_any_host_is_served():

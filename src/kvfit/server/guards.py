@@ -102,7 +102,8 @@ class GuardMiddleware:
         """(status, message, code, headers) of a request refused before the app, or None."""
         headers = dict(scope["headers"])          # names are lower-case bytes; a repeat keeps the last
         host = headers.get(b"host", b"").decode("latin-1")
-        if self.check_host and host and not is_loopback_host(host_name(host)):
+        # no Host, or an empty one, names no loopback host either (HTTP/1.1 requires one)
+        if self.check_host and not is_loopback_host(host_name(host)):
             return (403, f"the Host '{host[:64]}' is not a loopback name; this server, bound to a loopback "
                          "address, answers only to localhost, 127.0.0.1 and [::1] (bind another --host to "
                          "serve other names)", "forbidden_host", None)
