@@ -73,7 +73,7 @@ class Tokenizer:
             self._set_post_processor(add_bos, add_eos)
         self._clean_up = clean_up and type(self._tok.model).__name__ != "BPE"
         self.chat_template = chat_template
-        self._compiled = None
+        self._compiled: dict = {}             # template text -> compiled template
 
     def _check_special_ids(self, model_vocab_size: int | None) -> None:
         # transformers appends a special token missing from tokenizer.json as a new id; past the model's
@@ -151,13 +151,28 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat; ConfigError when the model has no chat template."""
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            template_kwargs: dict | None = None, tokenize: bool = False) -> str | list[int]:
+        """The prompt for a chat: its text, or (tokenize) its token ids as transformers'
+        apply_chat_template(tokenize=True) gives them: the rendered text encoded WITHOUT adding
+        special tokens, since the template writes its own (a `{{ bos_token }}` template gets one bos).
+
+        chat_template: a template text to use instead of the model's; ConfigError when there is none."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self.chat_template)
-        return render_chat_template(self._compiled, messages, add_generation_prompt, self.special_tokens)
+        text = render_chat_template(self.compiled_template(source), messages, add_generation_prompt,
+                                    self.special_tokens, continue_final_message, template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def compiled_template(self, source: str):
+        """The compiled template of a source text, compiled once (the model's and one override)."""
+        if source not in self._compiled:
+            if len(self._compiled) >= 4:
+                self._compiled.clear()
+            self._compiled[source] = compile_chat_template(source)
+        return self._compiled[source]
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
