@@ -75,7 +75,7 @@ def test_generate_json_lines(tiny_llama):
     from kvfit import LLM, SamplingParams
     llm = LLM(tiny_llama, device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
     ref = llm.generate(["the quick brown fox", "hello"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-    assert [r["token_ids"] for r in rows] == [o.token_ids for o in ref]
+    assert [r["token_ids"] for r in rows] == [o.outputs[0].token_ids for o in ref]
 
 
 def test_generate_without_prompts_is_an_error(tiny_llama):

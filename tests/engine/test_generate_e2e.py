@@ -69,7 +69,7 @@ def test_greedy_matches_transformers(fixture, request):
         kwargs.update(settings)
         llm = LLM(folder, **kwargs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        got = [o.token_ids for o in outputs]
+        got = [o.outputs[0].token_ids for o in outputs]
         assert got == expected, f"{fixture} with {name}"
         stats = llm.engine.stats()
         assert stats["kv_blocks_used"] == 0
@@ -78,7 +78,7 @@ def test_greedy_matches_transformers(fixture, request):
             assert stats["preemptions"] > 0, "the small cache should have forced preemption"
         if name == "prefix_caching":
             # the first batch registered its full blocks: the same prompts now hit the cache
-            again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             assert again == expected
             assert llm.engine.stats()["prefix_cache_hits"] > 0
 
@@ -86,11 +86,11 @@ def test_greedy_matches_transformers(fixture, request):
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama):
     llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128)
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=123, max_tokens=10, ignore_eos=True)
-    alone = llm.generate([[5, 6, 7, 8]], p, use_tqdm=False)[0].token_ids
-    batched = llm.generate([[9, 10, 11], [5, 6, 7, 8], [12] * 7], p, use_tqdm=False)[1].token_ids
+    alone = llm.generate([[5, 6, 7, 8]], p, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate([[9, 10, 11], [5, 6, 7, 8], [12] * 7], p, use_tqdm=False)[1].outputs[0].token_ids
     assert alone == batched
     other = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.9, seed=124, max_tokens=10, ignore_eos=True),
-                         use_tqdm=False)[0].token_ids
+                         use_tqdm=False)[0].outputs[0].token_ids
     assert len(other) == 10
 
 
@@ -98,19 +98,19 @@ def test_text_prompts_stop_strings_and_max_tokens(tiny_llama):
     llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full = llm.generate(["the quick brown fox"], greedy, use_tqdm=False)[0]
-    assert len(full.token_ids) == 20 and full.finish_reason == "length"
-    assert full.text == llm.get_tokenizer().decode(full.token_ids)
-    if len(full.text.strip()) > 2:
-        stop = full.text.strip()[1:3]
+    assert len(full.outputs[0].token_ids) == 20 and full.outputs[0].finish_reason == "length"
+    assert full.outputs[0].text == llm.get_tokenizer().decode(full.outputs[0].token_ids)
+    if len(full.outputs[0].text.strip()) > 2:
+        stop = full.outputs[0].text.strip()[1:3]
         cut = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                                    stop=[stop]), use_tqdm=False)[0]
-        assert cut.finish_reason == "stop"
-        assert stop not in cut.text and full.text.startswith(cut.text)
-    stop_id = full.token_ids[3]
+        assert cut.outputs[0].finish_reason == "stop"
+        assert stop not in cut.outputs[0].text and full.outputs[0].text.startswith(cut.outputs[0].text)
+    stop_id = full.outputs[0].token_ids[3]
     by_id = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0]
-    assert by_id.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
-    assert by_id.finish_reason == "stop"
+    assert by_id.outputs[0].token_ids == full.outputs[0].token_ids[:full.outputs[0].token_ids.index(stop_id) + 1]
+    assert by_id.outputs[0].finish_reason == "stop"
 
 
 def test_bad_requests_are_clear_errors(tiny_llama):

@@ -110,27 +110,27 @@ def test_multi_step_equals_single_step(fixture, request):
     single, _ = _run(folder, 1, PROMPTS, _mixed_params())
     for steps in (2, 5):
         multi, _ = _run(folder, steps, PROMPTS, _mixed_params())
-        assert [o.token_ids for o in multi] == [o.token_ids for o in single]
-        assert [o.finish_reason for o in multi] == [o.finish_reason for o in single]
-        assert [len(o.token_ids) for o in multi] == [13, 3, 9, 17]
+        assert [o.outputs[0].token_ids for o in multi] == [o.outputs[0].token_ids for o in single]
+        assert [o.outputs[0].finish_reason for o in multi] == [o.outputs[0].finish_reason for o in single]
+        assert [len(o.outputs[0].token_ids) for o in multi] == [13, 3, 9, 17]
 
 
 def test_multi_step_stops_at_the_same_token(tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full, _ = _run(tiny_llama, 1, ["the quick brown fox"], greedy)
     full = full[0]
-    stop_id = full.token_ids[5]
+    stop_id = full.outputs[0].token_ids[5]
     by_id = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
     for steps in (1, 4):
         out = _run(tiny_llama, steps, ["the quick brown fox"], by_id)[0][0]
-        assert out.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
-        assert out.finish_reason == "stop"
-    if len(full.text.strip()) > 3:
-        stop = full.text.strip()[2:4]
+        assert out.outputs[0].token_ids == full.outputs[0].token_ids[:full.outputs[0].token_ids.index(stop_id) + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    if len(full.outputs[0].text.strip()) > 3:
+        stop = full.outputs[0].text.strip()[2:4]
         by_text = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
         one = _run(tiny_llama, 1, ["the quick brown fox"], by_text)[0][0]
         many = _run(tiny_llama, 6, ["the quick brown fox"], by_text)[0][0]
-        assert (many.text, many.token_ids, many.finish_reason) == (one.text, one.token_ids, one.finish_reason)
+        assert (many.outputs[0].text, many.outputs[0].token_ids, many.outputs[0].finish_reason) == (one.outputs[0].text, one.outputs[0].token_ids, one.outputs[0].finish_reason)
 
 
 def test_multi_step_with_prefix_caching_and_a_small_cache(tiny_qwen2):
@@ -138,14 +138,14 @@ def test_multi_step_with_prefix_caching_and_a_small_cache(tiny_qwen2):
     prompts = [[7] * 16 + [i, i + 1] for i in range(8, 14)]
     single, _ = _run(tiny_qwen2, 1, prompts, params, enable_prefix_caching=True)
     multi, llm = _run(tiny_qwen2, 4, prompts, params, enable_prefix_caching=True)
-    assert [o.token_ids for o in multi] == [o.token_ids for o in single]
+    assert [o.outputs[0].token_ids for o in multi] == [o.outputs[0].token_ids for o in single]
     again = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in single]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in single]
     assert llm.engine.stats()["prefix_cache_hits"] > 0
     # 24 blocks of 4: rounds fall back to single steps (and preemption) when blocks run short
     small, llm = _run(tiny_qwen2, 4, prompts, params, enable_prefix_caching=False,
                       num_gpu_blocks_override=24, max_num_seqs=6, max_model_len=32)
-    assert [o.token_ids for o in small] == [o.token_ids for o in single]
+    assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in single]
     assert llm.engine.stats()["preemptions"] > 0
 
 
@@ -156,7 +156,7 @@ def test_streamed_outputs_are_cumulative_and_end_once(tiny_llama):
     seen = []
     while engine.has_unfinished():
         seen.extend(engine.step())
-    lengths = [len(o.token_ids) for o in seen]
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
     assert lengths == sorted(lengths) and lengths[-1] == 10
     assert [o.finished for o in seen].count(True) == 1 and seen[-1].finished
 
@@ -181,5 +181,5 @@ def test_offline_steps_report_finished_requests_only(tiny_llama):
     seen = []
     while engine.has_unfinished():
         seen.extend(engine.step(stream=False))
-    assert sorted((o.request_id, len(o.token_ids)) for o in seen) == [("q0", 4), ("q1", 9)]
+    assert sorted((o.request_id, len(o.outputs[0].token_ids)) for o in seen) == [("q0", 4), ("q1", 9)]
     assert all(o.finished for o in seen)

@@ -27,10 +27,10 @@ def test_nan_logits_end_one_request_and_the_others_finish(tiny_llama, monkeypatc
         return logits
     monkeypatch.setattr(CausalLM, "compute_logits", poisoned)
     first, second = llm.generate(prompts, params, use_tqdm=False)
-    assert first.finished and first.finish_reason == "error"
-    assert first.token_ids == expected[0].token_ids[:len(first.token_ids)] and len(first.token_ids) < 12
-    assert (second.token_ids, second.finish_reason) == (expected[1].token_ids, "length")
+    assert first.finished and first.outputs[0].finish_reason == "error"
+    assert first.outputs[0].token_ids == expected[0].outputs[0].token_ids[:len(first.outputs[0].token_ids)] and len(first.outputs[0].token_ids) < 12
+    assert (second.outputs[0].token_ids, second.outputs[0].finish_reason) == (expected[1].outputs[0].token_ids, "length")
     assert llm.engine.stats()["kv_blocks_used"] == 0
     monkeypatch.setattr(CausalLM, "compute_logits", real)
     again = llm.generate(prompts, params, use_tqdm=False)          # the engine keeps serving
-    assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]

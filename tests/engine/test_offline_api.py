@@ -43,12 +43,12 @@ def test_boolean_settings_must_be_booleans(tiny_llama, kwargs):
 
 def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
     prompts = [[5 + i, 6, 7] for i in range(6)]
-    expected = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     results, errors = {}, []
 
     def worker(i):
         try:
-            results[i] = [o.token_ids for o in llm.generate(prompts[i::3], GREEDY, use_tqdm=False)]
+            results[i] = [o.outputs[0].token_ids for o in llm.generate(prompts[i::3], GREEDY, use_tqdm=False)]
         except Exception as exc:      # noqa: BLE001 - reported below
             errors.append(exc)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]

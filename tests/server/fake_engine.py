@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import types
 
-from kvfit.engine.output import RequestOutput
+from kvfit.engine.output import CompletionOutput, RequestOutput
 from kvfit.engine.admission import check_request
 from kvfit.errors import ConfigError
 
@@ -72,8 +72,9 @@ class FakeEngine:
             finished = len(r["out"]) >= max_tokens
             if finished:
                 del self.requests[request_id]
-            outputs.append(RequestOutput(request_id, None, r["prompt"], self.tokenizer.decode(r["out"]),
-                                         list(r["out"]), finished, "length" if finished else None))
+            sample = CompletionOutput(0, self.tokenizer.decode(r["out"]), list(r["out"]),
+                                      finish_reason="length" if finished else None)
+            outputs.append(RequestOutput(request_id, None, r["prompt"], outputs=[sample], finished=finished))
         return outputs
 
     def stats(self):

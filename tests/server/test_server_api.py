@@ -66,11 +66,11 @@ def test_greedy_completion_equals_offline(client, offline, prompt):
     ref = reference(offline, prompt, temperature=0, max_tokens=12)
     resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     choice = resp.choices[0]
-    assert choice.text == ref.text
-    assert choice.finish_reason == ref.finish_reason
+    assert choice.text == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert resp.usage.completion_tokens == len(ref.token_ids)
-    assert resp.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
     assert resp.object == "text_completion" and resp.model == MODEL
 
 
@@ -79,7 +79,7 @@ def test_streamed_completion_equals_offline_with_usage(client, offline):
     ref = reference(offline, prompt, temperature=0, max_tokens=16, ignore_eos=True)
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -90,15 +90,15 @@ def test_greedy_chat_equals_offline_through_the_chat_template(client, offline):
     ref = reference(offline, chat_prompt(offline, MESSAGES), temperature=0, max_tokens=12)
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     assert resp.choices[0].message.role == "assistant"
-    assert resp.choices[0].message.content == ref.text
-    assert resp.choices[0].finish_reason == ref.finish_reason
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
     streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12,
                                                    temperature=0, stream=True))
     assert streamed[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == ref.text
-    assert streamed[-1].choices[0].finish_reason == ref.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == ref.outputs[0].text
+    assert streamed[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
 
 
 def test_max_tokens_gives_length_and_max_completion_tokens_wins_for_chat(client):
@@ -113,11 +113,11 @@ def test_max_tokens_gives_length_and_max_completion_tokens_wins_for_chat(client)
 def test_stop_strings_cut_the_text_and_finish_with_stop(client, offline, stream):
     ref = reference(offline, PROMPTS[0], temperature=0, max_tokens=24, ignore_eos=True)
     # a stop string taken from the middle of the greedy text: the output must end just before it
-    at = next((i for i in range(4, len(ref.text) - 2) if ref.text[i:i + 2].strip()), None)
+    at = next((i for i in range(4, len(ref.outputs[0].text) - 2) if ref.outputs[0].text[i:i + 2].strip()), None)
     if at is None:
-        pytest.skip(f"greedy text too short to pick a stop string: {ref.text!r}")
-    stop = ref.text[at:at + 2]
-    expected = ref.text[:ref.text.find(stop)]
+        pytest.skip(f"greedy text too short to pick a stop string: {ref.outputs[0].text!r}")
+    stop = ref.outputs[0].text[at:at + 2]
+    expected = ref.outputs[0].text[:ref.outputs[0].text.find(stop)]
     kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop, "\x00never"],
                   extra_body={"ignore_eos": True})
     assert completion_text(client, stream, **kwargs) == (expected, "stop")
@@ -127,7 +127,7 @@ def test_seeded_sampling_repeats_and_equals_offline(client, offline):
     ref = reference(offline, PROMPTS[1], temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
     texts = {client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=1.0, top_p=0.9, seed=1234,
                                        max_tokens=10).choices[0].text for _ in range(2)}
-    assert texts == {ref.text}
+    assert texts == {ref.outputs[0].text}
 
 
 def test_a_client_that_closes_its_stream_frees_its_blocks(server, client):

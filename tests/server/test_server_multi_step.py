@@ -34,14 +34,14 @@ def reference(tiny_llama):
 def test_streamed_text_equals_single_step(client, reference):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=23, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 23
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_ends_at_the_same_text(client, reference, stream):
-    text = reference.text
+    text = reference.outputs[0].text
     at = next((i for i in range(5, len(text) - 2) if text[i:i + 2].strip()), None)
     if at is None:
         pytest.skip(f"greedy text too short to pick a stop string: {text!r}")

@@ -19,7 +19,7 @@ TINY_CONFIG = {
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="run a tiny random model on CPU and show capacity and preemption")
-    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--num-requests", type=int, default=24, help="random prompts to generate for")
     p.add_argument("--num-gpu-blocks-override", type=int, default=48, help="KV blocks (small: forces preemption)")
     p.set_defaults(run=run)
 
@@ -48,7 +48,7 @@ def run(args) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-    num_out = sum(len(o.token_ids) for o in outputs)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.stats()
     print(f"requests: {len(outputs)} finished of {args.num_requests}; prompt tokens "
           f"{sum(map(len, prompts))}, output tokens {num_out} in {elapsed:.2f} s = {num_out / elapsed:.1f} tok/s")

@@ -10,14 +10,15 @@ from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags, add_model_argument
     from kvfit.commands.common import add_sampling_flags
     p = sub.add_parser("generate", help="generate text for prompts")
-    p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompt-file", default=None, help="a file with one prompt per line")
+    add_model_argument(p, "a catalog name with --load-format dummy")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: none)")
+    p.add_argument("--prompt-file", default=None, help="a file with one prompt per line (default: none)")
     p.add_argument("--prompt-token-ids", action="append", default=[], metavar="IDS",
-                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; for models without a tokenizer)")
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; for models without a "
+                        "tokenizer; default: none)")
     p.add_argument("--json", action="store_true", help='one JSON object per line: {"prompt", "text", "token_ids"}')
     add_sampling_flags(p)
     add_engine_flags(p)
@@ -34,8 +35,9 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def read_prompts(args) -> list:
-    """Text prompts (--prompt, --prompt-file), then token-id prompts (--prompt-token-ids)."""
+def read_prompts(args, folder: str) -> list:
+    """Text prompts (--prompt, --prompt-file), then token-id prompts (--prompt-token-ids); text needs
+    the tokenizer.json of the model folder."""
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
@@ -46,7 +48,7 @@ def read_prompts(args) -> list:
         except UnicodeDecodeError as exc:
             raise ConfigError(f"--prompt-file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte "
                               f"{exc.start})") from None
-    if prompts and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+    if prompts and not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise ConfigError(f"{args.model} has no tokenizer.json, so text prompts cannot be encoded; "
                           "give --prompt-token-ids 1,2,3 instead")
     prompts += [_token_ids(t) for t in args.prompt_token_ids]
@@ -57,19 +59,22 @@ def read_prompts(args) -> list:
 
 def run(args) -> int:
     from kvfit.commands.flags import engine_kwargs
-    from kvfit.commands.common import sampling_params, setup_logging
+    from kvfit.commands.common import engine_startup, sampling_params, setup_logging
+    from kvfit.config import EngineConfig
     setup_logging()
-    prompts = read_prompts(args)
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))   # a missing model is the first error
+    prompts = read_prompts(args, config.model.model)
     params = sampling_params(args, args.seed)
     from kvfit.engine.llm import LLM
-    llm = LLM(args.model, **engine_kwargs(args))
+    with engine_startup(config):
+        llm = LLM(args.model, **engine_kwargs(args))
     try:
         outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids}), flush=True)
+            print(json.dumps({"prompt": prompt, "text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids}), flush=True)
         else:
-            print(f"prompt: {prompt!r}\noutput: {out.text!r}  ({len(out.token_ids)} tokens, {out.finish_reason})")
+            print(f"prompt: {prompt!r}\noutput: {out.outputs[0].text!r}  ({len(out.outputs[0].token_ids)} tokens, {out.outputs[0].finish_reason})")
     return 0

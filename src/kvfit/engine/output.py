@@ -1,4 +1,5 @@
-"""RequestOutput: what a caller sees of one request."""
+"""What a caller sees of one request, in vLLM's shape: RequestOutput with one CompletionOutput per
+sample (`out.outputs[0].text`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,44 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class RequestOutput:
-    """text and token_ids hold the generated part only."""
+class Logprob:
+    """A token's log probability under the model (fp32 log-softmax), its rank (1 = most likely) and text."""
 
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: token id -> Logprob (the chosen or prompt token, plus the top-k asked for)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. text and token_ids hold the generated part only.
+
+    finish_reason: stop | length | abort | error (non-finite logits); stop_reason: the stop string
+    or stop token id that ended it (None for eos, length and the others).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None       # stop | length | abort | error (non-finite logits)
     num_cached_tokens: int = 0

@@ -203,7 +203,8 @@ async def _generate(request: Request, state: ServerState, inp: GenerateInput, ch
                     return Response(status_code=499)
     finally:
         _close(state, stream)
-    return builder.full(output.text, output.finish_reason, stream.num_prompt_tokens, len(output.token_ids))
+    sample = output.outputs[0]
+    return builder.full(sample.text, sample.finish_reason, stream.num_prompt_tokens, len(sample.token_ids))
 
 
 async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: GenerateInput, stream: RequestStream):
@@ -223,13 +224,14 @@ async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: Gene
                 yield sse(exc.body())
                 yield sse("[DONE]")
                 return
-            text = output.text if output.finished else output.text[:max(len(output.text) - hold, len(sent))]
+            sample = output.outputs[0]
+            text = sample.text if output.finished else sample.text[:max(len(sample.text) - hold, len(sent))]
             delta, sent = text[len(sent):], text
             if delta or output.finished:
-                yield sse(builder.chunk(delta, output.finish_reason if output.finished else None,
+                yield sse(builder.chunk(delta, sample.finish_reason if output.finished else None,
                                         inp.include_usage))
         if inp.include_usage:
-            yield sse(builder.usage_chunk(stream.num_prompt_tokens, len(output.token_ids)))
+            yield sse(builder.usage_chunk(stream.num_prompt_tokens, len(output.outputs[0].token_ids)))
         yield sse("[DONE]")
     finally:
         # CancelledError (client gone) or GeneratorExit lands here too
@@ -261,7 +263,7 @@ def _close(state: ServerState, stream: RequestStream) -> None:
         state.engine.abort(stream.request_id)
     output = stream.output
     if stream.finished and stream.error is None:
-        reason = output.finish_reason or "stop"
+        reason = output.outputs[0].finish_reason or "stop"
     else:
         reason = "error" if stream.error is not None else "abort"
-    state.metrics.observe(stream, len(output.token_ids) if output is not None else 0, reason)
+    state.metrics.observe(stream, len(output.outputs[0].token_ids) if output is not None else 0, reason)

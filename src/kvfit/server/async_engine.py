@@ -113,7 +113,7 @@ class RequestStream:
             self.finished, self.error = True, item
             raise item
         output, at = item
-        if output.token_ids and self.first_token_time is None:
+        if output.outputs[0].token_ids and self.first_token_time is None:
             self.first_token_time = at
         self.last_token_time = at
         self.finished, self.output = output.finished, output
