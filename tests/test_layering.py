@@ -21,6 +21,7 @@ LAYERS = {
     "model_facts": 2, "hub": 2,          # hub: model ids -> local Hugging Face cache folders
     "kv": 3,
     "config": 4,
+    "structured_params": 4,              # StructuredOutputsParams, held by sampling_params
     "planning": 5, "sampling_params": 5,
     "step": 6,
     "attention": 7,

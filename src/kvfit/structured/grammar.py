@@ -1,0 +1,66 @@
+"""StructuredOutputsParams -> an llguidance grammar definition, as vLLM's `guidance` backend builds it.
+
+json: the schema through llguidance's JSON compiler (whitespace_flexible unless disable_any_whitespace;
+whitespace_pattern passed on; disable_additional_properties adds additionalProperties: false to every
+object that lists properties and sets none); json_object: the schema {"type": "object"}; regex; choice
+(one literal per choice); grammar: Lark, or GBNF/EBNF converted to Lark by llguidance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import llguidance
+
+from kvfit.errors import RequestError
+from kvfit.structured_params import PARAM, StructuredOutputsParams
+
+# lines of a library message that only point at the fault ("   1 | start: foo", "      ^")
+_CONTEXT_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")
+
+
+def one_line(message: str) -> str:
+    """A library's multi-line error as one line: the context lines (source echo, carets) dropped."""
+    kept = [line.strip() for line in message.splitlines() if not _CONTEXT_LINE.match(line)]
+    return " ".join(kept)[:500] or "rejected by the grammar library"
+
+
+def _close_objects(node):
+    """vLLM's disable_additional_properties: additionalProperties false wherever properties are listed."""
+    if isinstance(node, dict):
+        for value in node.values():
+            _close_objects(value)
+        if "additionalProperties" not in node and ("properties" in node or "patternProperties" in node):
+            node["additionalProperties"] = False
+    elif isinstance(node, list):
+        for item in node:
+            _close_objects(item)
+
+
+def _json_grammar(spec: StructuredOutputsParams, schema) -> str:
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    if spec.disable_additional_properties:
+        schema = copy.deepcopy(schema)
+        _close_objects(schema)
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    if spec.whitespace_pattern is not None:
+        options["whitespace_pattern"] = spec.whitespace_pattern
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+
+
+def grammar_definition(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar for spec; RequestError (param structured_outputs) when the library refuses it."""
+    kind = spec.kind
+    try:
+        if kind == "json":
+            return _json_grammar(spec, spec.json)
+        if kind == "json_object":
+            return _json_grammar(spec, {"type": "object"})
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
+        return llguidance.grammar_from(kind, getattr(spec, kind))   # "regex" or "grammar"
+    except ValueError as exc:
+        raise RequestError(f"structured_outputs.{kind}: {one_line(str(exc))}", PARAM) from None
