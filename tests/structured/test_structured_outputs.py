@@ -143,6 +143,27 @@ class TestOutputFollowsTheSpec:
         assert re.fullmatch(GBNF_TEXT, text), text
 
 
+POINTS = {"$defs": {"point": {"type": "object", "properties": {
+    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+    "y": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]}},
+    "required": ["x", "y"], "additionalProperties": False}},
+    "type": "array", "items": {"$ref": "#/$defs/point"}, "minItems": 1, "maxItems": 3}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_refs_and_any_of_are_followed(outputs, seed):
+    points = json.loads(generate(*outputs["byte_fallback"], Params(json=POINTS, disable_any_whitespace=True), seed))
+    assert 1 <= len(points) <= 3
+    for point in points:
+        assert point.keys() == {"x", "y"} and type(point["x"]) is int and -9 <= point["x"] <= 9, points
+        assert point["y"] is None or (type(point["y"]) is int and 0 <= point["y"] <= 9), points
+
+
+def test_json_whitespace_is_flexible_unless_disabled(outputs):
+    outside = [STRINGS.sub('""', generate(*outputs["byte_level"], Params(json=SCHEMA), seed)) for seed in range(3)]
+    assert any(re.search(r"\s", text) for text in outside), outside     # vLLM's default: any whitespace
+
+
 def test_disable_additional_properties_closes_objects(outputs):
     so, tok = outputs["byte_level"]
     open_schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
