@@ -11,7 +11,7 @@ but kvfit refuses it: a clear error instead of output that ignores it.
 from __future__ import annotations
 
 import json as json_module
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvfit.errors import RequestError
 
@@ -91,6 +91,19 @@ class StructuredOutputsParams:
             _fail("set disable_any_whitespace or whitespace_pattern, not both")
         if self.disable_additional_properties and kind != "json":
             _fail("disable_additional_properties applies to json only")
+
+    @classmethod
+    def from_dict(cls, value) -> "StructuredOutputsParams":
+        """From a request's `structured_outputs` object (HTTP JSON or an offline dict); RequestError naming
+        an unknown field or a value that is not an object."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            _fail(f"must be an object with one of {', '.join(KINDS)}, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            _fail(f"unknown field {unknown[0]!r}; the fields are {', '.join(f.name for f in fields(cls))}")
+        return cls(**value)
 
     @property
     def kind(self) -> str:

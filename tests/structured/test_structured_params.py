@@ -68,3 +68,14 @@ def test_mistakes_are_one_line_request_errors(kwargs, words):
     assert message.startswith("structured_outputs: ") and "\n" not in message
     for word in words:
         assert word in message, message
+
+
+def test_from_dict_takes_a_request_object_and_names_unknown_fields():
+    assert Params.from_dict({"choice": ["a"]}) == Params(choice=["a"])
+    spec = Params(regex="x")
+    assert Params.from_dict(spec) is spec
+    for value, words in (({"regex": "x", "guided_regex": "y"}, "unknown field 'guided_regex'"),
+                         ("[0-9]", "must be an object"), ({}, "exactly one")):
+        with pytest.raises(RequestError, match=words) as info:
+            Params.from_dict(value)
+        assert info.value.param == "structured_outputs"
