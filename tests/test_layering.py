@@ -31,7 +31,7 @@ LAYERS = {
     "engine": 11,
     "server": 12,
     "commands": 13,
-    "cli": 14, "__init__": 14, "__main__": 14,
+    "cli": 14, "__init__": 14, "__main__": 15,
 }
 
 

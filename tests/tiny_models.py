@@ -13,7 +13,7 @@ import os
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"   # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -87,6 +87,17 @@ def _hf_config(arch: str, **kw):
         return transformers.Qwen2Config(use_sliding_window=False, **common)
     if arch == "qwen3":
         return transformers.Qwen3Config(use_sliding_window=False, attention_bias=kw["attention_bias"], **common)
+    moe = kw["moe"]
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            use_sliding_window=False, attention_bias=kw["attention_bias"], num_experts=moe.get("num_experts", 8),
+            num_experts_per_tok=moe.get("top_k", 2), moe_intermediate_size=moe.get("moe_intermediate_size", 32),
+            decoder_sparse_step=moe.get("decoder_sparse_step", 1), mlp_only_layers=moe.get("mlp_only_layers", []),
+            norm_topk_prob=moe.get("norm_topk_prob", True), **common)
+    if arch == "mixtral":
+        common["intermediate_size"] = moe.get("moe_intermediate_size", common["intermediate_size"])
+        return transformers.MixtralConfig(sliding_window=None, num_local_experts=moe.get("num_experts", 8),
+                                          num_experts_per_tok=moe.get("top_k", 2), **common)
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
@@ -100,7 +111,7 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
 
 
 def _tokenizer_config(arch: str, with_chat_template: bool) -> dict:
-    llama_like = arch in ("llama", "mistral")
+    llama_like = arch in ("llama", "mistral", "mixtral")
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "unk_token": UNK,
            "bos_token": BOS if llama_like else None, "model_max_length": 512,
            "clean_up_tokenization_spaces": False}
@@ -118,28 +129,31 @@ def make_tiny_model(tmp_path, arch: str = "llama", num_kv_heads: int = 2, seed: 
                     tie_word_embeddings: bool = False, max_shard_size: str | None = None,
                     num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, head_dim: int | None = None,
                     intermediate_size: int = 128, max_position_embeddings: int = 512, rope_theta: float = 10000.0,
-                    attention_bias: bool = False, weight_std: float = 0.1, name: str | None = None) -> str:
+                    attention_bias: bool = False, weight_std: float = 0.1, name: str | None = None,
+                    moe: dict | None = None) -> str:
     """Write a tiny HF model folder under tmp_path and return its path.
 
-    arch: llama | mistral | qwen2 (q/k/v bias) | qwen3 (q/k norm; head_dim 32 != hidden/heads by default).
+    arch: llama | mistral | qwen2 (q/k/v bias) | qwen3 (q/k norm; head_dim 32 != hidden/heads by default) |
+    qwen3_moe | mixtral (mixture of experts; moe: num_experts (8), top_k (2), moe_intermediate_size (32;
+    Mixtral's intermediate_size), decoder_sparse_step, mlp_only_layers, norm_topk_prob).
     rope_scaling: None, "llama3" (a llama 3.1 scaling) or a rope_scaling dict. max_shard_size (e.g.
     "40KB") saves sharded safetensors with model.safetensors.index.json.
     """
     import transformers
     if rope_scaling == "llama3":
         rope_scaling = LLAMA3_ROPE
-    if arch == "qwen3" and head_dim is None:
+    if arch in ("qwen3", "qwen3_moe") and head_dim is None:
         head_dim = 32
     folder = os.path.join(str(tmp_path), name or f"tiny-{arch}-kv{num_kv_heads}-seed{seed}")
     os.makedirs(folder, exist_ok=True)
-    llama_like = arch in ("llama", "mistral")
+    llama_like = arch in ("llama", "mistral", "mixtral")
     tok = train_tokenizer(vocab_size, add_bos=llama_like, qwen_style=not llama_like)
     torch.manual_seed(seed)
     config = _hf_config(arch, vocab_size=tok.get_vocab_size(), hidden_size=hidden_size,
                         intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
                         num_kv_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
                         rope_theta=rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings,
-                        head_dim=head_dim, attention_bias=attention_bias)
+                        head_dim=head_dim, attention_bias=attention_bias, moe=moe or {})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, weight_std)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -116,14 +116,31 @@ def test_bf16_dummy_model():
     assert model.compute_logits(hidden).dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_plannable_but_not_runnable_families_are_refused(arch):
     cfg = {"architectures": [arch], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 2, "vocab_size": 50, "num_experts": 4, "moe_intermediate_size": 16,
-           "num_local_experts": 4}
+           "num_attention_heads": 2, "vocab_size": 50, "n_routed_experts": 4, "moe_intermediate_size": 16,
+           "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+           "v_head_dim": 8}
     with pytest.raises(ConfigError, match=rf"^{arch} can be planned but not run yet; runnable: LlamaForCausalLM, "
-                                          r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM$"):
+                                          r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                          r"Qwen3MoeForCausalLM, MixtralForCausalLM$"):
         load_model("", facts_from_config(cfg), torch.float32, "cpu", BACKEND, load_format="dummy")
+
+
+def test_dummy_moe_models_run(tmp_path):
+    """Qwen3-MoE and Mixtral with --load-format dummy: stacked experts filled, a forward pass runs."""
+    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        cfg = {"architectures": [arch], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 50, "num_experts": 4,
+               "moe_intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2}
+        facts = facts_from_config(cfg)
+        model = load_model("", facts, torch.float32, "cpu", BACKEND, load_format="dummy")
+        cache = PagedCache(facts)
+        input_ids, positions, meta = cache.step([("s", 0, [1, 2, 3, 4])])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(input_ids, positions, cache.caches, meta))
+        assert logits.shape == (4, 50) and torch.isfinite(logits).all(), arch
 
 
 def test_generation_eos(tiny_llama, tmp_path):

@@ -131,12 +131,13 @@ class Attention(torch.nn.Module):
 class DecoderLayer(torch.nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
+                 mlp: torch.nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, backend, dtype, device, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, tp_rank, tp_size)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, kv_cache, meta, freqs):
         """x: the previous block's output, residual: the stream before it (None at the first layer).
@@ -153,11 +154,12 @@ class DecoderLayer(torch.nn.Module):
 class DecoderModel(torch.nn.Module):
     """The `model.` prefix of the checkpoint: embed_tokens, layers, norm."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
+                 make_mlp):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp_rank, tp_size)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size) for _ in range(cfg.num_layers))
+            DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size, make_mlp(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -172,7 +174,8 @@ class CausalLM(torch.nn.Module):
         self.facts, self.config = facts, decoder_config(facts)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         cfg = self.config
-        self.model = DecoderModel(cfg, attention_backend, dtype, device, tp_rank, tp_size)
+        self.model = DecoderModel(cfg, attention_backend, dtype, device, tp_rank, tp_size,
+                                  lambda layer: self.make_mlp(layer, dtype, device))
         self.lm_head = torch.nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight        # one Parameter, two names
@@ -182,6 +185,11 @@ class CausalLM(torch.nn.Module):
             shard = None if tp_size == 1 else Shard(0, embed.start, embed.size)
             self.lm_head.weight = make_param((cfg.vocab_size, cfg.hidden_size), shard, dtype, device)
         self.register_buffer("rope_inv_freq", inv_freq(cfg.rope, device), persistent=False)   # [D/2] fp32
+
+    def make_mlp(self, layer: int, dtype, device) -> torch.nn.Module:
+        """Layer `layer`'s MLP (a subclass builds mixture-of-experts blocks here)."""
+        cfg = self.config
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, self.tp_rank, self.tp_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -197,6 +205,20 @@ class CausalLM(torch.nn.Module):
             x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches else None, meta,
                                 self.rope_inv_freq)
         return self.model.norm.add_forward(x, residual)[0]
+
+    # checkpoint hooks a subclass overrides (mixture-of-experts: per-expert tensors into stacked ones)
+    def checkpoint_name(self, name: str) -> str:
+        """The parameter name a checkpoint tensor's name maps to."""
+        return name
+
+    def load_special(self, name: str, source) -> list[str] | None:
+        """Load a checkpoint tensor that does not map 1:1 onto a parameter; the parameters it completed.
+        None: not special (loaded by name, or ignored when no parameter has its name)."""
+        return None
+
+    def missing_name(self, param_name: str) -> str:
+        """What to call an unloaded parameter in the error (the checkpoint tensor it lacks)."""
+        return param_name
 
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up in every layer (call after the weights are in)."""
@@ -220,6 +242,11 @@ class CausalLM(torch.nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, source in named_tensors:
+            name = self.checkpoint_name(name)
+            special = self.load_special(name, source)
+            if special is not None:
+                loaded.update(special)
+                continue
             param = params.get(name)
             if param is None:
                 continue
@@ -229,7 +256,7 @@ class CausalLM(torch.nn.Module):
                                   f"needs {list(param.full_shape)}; the weights do not match this config.json")
             param.copy_(read_shard(param, source))
             loaded.add(name)
-        missing = [name for name in params if name not in loaded]
+        missing = [self.missing_name(name) for name in params if name not in loaded]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ConfigError(f"checkpoint is missing tensor {missing[0]}{more}; re-download the model or use "

@@ -18,12 +18,15 @@ import importlib
 from kvfit.errors import ConfigError
 
 _LLAMA = "kvfit.models.llama:CausalLM"
+_MOE = "kvfit.models.moe:MoECausalLM"
 
 MODELS = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "Qwen3MoeForCausalLM": _MOE,
+    "MixtralForCausalLM": _MOE,
 }
 
 

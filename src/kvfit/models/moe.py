@@ -1,0 +1,205 @@
+"""Mixture-of-experts decoders on the Llama-family decoder: Qwen3-MoE and Mixtral.
+
+Attention, norms, embedding and lm_head are llama.py's; only the MLP of a sparse layer differs: a
+router (`gate`, replicated) picks top_k experts per token (softmax in fp32, top-k, renormalised
+when the config says so), and the experts' SwiGLU outputs are summed with the routing weights.
+Experts are stored stacked, one tensor per projection ([E, 2 I, H] gate rows then up rows, and
+[E, H, I] down), filled at load from Hugging Face's per-expert tensors (Qwen3-MoE
+`mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`) or
+from transformers 5's stacked `mlp.experts.gate_up_proj/down_proj`. With tensor parallelism each
+rank holds a slice of every expert's intermediate channels (never whole experts), so every rank
+runs every token and one all-reduce sums the ranks' parts, as for a dense MLP.
+The experts run in fused_moe.moe_experts: grouped-GEMM Triton kernels on CUDA, torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvfit.errors import ConfigError
+from kvfit.model_facts import ModelFacts, read_field
+from kvfit.models.fused_moe import moe_experts, select_experts
+from kvfit.models.gemv import linear
+from kvfit.models.llama import CausalLM
+from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routing and expert shapes from config.json, and which layers are sparse."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int          # per expert
+    renormalize: bool               # divide the top-k weights by their sum
+    round_weights: bool             # Qwen3-MoE rounds the routing weights to the model dtype before use
+    sparse_layers: frozenset[int]
+    block_name: str                 # the sparse block's name in the checkpoint ("mlp" or "block_sparse_moe")
+    expert_names: tuple[str, str, str]   # gate, up, down projection names of one expert
+
+
+def moe_config(facts: ModelFacts) -> MoEConfig:
+    raw, source = facts.raw, "config.json"
+    if facts.family == "mixtral":
+        experts = read_field(raw, "num_local_experts", "int", source, default=8, minimum=1)
+        cfg = MoEConfig(num_experts=experts,
+                        top_k=read_field(raw, "num_experts_per_tok", "int", source, default=2, minimum=1),
+                        intermediate_size=facts.intermediate_size, renormalize=True, round_weights=False,
+                        sparse_layers=frozenset(range(facts.num_layers)), block_name="block_sparse_moe",
+                        expert_names=("w1", "w3", "w2"))
+    elif facts.family == "qwen3_moe":
+        # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
+        experts = read_field(raw, "num_experts", "int", source, minimum=0)
+        if experts is None:
+            experts = read_field(raw, "num_local_experts", "int", source, default=0, minimum=0)
+        step = read_field(raw, "decoder_sparse_step", "int", source, default=1, minimum=1)
+        dense = read_field(raw, "mlp_only_layers", "list", source, default=[])
+        sparse = frozenset(i for i in range(facts.num_layers)
+                           if experts > 0 and i not in dense and (i + 1) % step == 0)
+        cfg = MoEConfig(num_experts=experts,
+                        top_k=read_field(raw, "num_experts_per_tok", "int", source, default=8, minimum=1),
+                        intermediate_size=read_field(raw, "moe_intermediate_size", "int", source, required=True,
+                                                     minimum=1),
+                        renormalize=read_field(raw, "norm_topk_prob", "bool", source, default=False),
+                        round_weights=True, sparse_layers=sparse, block_name="mlp",
+                        expert_names=("gate_proj", "up_proj", "down_proj"))
+    else:
+        raise ConfigError(f"{facts.architecture} is not a mixture-of-experts model kvfit runs")
+    if cfg.sparse_layers and cfg.top_k > cfg.num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} is more than the {cfg.num_experts} experts")
+    return cfg
+
+
+class SparseMoE(torch.nn.Module):
+    """Router + stacked experts of one layer; this rank holds channels [start, start + size) of each expert."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype, device, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.moe, self.tp_size = moe, tp_size
+        self.start, self.size = split_evenly(moe.intermediate_size, tp_rank, tp_size,
+                                             "expert MLP channels (moe_intermediate_size)")
+        e, h = moe.num_experts, hidden_size
+        self.gate = torch.nn.Module()
+        self.gate.weight = make_param((e, h), None, dtype, device)
+        # transformers 5's in-memory names and layout; full_shape is the whole (unsharded) tensor
+        self.experts = torch.nn.Module()
+        self.experts.gate_up_proj = make_param((e, 2 * self.size, h), None, dtype, device)
+        self.experts.gate_up_proj.full_shape = (e, 2 * moe.intermediate_size, h)
+        self.experts.down_proj = make_param((e, h, self.size), None, dtype, device)
+        self.experts.down_proj.full_shape = (e, h, moe.intermediate_size)
+
+    def fuse_projections(self) -> None:
+        pass                                    # the experts are stacked at load already
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        router_logits = linear(x, self.gate.weight)                                  # [T, E]
+        weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize)
+        if self.moe.round_weights:
+            weights = weights.to(x.dtype)
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return all_reduce(out, self.tp_size)
+
+    # loading ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_expert(self, expert: int, part: str, source) -> None:
+        """One expert's gate/up ([I, H]) or down ([H, I]) checkpoint tensor: this rank's channels."""
+        s, n = self.start, self.size
+        h, inter = self.experts.down_proj.shape[1], self.moe.intermediate_size
+        want = (h, inter) if part == "down" else (inter, h)
+        if source_shape(source) != want:
+            raise ConfigError(f"an expert {part} projection has shape {list(source_shape(source))} but config.json "
+                              f"needs {list(want)}; the weights do not match this config.json")
+        if part == "down":
+            self.experts.down_proj[expert].copy_(source[:, s:s + n])
+        else:
+            rows = slice(0, n) if part == "gate" else slice(n, 2 * n)
+            self.experts.gate_up_proj[expert, rows].copy_(source[s:s + n])
+
+    @torch.no_grad()
+    def load_stacked(self, part: str, source) -> None:
+        """transformers 5's stacked gate_up_proj [E, 2 I, H] (gate rows, then up) or down_proj [E, H, I]."""
+        s, n, inter = self.start, self.size, self.moe.intermediate_size
+        param = self.experts.down_proj if part == "down" else self.experts.gate_up_proj
+        if source_shape(source) != param.full_shape:
+            raise ConfigError(f"stacked expert tensor {part}_proj has shape {list(source_shape(source))} but "
+                              f"config.json needs {list(param.full_shape)}; the weights do not match this config.json")
+        if part == "down":
+            param.copy_(source[:, :, s:s + n])
+        else:
+            param[:, :n].copy_(source[:, s:s + n])
+            param[:, n:].copy_(source[:, inter + s:inter + s + n])
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+class MoECausalLM(CausalLM):
+    """A Llama-family decoder whose sparse layers are SparseMoE blocks (Qwen3-MoE, Mixtral)."""
+
+    def __init__(self, facts: ModelFacts, dtype: torch.dtype, device, attention_backend, tp_rank: int = 0,
+                 tp_size: int = 1):
+        self.moe = moe_config(facts)        # read by make_mlp, which CausalLM.__init__ calls
+        super().__init__(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
+        parts = dict(zip(self.moe.expert_names, ("gate", "up", "down")))
+        self._expert_parts = parts
+        # stacked parameter name -> the (expert, part) pieces still to load
+        self._pending: dict[str, set[tuple[int, str]]] = {}
+        for layer in sorted(self.moe.sparse_layers):
+            for tensor, wanted in ((f"model.layers.{layer}.mlp.experts.gate_up_proj", ("gate", "up")),
+                                   (f"model.layers.{layer}.mlp.experts.down_proj", ("down",))):
+                self._pending[tensor] = {(e, p) for e in range(self.moe.num_experts) for p in wanted}
+
+    def make_mlp(self, layer: int, dtype, device) -> torch.nn.Module:
+        if layer in self.moe.sparse_layers:
+            return SparseMoE(self.config.hidden_size, self.moe, dtype, device, self.tp_rank, self.tp_size)
+        return super().make_mlp(layer, dtype, device)
+
+    def checkpoint_name(self, name: str) -> str:
+        if self.moe.block_name != "mlp":
+            return name.replace(f".{self.moe.block_name}.", ".mlp.", 1)
+        return name
+
+    def load_special(self, name: str, source) -> list[str] | None:
+        match = _EXPERT.fullmatch(name)
+        if match is not None and match.group(3) in self._expert_parts:
+            layer, expert, part = int(match.group(1)), int(match.group(2)), self._expert_parts[match.group(3)]
+            block = self._sparse_block(layer, name)
+            if expert >= self.moe.num_experts:
+                raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
+                                  f"{self.moe.num_experts}; the weights do not match this config.json")
+            block.load_expert(expert, part, source)
+            return self._done(layer, {(expert, part)}, "down" if part == "down" else "w13")
+        match = _STACKED.fullmatch(name)
+        if match is not None:
+            layer, part = int(match.group(1)), match.group(2)
+            self._sparse_block(layer, name).load_stacked("down" if part == "down_proj" else "gate_up", source)
+            wanted = ("down",) if part == "down_proj" else ("gate", "up")
+            pieces = {(e, p) for e in range(self.moe.num_experts) for p in wanted}
+            return self._done(layer, pieces, "down" if part == "down_proj" else "w13")
+        return None
+
+    def _sparse_block(self, layer: int, name: str) -> SparseMoE:
+        if layer not in self.moe.sparse_layers:
+            raise ConfigError(f"checkpoint tensor {name} is an expert of layer {layer}, which config.json makes "
+                              "a dense layer (decoder_sparse_step / mlp_only_layers); the weights do not match it")
+        return self.model.layers[layer].mlp
+
+    def _done(self, layer: int, pieces: set, which: str) -> list[str]:
+        tensor = f"model.layers.{layer}.mlp.experts.{'down_proj' if which == 'down' else 'gate_up_proj'}"
+        pending = self._pending[tensor]
+        pending -= pieces
+        return [tensor] if not pending else []
+
+    def missing_name(self, param_name: str) -> str:
+        pending = self._pending.get(param_name)
+        if not pending:
+            return param_name
+        expert, part = min(pending)
+        proj = {v: k for k, v in self._expert_parts.items()}[part]
+        layer = param_name.split(".")[2]
+        return f"model.layers.{layer}.{self.moe.block_name}.experts.{expert}.{proj}.weight"
