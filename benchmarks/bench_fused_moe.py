@@ -1,0 +1,171 @@
+"""Fused MoE (kvfit.models.fused_moe) on the GPU: sweep launch configs per batch size, against the torch reference.
+
+python benchmarks/bench_fused_moe.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--m 1 8 32 128 512 2048 8192]
+                                     [--budget-s 420] [--dtype bfloat16]
+For each MoE shape (one layer's experts, random bf16 weights, softmax routing of random logits) and each
+token count M: every candidate config (pruned by tokens per expert) is checked against moe_reference and
+timed as a CUDA graph of whole fused_moe calls (align + both launches + the sum over k: what decode
+replays); the best is then also timed eagerly, beside the reference (eager; it syncs once per call) and
+vLLM's fused_experts where vLLM is importable. Prints a table, then the best configs as a dict literal to
+paste into fused_moe.TUNED_CONFIGS. Stops sweeping (keeping the default config) once --budget-s is spent,
+so one device call of < 8 minutes always ends with a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+from common import gpu_only
+
+# name -> (E, top_k, H, I): one layer's experts at tensor parallel 1
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+M_VALUES = (1, 8, 32, 128, 512, 2048, 8192)
+DEVICE = "cuda"
+
+
+def candidates(m: int, num_experts: int, top_k: int, dtype: torch.dtype) -> list[dict[str, int]]:
+    """Configs worth timing at m tokens: tile rows by tokens per expert, the rest from a short list."""
+    from kvfit.models.fused_moe import SMEM_BYTES, default_config, make_config, stage_bytes
+    rows = m * top_k / num_experts
+    if rows <= 4:        # decode: bound by reading the weights; wide K tiles and deep pipelines
+        tiles = [(16, n, k, 4, s) for n, k, s in ((32, 128, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5),
+                                                   (64, 256, 3), (128, 64, 4), (128, 128, 3))]
+    else:
+        block_ms = (16, 32) if rows <= 32 else (32, 64) if rows <= 128 else (64, 128)
+        tiles = [(bm, n, k, w, 3 if bm >= 64 else 4)
+                 for bm, (n, k), w in itertools.product(block_ms, ((64, 64), (64, 128), (128, 64), (128, 128)), (4, 8))
+                 if not (w == 8 and bm * n < 64 * 64) and not (w == 4 and bm * n >= 128 * 128)]   # 4: spills
+    group = 1 if rows <= 16 else 8
+    configs = [default_config(m, num_experts, top_k, dtype)]
+    for bm, n, k, warps, stages in tiles:
+        if stages * stage_bytes(bm, n, k, torch.finfo(dtype).bits // 8) <= SMEM_BYTES:
+            cfg = make_config(bm, n, k, group, warps, stages)
+            if cfg not in configs:
+                configs.append(cfg)
+    return configs
+
+
+def graph_seconds(fn, target_s: float = 0.02) -> float:
+    """Seconds per call: bench_gemv's graph timer over enough calls to take about target_s per replay."""
+    from bench_gemv import graph_time
+    fn()
+    calls = max(1, min(200, int(target_s / max(eager_seconds(fn), 1e-6))))
+    try:
+        return graph_time(lambda _x, _w: fn(), None, range(calls), reps=5)
+    except RuntimeError as e:   # decode needs capture: say so loudly, then time it eagerly
+        print(f"  NOT CAPTURABLE in a CUDA graph ({type(e).__name__}: {e}); timed eagerly", flush=True)
+        return eager_seconds(fn)
+
+
+def eager_seconds(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") / 1e3
+
+
+def vllm_experts():
+    """vLLM's fused_experts(x, w13, w2, topk_weights, topk_ids) when vLLM is importable, else None."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM column
+        print(f"vLLM not importable ({type(e).__name__}: {e}); no vLLM column")
+        return None
+    return fused_experts
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
+    from kvfit.models import fused_moe as fm
+    num_experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).to(dtype)
+    tuned = best.setdefault((num_experts, hidden, inter, top_k, str(dtype).removeprefix("torch.")), {})
+    for m in m_values:
+        x = torch.randn(m, hidden, device=DEVICE, generator=gen).to(dtype)
+        weights, ids = fm.select_experts(torch.randn(m, num_experts, device=DEVICE, generator=gen), top_k, True)
+        ref = fm.moe_reference(x, w13, w2, weights, ids)
+        results = {}
+        for cfg in candidates(m, num_experts, top_k, dtype):
+            if results and time.monotonic() > deadline:
+                print(f"  {name} M={m}: budget spent, {len(results)} configs timed")
+                break
+            try:
+                err = relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)
+                assert err < 2e-2, f"{name} M={m} {cfg}: relative error {err:.2e} against moe_reference"
+                results[json.dumps(cfg)] = graph_seconds(lambda c=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=c))
+            except triton_resource_errors() as e:
+                print(f"  skip {cfg}: {type(e).__name__}")
+        winner = min(results, key=results.get)
+        cfg = json.loads(winner)
+        tuned[m] = cfg
+        t_eager = eager_seconds(lambda: fm.fused_moe(x, w13, w2, weights, ids, config=cfg))
+        t_ref = eager_seconds(lambda: fm.moe_reference(x, w13, w2, weights, ids))
+        t_default = results.get(json.dumps(fm.default_config(m, num_experts, top_k, dtype)))
+        row = {"shape": name, "m": m, "best": cfg, "fused_graph_s": results[winner], "fused_eager_s": t_eager,
+               "default_graph_s": t_default, "reference_s": t_ref,
+               "error": relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)}
+        if vllm is not None:
+            try:
+                row["vllm_graph_s"] = graph_seconds(lambda: vllm(x, w13, w2, weights, ids.to(torch.int32)))
+            except Exception as e:  # noqa: BLE001 - report, keep the sweep going
+                print(f"  vLLM fused_experts failed at M={m}: {type(e).__name__}: {e}")
+        rows.append(row)
+        print_row(row, len(results))
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+def triton_resource_errors() -> tuple[type[BaseException], ...]:
+    from triton.runtime.errors import OutOfResources
+    return (OutOfResources,)
+
+
+def print_row(row, num_timed: int) -> None:
+    us = lambda s: f"{s * 1e6:9.1f}" if s else "        -"   # noqa: E731
+    vllm = us(row.get("vllm_graph_s"))
+    ratio = f"{row['vllm_graph_s'] / row['fused_graph_s']:5.2f}x" if row.get("vllm_graph_s") else "    -"
+    print(f"{row['shape']:14s} M={row['m']:5d} fused(graph) {us(row['fused_graph_s'])} us"
+          f"  default {us(row['default_graph_s'])} us"
+          f"  eager {us(row['fused_eager_s'])} us  reference {us(row['reference_s'])} us"
+          f"  ref/fused {row['reference_s'] / row['fused_graph_s']:6.2f}x  vLLM {vllm} us (vLLM/fused {ratio})"
+          f"  err {row['error']:.1e}  [{num_timed} configs] best {row['best']}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
+    args = ap.parse_args()
+    if not gpu_only("bench_fused_moe"):
+        return 0
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    dtype = getattr(torch, args.dtype)
+    vllm = vllm_experts()
+    rows, best = [], {}
+    for name in args.shapes:
+        sweep_shape(name, SHAPES[name], args.m, dtype, deadline, vllm, rows, best)
+    print(f"swept in {time.monotonic() - start:.0f} s; paste into fused_moe.TUNED_CONFIGS (device "
+          f"{torch.cuda.get_device_name()}):")
+    print("TUNED_CONFIGS = {")
+    for key, per_m in best.items():
+        print(f"    {key!r}: {{")
+        for m, cfg in per_m.items():
+            print(f"        {m}: {cfg!r},")
+        print("    },")
+    print("}")
+    print("RESULT " + json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
