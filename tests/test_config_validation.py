@@ -41,12 +41,13 @@ def corrupt(base: str, tmp_path, file: str = "config.json", edit=None, text: str
     return folder
 
 
-def one_line_error(capsys, argv: list[str]) -> str:
-    """Run the CLI; assert exit 2 and exactly one `error:` line on stderr; return that line."""
+def one_line_error(capsys, argv: list[str], status: int = 2) -> str:
+    """Run the CLI; assert exit `status` (2: a user mistake; `kvfit plan`: 1 for a model that does not
+    fit) and exactly one `error:` line on stderr; return that line."""
     rc = main(argv)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2, err
+    assert rc == status, err
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
@@ -141,13 +142,13 @@ def test_hidden_size_too_big_for_memory_is_weights_do_not_fit(base_model, tmp_pa
     folder = corrupt(base_model, tmp_path, edit=_set(hidden_size=hidden_size, head_dim=16))
     line = one_line_error(capsys, ["generate", folder, *GENERATE])
     assert "the weights do not fit" in line and "cpu" in line, line
-    assert "weights" in one_line_error(capsys, ["plan", folder])
+    assert "weights" in one_line_error(capsys, ["plan", folder], status=1)
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["plan", "llama-3.1-8b", "--device-memory", "1e400"], ["--device-memory", "too large"]),
-    (["plan", "llama-3.1-8b", "--device-memory", "9" * 5000], ["--device-memory", "too large"]),
-    (["plan", "llama-3.1-8b", "--device-memory", "1e19"], ["--device-memory", "too large"]),
+    (["plan", "llama-3.1-8b", "--device-memory", "1e400GB"], ["--device-memory", "too large"]),
+    (["plan", "llama-3.1-8b", "--device-memory", "9" * 5000 + "B"], ["--device-memory", "too large"]),
+    (["plan", "llama-3.1-8b", "--device-memory", "1e19B"], ["--device-memory", "too large"]),
     (["plan", "llama-3.1-8b", "--kv-cache-memory", "1e400TiB"], ["--kv-cache-memory", "too large"]),
 ], ids=["device-memory-1e400", "device-memory-5000-digits", "device-memory-past-int64", "kv-cache-memory-inf"])
 def test_out_of_range_plan_flags(capsys, argv, words):
@@ -176,6 +177,16 @@ def test_integer_flags_must_fit_int64(capsys, argv):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: argument {argv[2]}"), err
+
+
+ROPE_CASES = [case for case in LOAD_CASES if case[0].startswith("rope-")]
+
+
+@pytest.mark.parametrize("case,file,change,words", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+def test_plan_and_generate_refuse_the_same_rope_configs(base_model, tmp_path, capsys, case, file, change, words):
+    # issue 12: `kvfit plan` used to accept rope settings that `generate` refused (the check needed torch)
+    folder = corrupt(base_model, tmp_path, file, edit=change)
+    assert one_line_error(capsys, ["plan", folder]) == one_line_error(capsys, ["generate", folder, *GENERATE])
 
 
 def test_largest_seed_runs(base_model, capsys):

@@ -341,3 +341,20 @@ def test_parameter_count_matches_transformers(hf, prefix, kwargs, rewrite):
 def test_null_num_key_value_heads_means_multi_head_attention():
     cfg = {**TINY, "num_key_value_heads": None}
     assert facts_from_config(cfg).num_kv_heads == TINY["num_attention_heads"]
+
+
+def test_rope_settings_are_read_with_the_facts():
+    from kvfit.model_facts import RopeConfig
+    facts = load_model_facts("llama-3.1-8b")
+    assert facts.rope == RopeConfig(head_dim=128, theta=500000.0, rope_type="llama3", factor=8.0,
+                                    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    # MLA's rotary embedding (yarn) is planned, not run: no RopeConfig, and no refusal
+    assert load_model_facts("deepseek-v3").rope is None
+
+
+def test_rope_validation_needs_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys; from kvfit.model_facts import rope_config_from_raw; "
+            "rope_config_from_raw({'rope_theta': 1e4}, 64); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,8 +15,7 @@ def test_constants():
 @pytest.mark.parametrize("text,expected", [
     (1, 1),
     (150_109_880_320, 150_109_880_320),
-    ("1024", 1024),
-    ("  1024  ", 1024),
+    ("  1024B  ", 1024),
     ("1024B", 1024),
     ("1024 b", 1024),
     ("80GiB", 80 * 2**30),
@@ -40,9 +39,9 @@ def test_constants():
     ("1T", 10**12),
     ("1TiB", 2**40),
     ("1Ti", 2**40),
-    ("1.5e9", 1_500_000_000),
-    ("8e9", 8 * 10**9),
-    ("2E3", 2000),
+    ("1.5e9B", 1_500_000_000),
+    ("8e9 B", 8 * 10**9),
+    ("2E3b", 2000),
     ("1e-3GB", 10**6),
     ("1.5e3 MiB", 1500 * 2**20),
     (1.5e9, 1_500_000_000),            # a float from a YAML/JSON config
@@ -53,7 +52,8 @@ def test_parse_bytes_forms(text, expected):
 
 
 def test_fractions_round_down_to_whole_bytes():
-    assert parse_bytes("1.9") == 1
+    assert parse_bytes("1.9B") == 1
+    assert parse_bytes(1.9) == 1
     assert parse_bytes("0.1GiB") == int(0.1 * 2**30)
 
 
@@ -67,7 +67,26 @@ def test_not_a_byte_size(text):
     assert "GiB" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("text", [0, -1, -5 * GiB, "0", "0GiB", "0.0", "0.4", "1e-12GiB"])
+@pytest.mark.parametrize("text", ["80", "1024", " 80 ", "8e9", "1.5", "0"])
+def test_text_without_a_unit_is_rejected(text):
+    # `--device-memory 80` would mean 80 bytes: nobody means that, so a unit is required
+    with pytest.raises(ConfigError) as err:
+        parse_bytes(text, flag="--device-memory")
+    assert str(err.value).startswith("--device-memory needs a unit, e.g. 80GiB or 80GB")
+
+
+@pytest.mark.parametrize("number,expected", [(8 * GiB, 8 * GiB), (8e9, 8 * 10**9)])
+def test_python_numbers_are_bytes(number, expected):
+    assert parse_bytes(number) == expected
+
+
+@pytest.mark.parametrize("number", [float("inf"), 1e400, 2.0**64])
+def test_huge_python_numbers_are_too_large(number):
+    with pytest.raises(ConfigError, match="too large"):
+        parse_bytes(number, flag="kv_cache_memory")
+
+
+@pytest.mark.parametrize("text", [0, -1, -5 * GiB, "0B", "0GiB", "0.0B", "0.4B", "1e-12GiB", float("nan")])
 def test_zero_and_negative_are_rejected(text):
     with pytest.raises(ConfigError, match="--device-memory must be positive"):
         parse_bytes(text, flag="--device-memory")
@@ -104,4 +123,4 @@ def test_parse_then_format_round_trip():
 
 
 def test_large_integer_strings_are_exact():
-    assert parse_bytes("9007199254740993") == 2**53 + 1
+    assert parse_bytes("9007199254740993B") == 2**53 + 1

@@ -1,6 +1,11 @@
 """kvfit: an LLM inference engine whose paged KV cache is sized from the memory it measures."""
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("kvfit")       # the one version: pyproject.toml's, as installed
+except _metadata.PackageNotFoundError:             # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name):

@@ -1,17 +1,45 @@
 """The `kvfit` command line. Flags map one to one onto config fields and use vLLM's names.
 
-Every user mistake ends as one line `error: ...` on stderr and exit status 2, never a traceback.
+Exit status: 0 done; 1 `kvfit plan`: the model does not fit (the plan says why), or stdout was closed
+early (`kvfit plan ... | head`); 2 a user mistake, as one line `error: ...` on stderr, never a traceback;
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 
+from kvfit import __version__
 from kvfit.errors import KvfitError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: the flag's own, or else the default of the config
+    field it sets (a flag left out keeps the config's default). Help that already names its default
+    (or says what None means) is left as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        default = action.default
+        if default is None:
+            from kvfit.config import setting_default
+            default = setting_default(action.dest)
+        if default is None:
+            return text
+        shown = str(default).replace("%", "%%")    # argparse %-formats help text
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, no usage block
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
@@ -23,6 +51,7 @@ COMMANDS = ("plan", "generate", "demo", "profile", "serve")
 def build_parser() -> argparse.ArgumentParser:
     import importlib
     parser = _Parser(prog="kvfit", description="LLM inference with a KV cache sized from measured memory")
+    parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
@@ -36,10 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (so a BrokenPipeError came from stdout, not from
+    a pipe between tensor-parallel ranks, which is a real failure)."""
     try:
-        return args.run(args) or 0
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):   # no poll on this system, or stdout is no file
+        return False
+
+
+def _silence_stdout() -> None:
+    """After the reader of stdout went away: point stdout at devnull so the flush at exit cannot
+    raise BrokenPipeError again (the recipe of Python's `signal` documentation)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)     # inside the try: `kvfit plan --help | head` too
+        status = args.run(args) or 0
+        sys.stdout.flush()      # inside the try: a closed pipe shows here, not as a traceback at exit
+        return status
+    except BrokenPipeError:     # `kvfit plan ... | head`: the reader has what it wanted
+        if not _stdout_closed():
+            raise
+        _silence_stdout()
+        return 1
     except KvfitError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
@@ -48,5 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def run_main() -> None:
+    """`python -m kvfit` and `python -m kvfit.cli`: exit with main's status."""
     raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    run_main()

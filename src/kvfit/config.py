@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 
 from kvfit.errors import ConfigError
+from kvfit.hub import resolve_model_name
 from kvfit.kv.spec import KV_CACHE_DTYPES, check_block_size, resolve_kv_cache_dtype
 from kvfit.model_facts import DTYPE_ALIASES
 from kvfit.units import parse_bytes
@@ -16,6 +17,8 @@ from kvfit.units import parse_bytes
 MAX_SEED = 2**64 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+# --max-model-len auto (vLLM's auto / -1): the longest request the KV cache holds, capped by the model's
+AUTO_MAX_MODEL_LEN = "auto"
 # Share of the memory available at start-up that the CPU platform gives the KV cache by default.
 CPU_KV_CACHE_SHARE = 0.25
 
@@ -34,24 +37,37 @@ def _check_int(name: str, value, minimum: int = 1, allow_none: bool = False):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str
+    model: str                           # resolved at construction: a folder, a config.json's folder, a catalog name
     dtype: str = "auto"                  # auto = the checkpoint's torch_dtype
-    max_model_len: int | None = None     # None = the model's max_position_embeddings
+    # None = the model's max_position_embeddings; "auto" = the longest request the KV cache holds, capped by it
+    max_model_len: int | str | None = None
     load_format: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
+    revision: str | None = None          # branch, tag or commit of a Hugging Face id (default main)
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("a model is required: a Hugging Face folder, a config.json or a catalog name")
+            raise ConfigError("a model is required: a Hugging Face folder or id, a config.json or a catalog name")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ConfigError(f"--revision must be a branch, tag or commit hash, got {self.revision!r}")
+        # a Hugging Face id becomes its folder in the local cache (offline); a missing folder fails here,
+        # before anything reads it
+        object.__setattr__(self, "model", resolve_model_name(self.model, self.revision))
         if os.path.basename(self.model) == "config.json" and os.path.isfile(self.model):
             # a config.json names its folder: weights and tokenizer live beside it
             object.__setattr__(self, "model", os.path.dirname(os.path.abspath(self.model)))
         if self.dtype != "auto" and str(self.dtype).lower() not in DTYPE_ALIASES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16")
-        _check_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.max_model_len == -1 or (isinstance(self.max_model_len, str)
+                                         and self.max_model_len.strip().lower() == AUTO_MAX_MODEL_LEN):
+            object.__setattr__(self, "max_model_len", AUTO_MAX_MODEL_LEN)
+        elif isinstance(self.max_model_len, str):
+            raise ConfigError(f"--max-model-len must be an integer >= 1 or auto, got {self.max_model_len!r}")
+        else:
+            _check_int("max_model_len", self.max_model_len, allow_none=True)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
         _check_int("seed", self.seed, minimum=0)
@@ -198,3 +214,12 @@ class EngineConfig:
 
 def setting_names() -> list[str]:
     return [f.name for klass in _SECTIONS.values() for f in dataclasses.fields(klass)]
+
+
+def setting_default(name: str):
+    """The default of config setting `name` (None where it has none, or where None means "derived")."""
+    for klass in _SECTIONS.values():
+        for f in dataclasses.fields(klass):
+            if f.name == name:
+                return None if f.default is dataclasses.MISSING else f.default
+    return None

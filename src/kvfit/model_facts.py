@@ -89,6 +89,9 @@ class ModelFacts:
     # MLA (DeepSeek): one latent of kv_lora_rank + qk_rope_head_dim per token per layer
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    # RoPE settings, validated here so every command refuses the same configs (None for MLA, whose
+    # rotary embedding kvfit plans but does not run)
+    rope: RopeConfig | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -200,6 +203,62 @@ def _structure(family: str, cfg: dict, source: str) -> dict:
                 sliding_window=window)
 
 
+# RoPE: both config styles are read, transformers 5 (`rope_parameters: {rope_type, rope_theta, ...}`) and
+# transformers 4 (`rope_theta` + `rope_scaling: {rope_type | type, ...}`); models/rope.py applies them.
+ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """The RoPE settings of one model (all layers share them)."""
+
+    head_dim: int
+    theta: float = DEFAULT_ROPE_THETA
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def _rope_dict(raw: dict, source: str) -> dict:
+    params = read_field(raw, "rope_parameters", "object", source, default={})
+    if "full_attention" in params:   # per-layer-type form
+        params = read_field(params, "full_attention", "object", f"{source} rope_parameters", default={})
+    merged = dict(read_field(raw, "rope_scaling", "object", source, default={}))
+    merged.update(params)
+    if "rope_theta" not in merged and raw.get("rope_theta") is not None:
+        merged["rope_theta"] = raw["rope_theta"]
+    return merged
+
+
+def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json") -> RopeConfig:
+    """Read RoPE settings from a config.json dict; unsupported or out-of-range settings are a ConfigError."""
+    d = _rope_dict(raw, source)
+    where = f"{source} (rope_theta / rope_scaling / rope_parameters)"
+    rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if read_field(d, "partial_rotary_factor", "number", where, default=1.0) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor != 1.0 is not supported; use a model with full RoPE")
+    # null means the default (as transformers reads it); 0 or a negative theta is an error, not the default
+    theta = read_field(d, "rope_theta", "number", where, default=DEFAULT_ROPE_THETA, above=0)
+    if rope_type == "default":
+        return RopeConfig(head_dim=head_dim, theta=theta)
+    factor = read_field(d, "factor", "number", where, required=True, above=0)
+    if rope_type == "linear":
+        return RopeConfig(head_dim=head_dim, theta=theta, rope_type="linear", factor=factor)
+    low, high = (read_field(d, key, "number", where, required=True, above=0)
+                 for key in ("low_freq_factor", "high_freq_factor"))
+    if not high > low:   # the llama3 smoothing divides by high - low
+        raise ConfigError(f"{where}: high_freq_factor must be greater than low_freq_factor, got {high} <= {low}")
+    original = read_field(d, "original_max_position_embeddings", "int", where, required=True,
+                          minimum=1)
+    return RopeConfig(head_dim=head_dim, theta=theta, rope_type="llama3", factor=factor, low_freq_factor=low,
+                      high_freq_factor=high, original_max_position_embeddings=original)
+
+
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     """Read ModelFacts from a parsed config.json; raise ConfigError on anything missing or malformed."""
     if not isinstance(cfg, dict):
@@ -228,6 +287,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     if family.startswith("deepseek"):
         kv_lora = _positive_int(cfg, "kv_lora_rank", source)
         rope_dim = _positive_int(cfg, "qk_rope_head_dim", source)
+    rope = rope_config_from_raw(cfg, head_dim, source) if kv_lora is None else None
     quant = read_field(cfg, "quantization_config", "object", source, default={})
     quant_method = read_field(quant, "quant_method", "str", f"{source} quantization_config", default="")
     weight_bytes = 1 if quant_method.startswith("fp8") else DTYPE_BYTES[_dtype(cfg, source)]
@@ -236,7 +296,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
-        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, raw=dict(cfg), **_structure(family, cfg, source))
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, raw=dict(cfg), **_structure(family, cfg, source))
     return _with_params(facts, cfg, source)
 
 
@@ -363,4 +423,4 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
            "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
-           "read_field", "ceil_div"]
+           "read_field", "ceil_div", "RopeConfig", "rope_config_from_raw", "ROPE_TYPES", "DEFAULT_ROPE_THETA"]

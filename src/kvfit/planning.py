@@ -5,16 +5,18 @@ Above kv/ (which knows nothing of EngineConfig) and below the engine, the runner
 
 from __future__ import annotations
 
-from kvfit.config import EngineConfig
+from kvfit.config import AUTO_MAX_MODEL_LEN, EngineConfig
 from kvfit.errors import ConfigError
 from kvfit.kv.plan import PlanLimits
 from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
 
 
-def resolve_max_model_len(facts: ModelFacts, requested: int | None) -> int:
-    """The requested context length, or the model's; longer than the model's is an error."""
-    if requested is None:
+def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int:
+    """The requested context length, or the model's; longer than the model's is an error. For "auto"
+    the model's too: the upper bound that sizing (block-table rows, graphs) may use; the plan lowers it
+    to what one request can hold (KVPlan.max_model_len)."""
+    if requested is None or requested == AUTO_MAX_MODEL_LEN:
         return facts.max_position_embeddings
     if requested > facts.max_position_embeddings:
         raise ConfigError(
@@ -32,7 +34,8 @@ def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset:
     limits = PlanLimits(
         max_model_len=resolve_max_model_len(facts, config.model.max_model_len),
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
-        max_num_blocks=config.cache.max_num_blocks, max_element_offset=max_element_offset, backend=backend)
+        max_num_blocks=config.cache.max_num_blocks, max_element_offset=max_element_offset, backend=backend,
+        max_model_len_auto=config.model.max_model_len == AUTO_MAX_MODEL_LEN)
     return spec, limits
 
 

@@ -39,36 +39,77 @@ def int_flag(text: str) -> int:
     return value
 
 
+# vLLM's human-readable integers: a lowercase suffix is decimal, an uppercase one binary
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def max_model_len_flag(text: str) -> int | str:
+    """--max-model-len as vLLM reads it: an integer, 32k (32,000; decimals allowed) or 32K (32,768; no
+    decimals), or auto / -1: the longest request the KV cache holds."""
+    value = text.strip()
+    if value.lower() == "auto" or value == "-1":
+        return "auto"
+    try:
+        if value[-1:] in _BINARY_SUFFIXES:
+            number = int(value[:-1]) * _BINARY_SUFFIXES[value[-1]]
+        elif value[-1:] in _DECIMAL_SUFFIXES:
+            number = int(float(value[:-1]) * _DECIMAL_SUFFIXES[value[-1]])
+        else:
+            number = int(value)
+    except (ValueError, OverflowError):   # not a number, inf/nan, or past Python's 4,300 digits
+        raise argparse.ArgumentTypeError(f"expected an integer like 4096, 32k or 32K, or auto, got "
+                                         f"{text[:40]!r}") from None
+    return int_flag(str(number))
+
+
+def add_model_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """The MODEL positional and --revision (vLLM's names) of every command that reads a model."""
+    p.add_argument("model", metavar="MODEL",
+                   help=f"a model folder, a config.json, a Hugging Face id found in the local cache "
+                        f"($HF_HUB_CACHE or ~/.cache/huggingface/hub; never downloaded), or {what}")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face id in the local cache (default: main)")
+
+
 def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     """Flags that shape the KV plan (shared by plan, generate, serve, profile)."""
     p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
-                   help="fraction of device memory that may be in use while serving (default 0.9)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int_flag, default=None)
-    p.add_argument("--block-size", type=int_flag, default=None, help="tokens per KV block (power of two, default 16)")
-    p.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, float16, float32 or fp8")
-    p.add_argument("--max-model-len", type=int_flag, default=None, help="longest request (prompt + output) in tokens")
-    p.add_argument("--max-num-batched-tokens", type=int_flag, default=None)
-    p.add_argument("--max-num-seqs", type=int_flag, default=None)
+                   help="fraction of device memory that may be in use while serving")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int_flag, default=None,
+                   help="ranks the model is split over, one device each")
+    p.add_argument("--block-size", type=int_flag, default=None, help="tokens per KV block (a power of two)")
+    p.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, float16, float32 or fp8 "
+                                                           "(auto: the model's dtype)")
+    p.add_argument("--max-model-len", type=max_model_len_flag, default=None,
+                   help="longest request (prompt + output) in tokens, e.g. 4096, 32k (32,000) or 32K (32,768); "
+                        "auto (or -1): the longest that one request can hold in the KV cache, at most the "
+                        "model's (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=int_flag, default=None, help="tokens per engine step")
+    p.add_argument("--max-num-seqs", type=int_flag, default=None, help="requests in the batch at once")
     p.add_argument("--num-gpu-blocks-override", type=int_flag, default=None,
-                   help="use exactly this many KV blocks (must fit in memory)")
-    p.add_argument("--max-num-blocks", type=int_flag, default=None, help="an explicit cap on KV blocks (default none)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes, e.g. 20GiB (replaces the utilization budget)")
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+                   help="use exactly this many KV blocks, which must fit in memory (default: as many as fit)")
+    p.add_argument("--max-num-blocks", type=int_flag, default=None, help="a cap on KV blocks (default: none)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size with a unit, e.g. 20GiB; replaces the --gpu-memory-utilization budget "
+                        "(default: what the budget leaves)")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
     p.add_argument("--attention-backend", default=None, help="torch or triton (default: the platform's)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Flags of a running engine (generate, serve, profile, demo)."""
     add_capacity_flags(p)
-    p.add_argument("--device", default=None, help="auto, cpu or cuda")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda (auto: a GPU if torch sees one)")
     p.add_argument("--load-format", default=None, help="auto, safetensors or dummy (random weights)")
     p.add_argument("--seed", type=_seed, default=None, help="seed of the engine's random numbers (0 to 2**64 - 1)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of a shared prompt prefix")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--num-scheduler-steps", type=int_flag, default=None,
                    help="decode steps per scheduling round, tokens kept on the device between them "
                         "(default: 8 on CUDA with one rank, else 1)")
-    p.add_argument("--plan-json", default=None, help="write the KV plan as JSON to this path")
+    p.add_argument("--plan-json", default=None, help="write the KV plan as JSON to this path (default: not written)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

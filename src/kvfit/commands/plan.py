@@ -1,56 +1,80 @@
-"""`kvfit plan MODEL`: the KV plan for a model on a GPU, estimated without the GPU."""
+"""`kvfit plan MODEL`: the KV plan for a model on a GPU, estimated without the GPU.
+
+Exit status 0: it fits; 1: it does not (with --json the plan is printed all the same, `"fits": false`
+and `"reason"`; without, the reason is one `error:` line); 2: a user mistake.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 from kvfit import catalog
 from kvfit.attention.registry import backend_max_offset
 from kvfit.config import EngineConfig
+from kvfit.errors import CapacityError
 from kvfit.planning import spec_and_limits
-from kvfit.kv.plan import plan_kv_cache
+from kvfit.kv.plan import MemoryReading, assess_kv_cache
 from kvfit.kv.report import plan_table
-from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, load_model_facts
+from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts, load_model_facts
 from kvfit.platforms.estimate import estimate_reading
 from kvfit.units import parse_bytes
 
+DOES_NOT_FIT = 1       # exit status when the model does not fit (2 is a user mistake)
+
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_capacity_flags
+    from kvfit.commands.flags import add_capacity_flags, add_model_argument
     p = sub.add_parser("plan", help="plan the KV cache of MODEL on a GPU (no GPU needed)")
-    p.add_argument("model", metavar="MODEL", help="model folder, config.json, or catalog name")
-    p.add_argument("--gpu", default=None, help=f"one of {', '.join(catalog.GPUS)} (default H200)")
-    p.add_argument("--device-memory", default=None, help="device memory instead of --gpu, e.g. 80GiB")
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_model_argument(p, f"a catalog name ({', '.join(catalog.MODELS)})")
+    p.add_argument("--gpu", default=None, help=f"one of {', '.join(catalog.GPUS)} (default: H200)")
+    p.add_argument("--device-memory", default=None,
+                   help="device memory with a unit, e.g. 80GiB, instead of --gpu (default: --gpu's)")
+    p.add_argument("--json", action="store_true",
+                   help='print the plan as one JSON object, also when it does not fit ("fits": false, "reason")')
     add_capacity_flags(p)
     p.set_defaults(run=run)
 
 
+def _device(args) -> tuple[int, str]:
+    if args.device_memory is not None:
+        return parse_bytes(args.device_memory, "--device-memory"), "custom"
+    name = args.gpu or "H200"
+    return catalog.gpu_total_bytes(name), name
+
+
+def _estimate(facts: ModelFacts, total: int, config: EngineConfig, dtype_bytes, max_model_len: int) -> MemoryReading:
+    args = (facts, total, config.cache, config.scheduler, config.parallel.tensor_parallel_size, dtype_bytes,
+            max_model_len)
+    try:
+        return estimate_reading(*args)
+    except CapacityError:
+        # estimate_reading refuses weights past the budget; the plan still shows the estimated parts
+        # (an explicit KV size skips that check), and assess_kv_cache gives the reason
+        reading = estimate_reading(facts, total, dataclasses.replace(config.cache, kv_cache_memory=1), *args[3:])
+        return dataclasses.replace(reading, kv_cache_memory_bytes=config.cache.kv_cache_memory)
+
+
 def run(args) -> int:
     from kvfit.commands.flags import engine_kwargs
-    facts = load_model_facts(args.model)
-    if args.device_memory is not None:
-        total, device_name = parse_bytes(args.device_memory, "--device-memory"), "custom"
-    else:
-        device_name = args.gpu or "H200"
-        total = catalog.gpu_total_bytes(device_name)
     kwargs = engine_kwargs(args)
     kwargs.pop("attention_backend", None)
-    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    config = EngineConfig.from_kwargs(args.model, **kwargs)     # a missing model is the first error
+    facts = load_model_facts(config.model.model)
+    total, device_name = _device(args)
     backend = args.attention_backend or "triton"
     spec, limits = spec_and_limits(facts, config, backend_max_offset(backend), backend)
     dtype = config.model.dtype
     dtype_bytes = None if dtype == "auto" else DTYPE_BYTES[DTYPE_ALIASES[dtype.lower()]]
-    reading = estimate_reading(facts, total, config.cache, config.scheduler,
-                               config.parallel.tensor_parallel_size, dtype_bytes, limits.max_model_len)
-    plan = plan_kv_cache(reading, spec, limits, config.parallel.tensor_parallel_size)
+    reading = _estimate(facts, total, config, dtype_bytes, limits.max_model_len)
+    plan = assess_kv_cache(reading, spec, limits, config.parallel.tensor_parallel_size)
     if args.json:
         print(json.dumps({**plan.to_dict(), "model": args.model, "device": device_name,
                           "device_memory_bytes": total}))
-    else:
+    elif plan.fits:
         print(plan_table(plan, f"kvfit plan: {args.model} on {device_name} ({total:,} bytes), "
                                f"tensor parallel {config.parallel.tensor_parallel_size}, memory estimated"))
-    return 0
-
-
-
+    else:
+        sys.stderr.write(f"error: {plan.reason}\n")
+    return 0 if plan.fits else DOES_NOT_FIT

@@ -10,11 +10,12 @@ from kvfit.units import gib
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags, add_model_argument
     p = sub.add_parser("profile", help="measure the memory breakdown and the KV plan on a device")
-    p.add_argument("model", metavar="MODEL", help="model folder, or a catalog name with --load-format dummy")
+    add_model_argument(p, "a catalog name with --load-format dummy")
     p.add_argument("--json", action="store_true", help="the plan and the measured parts as one JSON object")
-    p.add_argument("--plot", default=None, metavar="PNG", help="draw the breakdown as a stacked bar")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the breakdown as a stacked bar into this PNG (needs matplotlib; default: no plot)")
     add_engine_flags(p)
     p.set_defaults(run=run)
 
@@ -41,13 +42,19 @@ def measured_breakdown(engine, platform) -> dict:
     return parts
 
 
-def plot_breakdown(parts: dict, path: str, title: str) -> None:
+def import_pyplot():
+    """matplotlib's pyplot (headless); without matplotlib, the one-line --plot error."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib (or kvfit[plot])") from None
+    return plt
+
+
+def plot_breakdown(parts: dict, path: str, title: str) -> None:
+    plt = import_pyplot()
     names = ["in_use_at_start", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache"]
     values = [parts[f"{n}_bytes"] / 2**30 for n in names]
     free = parts["free_after_allocation_bytes"]
@@ -70,11 +77,15 @@ def plot_breakdown(parts: dict, path: str, title: str) -> None:
 
 def run(args) -> int:
     from kvfit.commands.flags import engine_kwargs
-    from kvfit.commands.common import setup_logging
+    from kvfit.commands.common import engine_startup, setup_logging
     from kvfit.config import EngineConfig
-    from kvfit.engine.llm_engine import LLMEngine
     setup_logging()
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))   # a missing model is the first error
+    if args.plot:
+        import_pyplot()      # before minutes of loading and profiling, not after
+    from kvfit.engine.llm_engine import LLMEngine
+    with engine_startup(config):
+        engine = LLMEngine(config)
     try:
         platform = engine_platform(engine)
         device = platform.name

@@ -8,19 +8,19 @@ from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags
+    from kvfit.commands.flags import add_engine_flags, add_model_argument
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", metavar="MODEL", help="model folder (or a catalog name with --load-format dummy)")
+    add_model_argument(p, "a catalog name with --load-format dummy")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (/health stays open); visible in `ps`: "
-                        f"prefer --api-key-file or ${API_KEY_ENV}")
+                        f"prefer --api-key-file or ${API_KEY_ENV} (default: none, no key)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help=f"read the API key from this file, once at start-up (else ${API_KEY_ENV}, if set)")
+                   help=f"read the API key from this file, once at start-up (default: ${API_KEY_ENV}, if set)")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require the API key on /metrics too (default: open, prefix-cache figures coarsened)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
@@ -54,7 +54,7 @@ def _check_args(args) -> None:
 
 def run(args) -> int:
     from kvfit.commands.flags import engine_kwargs
-    from kvfit.commands.common import setup_logging
+    from kvfit.commands.common import engine_startup, setup_logging
     _check_args(args)
     setup_logging()
     from kvfit.config import EngineConfig
@@ -62,13 +62,14 @@ def run(args) -> int:
     from kvfit.server.app import create_app
     from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,
                                      serve, startup_warnings, url_of)
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))   # a missing model is the first error
     api_key = resolve_api_key(args.api_key, args.api_key_file)     # before loading: a bad key fails fast
     guards = GuardOptions(args.host, api_key, args.metrics_require_key, args.body_timeout)
     limits = ConnectionLimits(args.max_connections, args.header_timeout)
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     sock = bind_socket(args.host, args.port)     # before loading: a taken port fails fast
     try:
-        engine = LLMEngine(config)
+        with engine_startup(config):
+            engine = LLMEngine(config)
         try:
             name = config.model.served_model_name or args.model
             app = create_app(engine, name, api_key=api_key, max_waiting_requests=args.max_waiting_requests,

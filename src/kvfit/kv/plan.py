@@ -2,7 +2,9 @@
 
 num_blocks = min(memory limit (or the override that replaces it), max_num_blocks, index limit).
 Every limit is recorded; the smallest names `bound_by`. Errors, not clamps: a plan that cannot
-serve one request of max_model_len, or a budget with nothing left for KV, raises CapacityError.
+serve one request of max_model_len, or a budget with nothing left for KV, raises CapacityError
+(assess_kv_cache returns that plan instead, with `fits` False and the reason, for `kvfit plan --json`).
+The one lowering is asked for: --max-model-len auto takes the longest request the blocks hold.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class PlanLimits:
     max_num_blocks: int | None = None
     max_element_offset: int = OFFSET_64_BIT   # declared by the attention backend
     backend: str = "torch"
+    # --max-model-len auto: max_model_len is the cap (the model's), lowered to what one request can use
+    max_model_len_auto: bool = False
 
     def __post_init__(self):
         if self.max_model_len < 1:
@@ -110,6 +114,9 @@ class KVPlan:
     per_rank_available_kv_bytes: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     reading: dict = field(default_factory=dict)
+    fits: bool = True                    # False only from assess_kv_cache: it cannot serve, see reason
+    reason: str | None = None
+    max_model_len_cap: int | None = None   # --max-model-len auto: the model's length it was capped at
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +124,17 @@ class KVPlan:
     def log_line(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens, bound by {self.bound_by}, "
                 f"{gib(self.kv_cache_bytes)}, token capacity {self.token_capacity}, "
-                f"max concurrency {self.max_concurrency:.2f}x at {self.max_model_len} tokens")
+                f"max concurrency {self.max_concurrency:.2f}x at {self.max_model_len} tokens"
+                + self.auto_note())
+
+    def auto_note(self) -> str:
+        """How --max-model-len auto chose max_model_len ('' when it was not asked for)."""
+        if self.max_model_len_cap is None:
+            return ""
+        if self.max_model_len < self.max_model_len_cap:
+            return (f" (--max-model-len auto: {self.max_model_len}, the longest request the KV cache holds; "
+                    f"the model allows {self.max_model_len_cap})")
+        return f" (--max-model-len auto: the model's maximum {self.max_model_len_cap} fits)"
 
 
 def memory_limit_blocks(reading: MemoryReading, spec: KVSpec) -> int:
@@ -129,65 +146,89 @@ def index_limit_blocks(spec: KVSpec, max_element_offset: int) -> int:
     return min(spec.max_addressable_blocks(max_element_offset), MAX_BLOCK_ID + 1)
 
 
-def _check_budget(readings: Sequence[MemoryReading]) -> None:
+def _budget_problem(readings: Sequence[MemoryReading]) -> str | None:
+    """Why the budget leaves nothing for the KV cache on some rank, or None."""
     for rank, reading in enumerate(readings):
         where = f" on rank {rank}" if len(readings) > 1 else ""
         if reading.kv_cache_memory_bytes is None and reading.weights_bytes >= reading.budget_bytes:
-            raise CapacityError(
-                f"the weights ({gib(reading.weights_bytes)}){where} do not fit in the budget "
-                f"({gib(reading.budget_bytes)} of {gib(reading.total_bytes)}); use more --tensor-parallel-size, "
-                "a larger device or a higher --gpu-memory-utilization")
+            return (f"the weights ({gib(reading.weights_bytes)}){where} do not fit in the budget "
+                    f"({gib(reading.budget_bytes)} of {gib(reading.total_bytes)}); use more --tensor-parallel-size, "
+                    "a larger device or a higher --gpu-memory-utilization")
         if reading.available_kv_bytes <= 0:
-            raise CapacityError(
-                f"no memory left for the KV cache{where}: {reading.explain()}; raise --gpu-memory-utilization, "
-                "lower --max-num-batched-tokens, use more --tensor-parallel-size or a larger device, "
-                "or set --kv-cache-memory")
+            return (f"no memory left for the KV cache{where}: {reading.explain()}; raise --gpu-memory-utilization, "
+                    "lower --max-num-batched-tokens, use more --tensor-parallel-size or a larger device, "
+                    "or set --kv-cache-memory")
+    return None
 
 
 def plan_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSpec, limits: PlanLimits,
                   tensor_parallel_size: int = 1) -> KVPlan:
-    """Plan the KV cache. With several readings (one per rank) the plan uses the minimum."""
+    """Plan the KV cache. With several readings (one per rank) the plan uses the minimum.
+    A plan that cannot serve (see assess_kv_cache) raises CapacityError with the reason."""
+    plan = assess_kv_cache(reading, spec, limits, tensor_parallel_size)
+    if not plan.fits:
+        raise CapacityError(plan.reason)
+    return plan
+
+
+def assess_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSpec, limits: PlanLimits,
+                    tensor_parallel_size: int = 1) -> KVPlan:
+    """The plan whether or not it can serve: `fits` False and `reason` (the error plan_kv_cache raises)
+    when the budget leaves no KV memory, the override does not fit, or one request of max_model_len
+    does not fit. With limits.max_model_len_auto, max_model_len is lowered to what one request can use."""
     readings = [reading] if isinstance(reading, MemoryReading) else list(reading)
     assert readings, "plan_kv_cache needs at least one reading"
-    _check_budget(readings)
+    problem = _budget_problem(readings)
     per_rank = [r.available_kv_bytes for r in readings]
     tightest = readings[per_rank.index(min(per_rank))]
     available = min(per_rank)
     memory = memory_limit_blocks(tightest, spec)
     index = index_limit_blocks(spec, limits.max_element_offset)
     override = limits.num_gpu_blocks_override
-    if override is not None and override > memory:
-        raise CapacityError(
-            f"--num-gpu-blocks-override {override} needs {gib(override * spec.bytes_per_block)} but only "
-            f"{gib(available)} are available for the KV cache ({memory} blocks); lower the override "
-            "or raise --gpu-memory-utilization / --kv-cache-memory")
+    if problem is None and override is not None and override > memory:
+        problem = (f"--num-gpu-blocks-override {override} needs {gib(override * spec.bytes_per_block)} but only "
+                   f"{gib(available)} are available for the KV cache ({memory} blocks); lower the override "
+                   "or raise --gpu-memory-utilization / --kv-cache-memory")
     candidates = [("override" if override is not None else "memory", override if override is not None else memory),
                   ("max_num_blocks", limits.max_num_blocks), ("index_width", index)]
     bound_by, num_blocks = min(((n, v) for n, v in candidates if v is not None), key=lambda nv: nv[1])
-    blocks_per_seq = spec.num_blocks_for_tokens(limits.max_model_len)
-    if num_blocks == 0:
-        raise CapacityError(
-            f"the KV cache budget ({gib(available)}) holds no block of {gib(spec.bytes_per_block)} "
-            f"(bound by {bound_by}); raise --kv-cache-memory or --gpu-memory-utilization")
-    if num_blocks < blocks_per_seq:
-        raise CapacityError(
-            f"one request of --max-model-len {limits.max_model_len} needs {blocks_per_seq} blocks "
-            f"({gib(blocks_per_seq * spec.bytes_per_block)}) but the KV cache holds {num_blocks} "
-            f"(bound by {bound_by}, {gib(num_blocks * spec.bytes_per_block)} of {gib(available)} available); "
-            f"lower --max-model-len to at most {num_blocks * spec.block_size} or give the cache more memory")
+    max_model_len = limits.max_model_len
+    if limits.max_model_len_auto:
+        # kvfit reserves no block (padding writes go to PADDING_SLOT_ID, not to a null block), so one
+        # request may hold every block
+        max_model_len = max(min(max_model_len, num_blocks * spec.block_size), 1)
+    blocks_per_seq = spec.num_blocks_for_tokens(max_model_len)
+    if problem is None:
+        problem = _request_problem(num_blocks, blocks_per_seq, bound_by, available, spec, limits)
     return KVPlan(
         num_blocks=num_blocks, block_size=spec.block_size, bytes_per_block=spec.bytes_per_block,
         kv_cache_bytes=num_blocks * spec.bytes_per_block, available_kv_bytes=available, bound_by=bound_by,
         limits={"memory": memory, "override": override, "max_num_blocks": limits.max_num_blocks,
                 "index_width": index},
-        max_model_len=limits.max_model_len, max_concurrency=round(num_blocks / blocks_per_seq, 2),
+        max_model_len=max_model_len, max_concurrency=round(num_blocks / blocks_per_seq, 2),
         token_capacity=num_blocks * spec.block_size, kv_heads_per_rank=spec.kv_heads_per_rank,
         tensor_parallel_size=tensor_parallel_size, num_layers=spec.num_layers, head_dim=spec.head_dim,
         kv_cache_dtype=spec.dtype, backend=limits.backend, max_element_offset=limits.max_element_offset,
         per_rank_available_kv_bytes=per_rank,
         warnings=_warnings(bound_by, memory, index, spec.max_addressable_blocks(limits.max_element_offset),
                            limits, per_rank),
-        reading=asdict(tightest))
+        reading=asdict(tightest), fits=problem is None, reason=problem,
+        max_model_len_cap=limits.max_model_len if limits.max_model_len_auto else None)
+
+
+def _request_problem(num_blocks: int, blocks_per_seq: int, bound_by: str, available: int, spec: KVSpec,
+                     limits: PlanLimits) -> str | None:
+    """Why one request of max_model_len cannot be served from num_blocks, or None."""
+    if num_blocks == 0:
+        return (f"the KV cache budget ({gib(available)}) holds no block of {gib(spec.bytes_per_block)} "
+                f"(bound by {bound_by}); raise --kv-cache-memory or --gpu-memory-utilization")
+    if num_blocks < blocks_per_seq:
+        return (f"one request of --max-model-len {limits.max_model_len} needs {blocks_per_seq} blocks "
+                f"({gib(blocks_per_seq * spec.bytes_per_block)}) but the KV cache holds {num_blocks} "
+                f"(bound by {bound_by}, {gib(num_blocks * spec.bytes_per_block)} of {gib(available)} available); "
+                f"lower --max-model-len to at most {num_blocks * spec.block_size} (or use --max-model-len auto) "
+                "or give the cache more memory")
+    return None
 
 
 def _warnings(bound_by: str, memory: int, index: int, offset_blocks: int, limits: PlanLimits,

@@ -21,6 +21,7 @@ def plan_table(plan: KVPlan, title: str) -> str:
         ("bytes_per_block", f"{plan.bytes_per_block:,}"),
         ("kv_cache", f"{gib(plan.kv_cache_bytes)} of {gib(plan.available_kv_bytes)} available"),
         ("token_capacity", f"{plan.token_capacity:,}"),
+        ("max_model_len", f"{plan.max_model_len:,} tokens{plan.auto_note()}"),
         ("max_concurrency", f"{plan.max_concurrency:.2f} requests of {plan.max_model_len:,} tokens"),
         ("kv_heads_per_rank", f"{plan.kv_heads_per_rank} (tensor parallel {plan.tensor_parallel_size})"),
         ("kv_cache_dtype", plan.kv_cache_dtype),
