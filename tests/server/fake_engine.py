@@ -11,14 +11,28 @@ from kvfit.errors import ConfigError
 
 
 class CharTokenizer:
-    def encode(self, text: str) -> list[int]:
+    """One token per character (its code point); no special tokens; a chat template only when given one."""
+
+    chat_template = None
+    vocab_size = 0x110000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        raise ConfigError("this model has no chat_template in tokenizer_config.json")
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [chr(i) for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, continue_final_message=False,
+                            chat_template=None, template_kwargs=None, tokenize=False):
+        if chat_template is None:
+            raise ConfigError("this model has no chat_template in tokenizer_config.json")
+        from kvfit.models.chat_template import compile_chat_template, render_chat_template
+        text = render_chat_template(compile_chat_template(chat_template), messages, add_generation_prompt, {},
+                                    continue_final_message, template_kwargs)
+        return self.encode(text) if tokenize else text
 
 
 class FakeEngine:

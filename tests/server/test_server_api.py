@@ -51,7 +51,8 @@ def reference(offline, prompt, **params):
 
 
 def chat_prompt(offline, messages):
-    return offline.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    # token ids as transformers' apply_chat_template(tokenize=True): no special tokens added to the rendered text
+    return offline.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
 # happy paths ------------------------------------------------------------------------------------
@@ -166,12 +167,12 @@ BAD_COMPLETIONS = {
     "temperature-tiny": ({"temperature": 1e-300}, "temperature"),
     "top-p-zero": ({"top_p": 0}, "top_p"),
     "top-p-above-one": ({"top_p": 1.01}, "top_p"),
-    "n-two": ({"n": 2}, "n"),
+    "n-zero": ({"n": 0}, "n"),
     "prompt-wrong-type": ({"prompt": 12}, "prompt"),
     "token-id-out-of-vocab": ({"prompt": [1, 10**9]}, None),
     "empty-stop": ({"stop": [""]}, "stop"),
     "missing-prompt": ({"prompt": None}, "prompt"),
-    "missing-model": ({"model": None}, "model"),
+    "model-wrong-type": ({"model": 5}, "model"),
 }
 
 
@@ -231,9 +232,10 @@ def test_the_official_client_sees_the_400_message(client):
 def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
-    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    assert info.value.body["type"] == "NotFoundError" and info.value.body["param"] == "model"   # vLLM's body
+    assert info.value.body["code"] == 404
     r = httpx.post(f"{server}/v1/chat/completions", json={"model": "nope", "messages": MESSAGES}, headers=AUTH)
-    assert r.status_code == 404 and openai_error(r)["code"] == "model_not_found"
+    assert r.status_code == 404 and openai_error(r)["message"].startswith("The model `nope` does not exist.")
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "{\"model\": \"\xff\"}".encode("latin-1"),

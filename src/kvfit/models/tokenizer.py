@@ -135,6 +135,10 @@ class Tokenizer:
                 text = text.replace(before, after)
         return text
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        """The vocabulary entries of ids (byte-level pieces such as 'Ġthe', not decoded text), as transformers'."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def _token_id(self, key: str) -> int | None:
         token = self.special_tokens.get(key)
         return None if token is None else self._tok.token_to_id(token)

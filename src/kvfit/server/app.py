@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/tokenize, /detokenize, /version, plus /health and /metrics.
 
 create_app(engine, ...) wraps an LLMEngine in an AsyncEngine (started and stopped by the app's
-lifespan) and a per-app metrics registry. Handlers validate, hand the request to the engine
-thread and either stream its outputs as server-sent events or wait for the last one. A client
-that goes away (disconnect, cancel) has its request aborted, which frees its blocks at once.
+lifespan, with the periodic stats line) and a per-app metrics registry. Handlers validate, hand the
+request to the engine thread and either stream its outputs as server-sent events or wait for the
+last one. A client that goes away (disconnect, cancel) has its request aborted, which frees its
+blocks at once.
 
 Work that grows with a client's input (parsing the body, rendering the chat template,
 tokenizing) runs on the AsyncEngine's prepare threads, so one large body never stalls the event
@@ -13,11 +15,13 @@ loop (/health, other streams) or the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfit.errors import ConfigError, RequestError
 from kvfit.server.async_engine import AsyncEngine, RequestStream
 from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerateInput,
-                                   ResponseBuilder, bad_request, chat_input, chat_messages, completion_input,
-                                   error_body, new_id, parse_body, sse)
+from kvfit.server.params import GenerateInput, chat_input, chat_messages, check_unsupported, completion_input
+from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, bad_request, error_body, new_id, parse_body, sse)
+from kvfit.server.responses import ResponseBuilder
 
 logger = logging.getLogger("kvfit")
 
@@ -41,32 +47,60 @@ DISCONNECT_POLL_SECONDS = 0.5             # how often a non-streaming request ch
 class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
-    model_name: str
+    model_names: tuple[str, ...]            # --served-model-name: the first is reported in responses
     api_key: str | None
     max_body_bytes: int
     created: int
+    chat_template: str | None = None        # --chat-template: replaces the model's
+    template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
-def create_app(engine, served_model_name: str, api_key: str | None = None,
+def _model_names(served_model_name: str | Sequence[str]) -> tuple[str, ...]:
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"--served-model-name needs one or more non-empty names, got {list(names)!r:.80}")
+    return tuple(dict.fromkeys(names))
+
+
+def create_app(engine, served_model_name: str | Sequence[str], api_key: str | None = None,
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False) -> FastAPI:
-    """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
+               chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS) -> FastAPI:
+    """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown.
+
+    served_model_name: one name or several (the first is reported); chat_template: a template text
+    (see models.chat_template.load_chat_template) used instead of the model's; stats_interval_s:
+    seconds between stats lines (0: none)."""
+    names = _model_names(served_model_name)
+    if chat_template is not None and engine.tokenizer is None:
+        raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
     async_engine = AsyncEngine(engine, max_waiting_requests)
-    metrics = ServerMetrics(async_engine.stats, exact_prefix_cache=metrics_require_key)
-    state = ServerState(async_engine, metrics, served_model_name, api_key, max_body_bytes, int(time.time()))
+    metrics = ServerMetrics(async_engine.stats, metrics_require_key, names[0], engine.max_model_len)
+    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), chat_template)
+    stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
+        task = asyncio.create_task(stats_logger.run()) if stats_logger is not None else None
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="kvfit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfit = state
     _add_error_handlers(app)
     _add_routes(app, state)
+    _add_token_routes(app, state)
     return app
 
 
@@ -106,38 +140,70 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version():
+        from kvfit import __version__
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models(request: Request):
         _check_auth(request, state)
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request):
         _check_auth(request, state)
         _check_model(model, state)
-        return _model_card(state)
+        return _model_card(state, model)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        _check_auth(request, state)
-        raw = await _read_body(request, state.max_body_bytes)
-        body = await state.engine.prepare(parse_body, raw, CompletionRequest)
-        _check_model(body.model, state)
+        body = await _request_body(request, state, CompletionRequest)
         return await _generate(request, state, completion_input(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _check_auth(request, state)
-        raw = await _read_body(request, state.max_body_bytes)
-        body = await state.engine.prepare(parse_body, raw, ChatCompletionRequest)
-        _check_model(body.model, state)
-        tokenizer = state.engine.engine.tokenizer
-        prompt = await state.engine.prepare(lambda: _apply_chat_template(tokenizer, chat_messages(body)))
-        return await _generate(request, state, chat_input(body, prompt), chat=True)
+        body = await _request_body(request, state, ChatCompletionRequest)
+        messages = chat_messages(body)
+        prompt_ids = await _chat_prompt_ids(state, body, messages, bool(body.add_special_tokens))
+        return await _generate(request, state, chat_input(body, prompt_ids, messages), chat=True)
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvfit",
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /tokenize and /detokenize (same shapes); they use the API key like /v1."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _request_body(request, state, TokenizeRequest)
+        tokenizer = _tokenizer(state, "tokenize")
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either prompt (a text) or messages (a chat), not both or neither",
+                              param="prompt")
+        if body.messages is not None:
+            messages = chat_messages(body)
+            special = bool(body.add_special_tokens)           # vLLM: false for chats (the template has them)
+            ids = await _chat_prompt_ids(state, body, messages, special)
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await state.engine.encode(body.prompt, add_special_tokens=special)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.engine.engine.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _request_body(request, state, DetokenizeRequest)
+        tokenizer = _tokenizer(state, "detokenize")
+        vocab_size = tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        text = await state.engine.prepare(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text}
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "kvfit",
             "max_model_len": state.engine.engine.max_model_len}
 
 
@@ -151,10 +217,30 @@ def _check_auth(request: Request, state: ServerState) -> None:
                             "key given to --api-key", "invalid_request_error", None, "invalid_api_key")
 
 
-def _check_model(name: str, state: ServerState) -> None:
-    if name != state.model_name:
-        raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}' "
-                            "(see /v1/models)", "invalid_request_error", "model", "model_not_found")
+def _check_model(name: str | None, state: ServerState) -> None:
+    """None (vLLM: model is optional) or one of the served names; else vLLM's 404."""
+    if name is None or name in state.model_names:
+        return
+    served = ", ".join(f"'{n}'" for n in state.model_names)
+    raise APIError(404, f"The model `{name[:200]}` does not exist. This server serves {served} (see /v1/models)",
+                   "NotFoundError", "model", 404)
+
+
+def _tokenizer(state: ServerState, what: str):
+    tokenizer = state.engine.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request(f"this model has no tokenizer (tokenizer.json), so {what} is not available",
+                          code="no_tokenizer")
+    return tokenizer
+
+
+async def _request_body(request: Request, state: ServerState, model_class):
+    """The validated body of a POST that names a model: key checked, size capped, parsed off the loop."""
+    _check_auth(request, state)
+    raw = await _read_body(request, state.max_body_bytes)
+    body = await state.engine.prepare(parse_body, raw, model_class)
+    _check_model(body.model, state)
+    return body
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -173,25 +259,60 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _apply_chat_template(tokenizer, messages: list[dict]) -> str | list[int]:
+# chat prompts -----------------------------------------------------------------------------------
+async def _chat_prompt_ids(state: ServerState, body, messages: list[dict], add_special_tokens: bool) -> list[int]:
+    """The chat's prompt token ids as transformers' apply_chat_template(tokenize=True) makes them:
+    the template rendered, then encoded without special tokens (the template writes them) unless
+    the request sets add_special_tokens."""
+    check_unsupported(body)
+    tokenizer = state.engine.engine.tokenizer
+    text = await state.engine.prepare(_render_chat, state, tokenizer, body, messages)
+    return await state.engine.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _render_chat(state: ServerState, tokenizer, body, messages: list[dict]) -> str:
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so chat is not available; use /v1/completions "
                           "with a prompt of token ids", param="messages", code="no_chat_template")
+    source = state.chat_template if state.chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if body.chat_template_kwargs and source is not None:
+        _warn_unread_kwargs(state, source, body.chat_template_kwargs)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message,
+                                             chat_template=state.chat_template,
+                                             template_kwargs=body.chat_template_kwargs)
     except ConfigError as exc:
-        raise bad_request(f"this model has no chat template ({exc}); use /v1/completions instead",
-                          param="messages", code="no_chat_template") from None
+        raise bad_request(f"this model has no chat template ({exc}); start the server with --chat-template, or "
+                          "use /v1/completions", param="messages", code="no_chat_template") from None
     except RequestError as exc:      # the template refused the messages (say, a role it does not know)
-        raise bad_request(str(exc), param="messages") from None
+        raise bad_request(str(exc), param=exc.param or "messages") from None
+
+
+def _warn_unread_kwargs(state: ServerState, source: str, kwargs: dict) -> None:
+    """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
+    from kvfit.models.chat_template import template_variables
+    if source not in state.template_variables:
+        state.template_variables[source] = template_variables(source)
+    unread = [k for k in kwargs if k not in state.template_variables[source]]
+    if unread:
+        logger.warning("chat_template_kwargs names variables the chat template does not read, so they do "
+                       "nothing: %s", ", ".join(repr(k[:64]) for k in unread[:16]))
 
 
 # generation -------------------------------------------------------------------------------------
+def _num_output_tokens(output) -> int:
+    return sum(len(sample.token_ids) for sample in output.outputs) if output is not None else 0
+
+
 async def _generate(request: Request, state: ServerState, inp: GenerateInput, chat: bool):
-    builder = ResponseBuilder(chat, state.model_name)
+    builder = ResponseBuilder(chat, state.model_name, inp, state.engine.engine.tokenizer)
+    access = request.scope.get(ACCESS_SCOPE_KEY)
     stream = await state.engine.add(builder.id, inp.prompt, inp.params, inp.max_tokens_given)
+    stream.on_progress = state.metrics.progress
     if inp.stream:
-        return _EventStream(_stream_events(state, builder, inp, stream), lambda: _close(state, stream))
+        return _EventStream(_stream_events(state, builder, inp, stream, access),
+                            lambda: _close(state, stream, access))
     output = None
     try:
         while output is None or not output.finished:
@@ -202,21 +323,17 @@ async def _generate(request: Request, state: ServerState, inp: GenerateInput, ch
                     logger.info("client of %s went away; aborting it", stream.request_id)
                     return Response(status_code=499)
     finally:
-        _close(state, stream)
-    sample = output.outputs[0]
-    return builder.full(sample.text, sample.finish_reason, stream.num_prompt_tokens, len(sample.token_ids))
+        _close(state, stream, access)
+    return builder.full(output, stream.num_prompt_tokens)
 
 
-async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: GenerateInput, stream: RequestStream):
-    """SSE chunks: deltas of the text, the finish reason, usage if asked, then [DONE].
-
-    While a stop string may still complete, its possible beginning is held back (it would be cut).
-    """
-    hold = max((len(s) for s in inp.params.stop), default=1) - 1
-    sent, output = "", None
+async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: GenerateInput, stream: RequestStream,
+                         access: AccessRecord | None):
+    """SSE chunks: each choice's deltas and finish reason, usage if asked, then [DONE]."""
+    output = None
     try:
-        if builder.chat:
-            yield sse(builder.chunk("", None, inp.include_usage, first=True))
+        for body in builder.role_chunks():
+            yield sse(body)
         while output is None or not output.finished:
             try:
                 output = await stream.next()
@@ -224,18 +341,14 @@ async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: Gene
                 yield sse(exc.body())
                 yield sse("[DONE]")
                 return
-            sample = output.outputs[0]
-            text = sample.text if output.finished else sample.text[:max(len(sample.text) - hold, len(sent))]
-            delta, sent = text[len(sent):], text
-            if delta or output.finished:
-                yield sse(builder.chunk(delta, sample.finish_reason if output.finished else None,
-                                        inp.include_usage))
+            for body in builder.chunks(output):
+                yield sse(body)
         if inp.include_usage:
-            yield sse(builder.usage_chunk(stream.num_prompt_tokens, len(output.outputs[0].token_ids)))
+            yield sse(builder.usage_chunk(stream.num_prompt_tokens, _num_output_tokens(output)))
         yield sse("[DONE]")
     finally:
         # CancelledError (client gone) or GeneratorExit lands here too
-        _close(state, stream)
+        _close(state, stream, access)
 
 
 class _EventStream(StreamingResponse):
@@ -254,16 +367,20 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def _close(state: ServerState, stream: RequestStream) -> None:
-    """Once per request: abort it if it did not finish (its blocks are freed at once), record metrics."""
+def _close(state: ServerState, stream: RequestStream, access: AccessRecord | None = None) -> None:
+    """Once per request: abort it if it did not finish (its blocks are freed at once), record metrics
+    and the access line's token counts."""
     if stream.closed:
         return
     stream.closed = True
     if not stream.finished:
         state.engine.abort(stream.request_id)
     output = stream.output
+    num_output_tokens = _num_output_tokens(output)
     if stream.finished and stream.error is None:
         reason = output.outputs[0].finish_reason or "stop"
     else:
         reason = "error" if stream.error is not None else "abort"
-    state.metrics.observe(stream, len(output.outputs[0].token_ids) if output is not None else 0, reason)
+    state.metrics.observe(stream, num_output_tokens, reason, time.monotonic())
+    if access is not None:
+        access.prompt_tokens, access.output_tokens = stream.num_prompt_tokens, num_output_tokens

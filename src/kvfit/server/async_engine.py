@@ -26,6 +26,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -104,6 +105,10 @@ class RequestStream:
     output: RequestOutput | None = None  # the latest output (cumulative)
     error: APIError | None = None        # set when the engine ended the request with an error
     closed: bool = False                 # the app has done its bookkeeping (abort, metrics)
+    num_output_tokens: int = 0           # over every choice, as of the latest output
+    # called on each output that adds tokens: (new prompt tokens (at the first), new tokens,
+    # time to first token or None, time since the previous output or None)
+    on_progress: Callable[[int, int, float | None, float | None], None] | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
@@ -113,9 +118,17 @@ class RequestStream:
             self.finished, self.error = True, item
             raise item
         output, at = item
-        if output.outputs[0].token_ids and self.first_token_time is None:
-            self.first_token_time = at
-        self.last_token_time = at
+        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+        if num_tokens > self.num_output_tokens:
+            first = self.first_token_time is None
+            ttft = at - self.arrival_time if first else None
+            itl = None if first else at - self.last_token_time
+            if first:
+                self.first_token_time = at
+            self.last_token_time = at
+            if self.on_progress is not None:
+                self.on_progress(self.num_prompt_tokens if first else 0, num_tokens - self.num_output_tokens, ttft, itl)
+            self.num_output_tokens = num_tokens
         self.finished, self.output = output.finished, output
         return output
 
@@ -218,15 +231,20 @@ class AsyncEngine:
         """fn(*args) on the prepare threads (parsing, chat templates, tokenizing), off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt text, tokenized off the event loop and the engine thread; a text
-        with more characters than could ever fit is refused (400) without tokenizing it."""
+        with more characters than could ever fit is refused (400) without tokenizing it.
+
+        add_special_tokens=False: as the text is (a rendered chat template holds its own bos)."""
         if len(text) > self.max_prompt_chars:
             raise bad_request(f"the prompt has {len(text)} characters, more than {self.max_prompt_chars} (what "
                               f"--max-model-len {self.engine.max_model_len} tokens can hold at most); shorten the "
                               "prompt or raise --max-model-len", "prompt", "context_length_exceeded")
+        tokenizer = self.engine.tokenizer
         try:
-            return await self.prepare(self.engine.encode, text)
+            if add_special_tokens or tokenizer is None:
+                return await self.prepare(self.engine.encode, text)
+            return await self.prepare(tokenizer.encode, text, False)
         except KvfitError as exc:
             raise _as_api_error(exc) from None
 

@@ -29,6 +29,7 @@ from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, is_loopback_host
 from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                  DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES)
+from kvfit.server.logs import AccessLogMiddleware
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
 
@@ -211,9 +212,11 @@ def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level
                    graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_SECONDS) -> uvicorn.Config:
     """uvicorn's settings for kvfit: the h11 protocol with a head timeout (whatever else is installed),
     limit_concurrency as the connection cap (past it, requests get 503), the keep-alive timeout and
-    the head size cap."""
+    the head size cap. kvfit's access log (AccessLogMiddleware, outermost) replaces uvicorn's, and
+    uvicorn's loggers are left unconfigured so they log in kvfit's format (logs.configure_logging)."""
     protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": limits.header_timeout_s})
-    return uvicorn.Config(app, http=protocol, log_level=log_level, access_log=False, lifespan="on",
+    return uvicorn.Config(AccessLogMiddleware(app), http=protocol, log_level=log_level, log_config=None,
+                          access_log=False, lifespan="on",
                           timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.max_connections,
                           timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated), response and chunk bodies, error bodies.
+"""The OpenAI wire format: request bodies (validated from raw JSON bytes), error bodies, SSE framing.
 
 Plain data and pure functions; no engine, no HTTP framework. Anything a client can get wrong
 raises APIError, which the app turns into OpenAI's error JSON with the status code.
@@ -7,20 +7,15 @@ raises APIError, which the app turns into OpenAI's error JSON with the status co
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
-import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvfit.sampling_params import SamplingParams
-from kvfit.errors import RequestError
-
-DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
-MAX_STOP_STRINGS = 16                  # each is searched after every token
+logger = logging.getLogger("kvfit")
 
 
 class APIError(Exception):
@@ -45,7 +40,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # request bodies ---------------------------------------------------------------------------------
 class _Body(BaseModel):
-    # strict: 1.0 is not an int and "1" is not a number; unknown fields are ignored, as vLLM does
+    # strict: 1.0 is not an int and "1" is not a number; unknown fields are ignored with a warning
+    # (parse_body logs them), as vLLM does
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -53,8 +49,38 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# Fields vLLM knows that kvfit does not honour, with the values that ask for nothing (None: absent)
+# and what to do instead. Any other value is a 400 naming the field, never a silent no-op.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1.0,), "it applies to beam search, which is not implemented"),
+    "best_of": ((1,), "give n for several choices"),
+    "truncate_prompt_tokens": ((), "shorten the prompt on the client"),
+    "allowed_token_ids": ((), "use logit_bias"),
+    "priority": ((0,), "requests are served first come, first served"),
+    "request_id": ((), "the server picks the id"),
+    "cache_salt": ((), "the prefix cache is shared by all requests"),
+    "logits_processors": ((), "custom logits processors are not loaded"),
+    "return_tokens_as_token_ids": ((False,), "leave it out"),
+    "return_token_ids": ((False,), "leave it out"),
+    "kv_transfer_params": ((), "KV transfer is not implemented"),
+    "vllm_xargs": ((), "leave it out"),
+    "suffix": ((), "insertion is not implemented"),
+    "tools": ((), "kvfit has no tool calling"),
+    "tool_choice": (("none", "auto"), "kvfit has no tool calling"),
+    "parallel_tool_calls": ((), "kvfit has no tool calling"),
+    "documents": ((), "put the documents in the messages"),
+    "reasoning_effort": ((), "pass what the template reads in chat_template_kwargs"),
+    "mm_processor_kwargs": ((), "kvfit serves text models only"),
+    "chat_template": ((), "a request may not bring its own template (vLLM's --trust-request-chat-template is "
+                          "not implemented); start the server with --chat-template")}
+# vLLM 0.12 removed these (vLLM now ignores them, so a constraint silently does nothing): refuse them
+REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                         "guided_whitespace_pattern")
+
+
 class _SamplingFields(_Body):
-    model: str
+    model: str | None = None            # vLLM: optional (the first --served-model-name)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -63,23 +89,52 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None
-    # accepted only at their neutral values: kvfit does not implement them
+    user: str | None = None             # the client's end-user id: informative only, as in vLLM
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    echo: bool | None = None
     # vLLM's extensions, through the openai client's extra_body
     top_k: int | None = None
-    ignore_eos: bool | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict | None = None
+    add_special_tokens: bool | None = None
+    # known, not honoured (UNSUPPORTED_FIELDS, REMOVED_GUIDED_FIELDS): any type, so the 400 names them
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    best_of: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    priority: Any = None
+    request_id: Any = None
+    cache_salt: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = None         # top-k count, 0-20
+    suffix: Any = None
 
 
 class TextPart(_Body):
@@ -97,8 +152,37 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    tools: list[Any] | None = None
-    response_format: dict | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    include_reasoning: bool | None = None   # vLLM's reasoning parsers; kvfit has none, so true is its no-op
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    documents: Any = None
+    reasoning_effort: Any = None
+    mm_processor_kwargs: Any = None
+    chat_template: Any = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt (completion form) or messages (chat form)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None   # default: true for a prompt, false for messages (vLLM)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+    chat_template: Any = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 MAX_JSON_DEPTH = 32                    # OpenAI bodies nest about 5 levels (messages[i].content[j].text)
@@ -122,9 +206,14 @@ def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
     if _MAYBE_SURROGATE.search(raw):
         _reject_surrogates(data)
     try:
-        return model_class.model_validate(data)
+        body = model_class.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    unknown = [key for key in data if key not in model_class.model_fields]
+    if unknown:      # vLLM's behaviour: served, with a warning naming them (shortened: they are the client's)
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(repr(key[:64]) for key in unknown[:16]) + (", ..." if len(unknown) > 16 else ""))
+    return body
 
 
 def _load_json(raw: bytes):
@@ -235,150 +324,8 @@ def _loc(loc: tuple) -> str:
                                                                   ("str", "int", "float", "bool")))
 
 
-# from a request to engine inputs ----------------------------------------------------------------
-@dataclass(frozen=True)
-class GenerateInput:
-    """What the engine gets: a prompt (text or token ids), sampling params, and the options."""
-
-    prompt: str | list[int]
-    params: SamplingParams
-    max_tokens_given: bool         # False: max_tokens fills the context (chat without a limit)
-    stream: bool
-    include_usage: bool
-
-
-def _reject_unsupported(req: _SamplingFields) -> None:
-    """Fields kvfit does not implement: a 400 unless they hold their neutral value."""
-    if req.n not in (None, 1):
-        raise bad_request(f"n must be 1 (kvfit returns one choice per request), got {req.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise bad_request(f"{name} is not supported; leave it at 0", param=name)
-    unsupported = {"logit_bias": bool(req.logit_bias), "tools": bool(getattr(req, "tools", None)),
-                   "echo": bool(getattr(req, "echo", None)), "suffix": bool(getattr(req, "suffix", None)),
-                   "best_of": getattr(req, "best_of", None) not in (None, 1),
-                   # completions: an int (any value asks for logprobs); chat: a bool
-                   "logprobs": getattr(req, "logprobs", None) not in (None, False)}
-    for name, is_set in unsupported.items():
-        if is_set:
-            raise bad_request(f"{name} is not supported by kvfit", param=name)
-    fmt = getattr(req, "response_format", None)
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise bad_request("response_format other than text is not supported", param="response_format")
-
-
-def sampling_params(req: _SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """Build SamplingParams; it validates every range and names the field (a 400 with that param)."""
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    try:
-        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p,
-                              top_k=-1 if req.top_k is None else req.top_k, seed=req.seed, max_tokens=max_tokens,
-                              stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-                              ignore_eos=bool(req.ignore_eos))
-    except RequestError as exc:
-        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
-
-
-def _stream_flags(req: _SamplingFields) -> tuple[bool, bool]:
-    stream = bool(req.stream)
-    if req.stream_options is not None and not stream:
-        raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
-    return stream, bool(stream and req.stream_options and req.stream_options.include_usage)
-
-
-def completion_input(req: CompletionRequest) -> GenerateInput:
-    _reject_unsupported(req)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"one prompt per request (got a batch of {len(prompt)}); send them as "
-                              "separate requests", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise bad_request("the prompt is empty; give at least one token", param="prompt")
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    stream, include_usage = _stream_flags(req)
-    return GenerateInput(prompt, sampling_params(req, max_tokens), True, stream, include_usage)
-
-
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as the chat template wants them: role and one string of content."""
-    if not req.messages:
-        raise bad_request("messages must hold at least one message", param="messages")
-    out = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None \
-            else "".join(part.text for part in m.content)
-        message = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
-
-
-def chat_input(req: ChatCompletionRequest, prompt: str | list[int]) -> GenerateInput:
-    """prompt: the messages after the chat template."""
-    _reject_unsupported(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
-    stream, include_usage = _stream_flags(req)
-    return GenerateInput(prompt, sampling_params(req, max_tokens), max_tokens is not None, stream, include_usage)
-
-
-# response bodies --------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-class ResponseBuilder:
-    """Builds one request's bodies (full response or stream chunks) for completions or chat."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list, extra: dict | None = None) -> dict:
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        body.update(extra or {})
-        return body
-
-    def full(self, text: str, reason: str | None, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            obj = "text_completion"
-        return self._envelope(obj, [choice], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
-
-    def chunk(self, delta: str, reason: str | None, include_usage: bool, first: bool = False) -> dict:
-        if self.chat:
-            if first:
-                message = {"role": "assistant", "content": delta}
-            else:                   # the last chunk carries only the finish reason when it adds no text
-                message = {"content": delta} if delta or reason is None else {}
-            choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
-            obj = "text_completion"
-        return self._envelope(obj, [choice], {"usage": None} if include_usage else None)
-
-    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
 
 
 def sse(data: dict | str) -> bytes:

@@ -1,0 +1,227 @@
+"""From a validated request body to what the engine gets: SamplingParams and the serving options.
+
+The mapping is vLLM's OpenAI server's (to_sampling_params): field names, defaults (completions
+max_tokens 16, chat max_tokens = the rest of the context), echo asking for prompt logprobs, chat's
+logprobs + top_logprobs becoming one top-k count. A field vLLM knows but kvfit cannot honour is a
+400 naming it, never ignored: see protocol.UNSUPPORTED_FIELDS, and SAMPLING_FIELDS for those that
+need a SamplingParams field this build may not have yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvfit.errors import RequestError
+from kvfit.sampling_params import SamplingParams
+from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
+                                   bad_request)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
+MAX_STOP_STRINGS = 16                  # each is searched after every token
+MAX_LOGPROBS = 20                      # OpenAI's and vLLM's (--max-logprobs) limit on top-k logprobs
+MAX_LOGIT_BIAS = 100.0                 # OpenAI: each bias in [-100, 100]
+# SamplingParams fields a request may set beyond the basic ones, with the value that asks for nothing.
+# A field this build's SamplingParams lacks is honoured only at that value, else a 400.
+SAMPLING_FIELDS: dict[str, object] = {
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+    "min_tokens": 0, "logit_bias": None, "logprobs": None, "prompt_logprobs": None,
+    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "bad_words": None, "structured_outputs": None}
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """What the engine gets: a prompt (text or token ids), sampling params, and the serving options.
+
+    echo: the prompt text goes before each choice's text (completions; chat: the last message
+    when it is the assistant's). top_logprobs: the top-k count to show per token (None: no logprobs).
+    """
+
+    prompt: str | list[int]
+    params: SamplingParams
+    max_tokens_given: bool         # False: max_tokens fills the context (chat without a limit)
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    echo_text: str | None = None   # chat: the assistant message that echo repeats
+    top_logprobs: int | None = None
+    prompt_logprobs: bool = False  # the client asked for prompt_logprobs (shown as vLLM does)
+
+    @property
+    def n(self) -> int:
+        return getattr(self.params, "n", 1)
+
+
+def check_unsupported(req) -> None:
+    """A 400 for a field vLLM knows that kvfit does not honour (any request body)."""
+    for name in REMOVED_GUIDED_FIELDS:
+        if getattr(req, name, None) is not None:
+            key = name.removeprefix("guided_")
+            raise bad_request(f"{name} was removed in vLLM 0.12 and is not accepted; send "
+                              f"structured_outputs: {{\"{key}\": ...}} instead", param=name)
+    for name, (neutral, instead) in UNSUPPORTED_FIELDS.items():
+        value = getattr(req, name, None)
+        if value is not None and value not in neutral and not (name == "best_of" and value == req.n):
+            raise bad_request(f"{name} is not supported by kvfit: {instead}", param=name)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        if not key.isdigit() or len(key) > 10:
+            raise bad_request(f"logit_bias keys must be token ids (strings of digits), got {key[:32]!r}",
+                              param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                              param="logit_bias")
+        bias[int(key)] = float(value)
+    return bias
+
+
+def _structured_outputs(req) -> object | None:
+    """StructuredOutputsParams from structured_outputs or response_format (only one of them)."""
+    fields = dict(req.structured_outputs or {})
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            fmt_fields = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format json_schema needs a json_schema object with a 'schema' object",
+                                  param="response_format")
+            fmt_fields = {"json": spec.get("schema", {})}
+        elif kind == "text":
+            fmt_fields = {}
+        else:
+            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
+                              param="response_format")
+        if fmt_fields and fields:
+            raise bad_request("give response_format or structured_outputs, not both", param="response_format")
+        fields = fields or fmt_fields
+    if not fields:
+        return None
+    try:
+        from kvfit.structured_params import StructuredOutputsParams
+    except ImportError:
+        raise bad_request("structured outputs (response_format json_object / json_schema, structured_outputs) are "
+                          "not supported yet by this kvfit build", param="structured_outputs") from None
+    allowed = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+    unknown = [k for k in fields if k not in allowed]
+    if unknown:
+        raise bad_request(f"structured_outputs has no field {unknown[0][:40]!r}; its fields are {', '.join(allowed)}",
+                          param="structured_outputs")
+    try:
+        return StructuredOutputsParams(**fields)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param or "structured_outputs", code=exc.code) from None
+
+
+def _check_top_k_count(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+    """SamplingParams of a request; SamplingParams validates every range and names the field (a 400).
+
+    logprobs: the top-k count the engine returns per generated token (None: none)."""
+    check_unsupported(req)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    _check_top_k_count(req.prompt_logprobs, "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+    prompt_logprobs = req.prompt_logprobs
+    if getattr(req, "echo", None) and logprobs is not None and not isinstance(req, ChatCompletionRequest):
+        prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
+    extra = {"n": (req.n, "n"), "presence_penalty": (req.presence_penalty, "presence_penalty"),
+             "frequency_penalty": (req.frequency_penalty, "frequency_penalty"),
+             "repetition_penalty": (req.repetition_penalty, "repetition_penalty"), "min_p": (req.min_p, "min_p"),
+             "min_tokens": (req.min_tokens, "min_tokens"), "logit_bias": (_logit_bias(req.logit_bias), "logit_bias"),
+             "logprobs": (logprobs, logprobs_param), "prompt_logprobs": (prompt_logprobs, "prompt_logprobs"),
+             "include_stop_str_in_output": (req.include_stop_str_in_output, "include_stop_str_in_output"),
+             "skip_special_tokens": (req.skip_special_tokens, "skip_special_tokens"),
+             "spaces_between_special_tokens": (req.spaces_between_special_tokens, "spaces_between_special_tokens"),
+             "bad_words": (tuple(req.bad_words) if req.bad_words else None, "bad_words"),
+             "structured_outputs": (_structured_outputs(req), "structured_outputs")}
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    kwargs = {}
+    for name, (value, param) in extra.items():
+        if value is None:
+            continue
+        if name in known:
+            kwargs[name] = value
+        elif value != SAMPLING_FIELDS[name]:
+            raise bad_request(f"{param} is not supported yet by this kvfit build; leave it out", param=param)
+    try:
+        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=-1 if req.top_k is None else req.top_k, seed=req.seed, max_tokens=max_tokens,
+                              stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+                              ignore_eos=bool(req.ignore_eos), **kwargs)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
+
+
+def _stream_flags(req) -> tuple[bool, bool]:
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+    return stream, bool(stream and req.stream_options and req.stream_options.include_usage)
+
+
+def completion_input(req: CompletionRequest) -> GenerateInput:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"one prompt per request (got a batch of {len(prompt)}); send them as "
+                              "separate requests", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("the prompt is empty; give at least one token", param="prompt")
+    _check_top_k_count(req.logprobs, "logprobs")
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    stream, include_usage = _stream_flags(req)
+    params = sampling_params(req, max_tokens, req.logprobs, "logprobs")
+    return GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
+                         prompt_logprobs=req.prompt_logprobs is not None)
+
+
+def chat_messages(req) -> list[dict]:
+    """Messages as the chat template wants them: role and one string of content."""
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    out = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None \
+            else "".join(part.text for part in m.content)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: list[dict]) -> GenerateInput:
+    """prompt: the messages after the chat template (token ids, or text)."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
+    _check_top_k_count(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    stream, include_usage = _stream_flags(req)
+    params = sampling_params(req, max_tokens, top_logprobs, "logprobs" if not req.top_logprobs else "top_logprobs")
+    # vLLM's chat echo: the last message is repeated before the reply when it is the assistant's
+    echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
+    return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
+                         echo_text=echo_text, top_logprobs=top_logprobs,
+                         prompt_logprobs=req.prompt_logprobs is not None)

@@ -1,0 +1,226 @@
+"""Response and stream-chunk bodies of /v1/completions and /v1/chat/completions, from RequestOutputs.
+
+Shapes are OpenAI's, with vLLM's extras (stop_reason per choice, prompt_logprobs):
+- completions logprobs: {tokens, token_logprobs, top_logprobs: [{token text: logprob}], text_offset},
+  top_logprobs holding the top-k and the chosen token; with echo the prompt comes first (its
+  first token has no logprob: null);
+- chat logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+Logprobs are clamped at -9999.0 (vLLM's rule: -inf is not JSON). Usage sums the n choices.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
+from kvfit.server.params import GenerateInput
+from kvfit.server.protocol import new_id
+
+MIN_LOGPROB = -9999.0
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class TokenTexts:
+    """The text of one token for logprobs: the engine's decoded_token, else the tokenizer's
+    decode of that one id (special tokens shown), else `token_id:<id>` without a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely entries of a position, most likely first."""
+    return sorted(step.items(), key=lambda item: -item[1].logprob)[:k]
+
+
+def completion_logprobs(token_ids: list[int], steps: list, k: int, text_of: TokenTexts,
+                        initial_offset: int = 0) -> dict:
+    """OpenAI's completions logprobs object; a step of None (the first prompt token) has no logprobs."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = initial_offset
+    for token_id, step in zip(token_ids, steps):
+        chosen = step.get(token_id) if step else None
+        token = text_of(token_id, chosen)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+        if not step:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_clamp(chosen.logprob) if chosen is not None else None)
+        entries = _top(step, k) + ([(token_id, chosen)] if chosen is not None else [])
+        top_logprobs.append({text_of(t, lp): _clamp(lp.logprob) for t, lp in entries})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(token_ids: list[int], steps: list, k: int, text_of: TokenTexts) -> dict:
+    """OpenAI's chat logprobs object: one entry per generated token, each with its top k."""
+    content = []
+    for token_id, step in zip(token_ids, steps):
+        chosen = (step or {}).get(token_id)
+        entry = _chat_entry(text_of(token_id, chosen), chosen.logprob if chosen is not None else MIN_LOGPROB)
+        entry["top_logprobs"] = [_chat_entry(text_of(t, lp), lp.logprob) for t, lp in _top(step or {}, k)]
+        content.append(entry)
+    return {"content": content}
+
+
+def prompt_logprobs_json(steps: list | None) -> list | None:
+    """vLLM's prompt_logprobs field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    if steps is None:
+        return None
+    return [None if step is None else
+            {str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in step.items()} for step in steps]
+
+
+@dataclass
+class _Sent:
+    """What a stream has sent of one choice."""
+
+    text: str = ""
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+class ResponseBuilder:
+    """One request's bodies: the full response, or its stream chunks, for completions or chat."""
+
+    def __init__(self, chat: bool, model: str, inp: GenerateInput, tokenizer):
+        self.chat, self.model, self.inp = chat, model, inp
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.text_of = TokenTexts(tokenizer)
+        self._tokenizer = tokenizer
+        self._object = ("chat.completion" if chat else "text_completion")
+        # while a stop string may still complete, its possible beginning is held back (it would be cut)
+        self._hold = max((len(s) for s in inp.params.stop), default=1) - 1
+        self._sent: dict[int, _Sent] = {}
+
+    def _envelope(self, obj: str, choices: list, extra: dict | None = None) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body.update(extra or {})
+        return body
+
+    # what echo puts first ---------------------------------------------------------------------
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self._tokenizer.decode(output.prompt_token_ids) if self._tokenizer is not None else ""
+
+    def _echo_prefix(self, output: RequestOutput) -> tuple[str, list[int], list]:
+        """(text, token ids, logprob steps) that echo puts before a choice's own."""
+        if not self.inp.echo:
+            return "", [], []
+        if self.chat:
+            return self.inp.echo_text or "", [], []
+        steps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        return self._prompt_text(output), list(output.prompt_token_ids), list(steps)
+
+    def _logprobs(self, token_ids: list[int], steps: list | None, initial_offset: int = 0) -> dict | None:
+        k = self.inp.top_logprobs
+        if k is None:
+            return None
+        steps = steps if steps is not None else [None] * len(token_ids)
+        if self.chat:
+            return chat_logprobs(token_ids, steps, k, self.text_of)
+        return completion_logprobs(token_ids, steps, k, self.text_of, initial_offset)
+
+    # full response ------------------------------------------------------------------------------
+    def full(self, output: RequestOutput, num_prompt_tokens: int) -> dict:
+        choices = [self._full_choice(output, sample) for sample in sorted(output.outputs, key=lambda s: s.index)]
+        extra = {"usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in output.outputs))}
+        if self.chat and self.inp.prompt_logprobs:       # vLLM: on the response for chat, per choice otherwise
+            extra["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return self._envelope(self._object, choices, extra)
+
+    def _full_choice(self, output: RequestOutput, sample: CompletionOutput) -> dict:
+        prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
+        steps = prefix_steps + list(sample.logprobs or [None] * len(sample.token_ids))
+        logprobs = self._logprobs(sample.token_ids if self.chat else prefix_ids + list(sample.token_ids),
+                                  list(sample.logprobs or []) if self.chat else steps)
+        text = prefix_text + sample.text
+        choice = {"index": sample.index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update({"logprobs": logprobs, "finish_reason": sample.finish_reason,
+                       "stop_reason": sample.stop_reason})
+        if not self.chat and self.inp.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return choice
+
+    # stream chunks ------------------------------------------------------------------------------
+    def role_chunks(self) -> list[dict]:
+        """Chat streams open with the role, once per choice (OpenAI's first chunk)."""
+        if not self.chat:
+            return []
+        return [self._chunk_body(i, {"role": "assistant", "content": ""}, None, None)
+                for i in range(self.inp.n)]
+
+    def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice["stop_reason"] = stop_reason
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [choice], {"usage": None} if self.inp.include_usage else None)
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        """The chunks that a new (cumulative) output adds, one per choice that moved."""
+        return [c for sample in sorted(output.outputs, key=lambda s: s.index)
+                if (c := self._choice_chunk(output, sample)) is not None]
+
+    def _choice_chunk(self, output: RequestOutput, sample: CompletionOutput) -> dict | None:
+        sent = self._sent.setdefault(sample.index, _Sent())
+        if sent.done:
+            return None
+        finished = sample.finish_reason is not None
+        text = sample.text if finished else sample.text[:max(len(sample.text) - self._hold, len(sent.text))]
+        delta, sent.text = text[len(sent.text):], text
+        new_ids = list(sample.token_ids[sent.num_tokens:])
+        new_steps = list(sample.logprobs[sent.num_tokens:]) if sample.logprobs is not None else None
+        sent.num_tokens = len(sample.token_ids)
+        if not sent.started:
+            sent.started = True
+            prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
+            delta = prefix_text + delta
+            if not self.chat and prefix_ids:
+                new_ids = prefix_ids + new_ids
+                new_steps = prefix_steps + (new_steps or [None] * (len(new_ids) - len(prefix_ids)))
+        logprobs = self._logprobs(new_ids, new_steps, sent.text_offset) if new_ids else None
+        if logprobs is not None and not self.chat:
+            sent.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        if not (delta or finished or logprobs is not None):
+            return None
+        sent.done = finished
+        body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
+        return self._chunk_body(sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason)
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
