@@ -42,7 +42,7 @@ def main() -> int:
     results = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    kv_tokens = sum(len(r.token_ids) for r in results)
+    kv_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert kv_tokens == sum(outs)
     row = {"model": args.model, "requests": args.num_requests, "kvfit_tok_s": kv_tokens / elapsed,
            "kvfit_s": elapsed, "preemptions": llm.engine.stats()["preemptions"],

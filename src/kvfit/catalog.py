@@ -40,6 +40,14 @@ MODELS: dict[str, dict] = {
         "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 151643, "eos_token_id": 151645},
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,

@@ -35,7 +35,21 @@ def _hf_greedy(folder, prompts, max_tokens):
     return out
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    from tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", seed=11,
+                           moe={"num_experts": 8, "top_k": 2, "norm_topk_prob": True})
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory) -> str:
+    from tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="mixtral", seed=12,
+                           moe={"num_experts": 4, "top_k": 2, "moe_intermediate_size": 48})
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
 def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
     folder = request.getfixturevalue(fixture)
     expected = _hf_greedy(folder, PROMPTS, MAX_TOKENS)
@@ -47,9 +61,9 @@ def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
         llm = LLM(folder, device="cuda", dtype="float32", kv_cache_memory="512MiB", max_model_len=256,
                   max_num_seqs=8, num_scheduler_steps=steps)
         assert llm.engine.workers.runner.graphs is not None
-        got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert got == expected, f"{fixture}: {steps} scheduler steps differ from transformers"
-        runs[steps] = [o.token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
+        runs[steps] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)]
         assert llm.engine.stats()["kv_blocks_used"] == 0
         llm.shutdown()
         del llm

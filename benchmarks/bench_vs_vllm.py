@@ -1,0 +1,209 @@
+"""kvfit against vLLM on the same seeded workloads, each engine in its own subprocess, in one device call.
+
+python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b mixtral-8x7b [--groups base] [--reps 3]
+        [--engines kvfit vllm] [--out benchmarks/results/x.json]
+
+vLLM must be importable (on the lent H200: ../shared/peers/vllm/stage.sh, then PYTHONPATH as its README
+says). Both engines get the same settings: dummy bf16 weights (`--load-format dummy`), token-id prompts,
+greedy, ignore_eos, gpu_memory_utilization 0.9, the same max_model_len / max_num_seqs / prefix-caching
+setting; each engine's own defaults otherwise (vLLM: torch.compile, FlashAttention-3, CUDA graphs).
+One process per (model, engine, group): start-up is timed (engine created, graphs captured), then a
+warm-up, then every workload of the group `--reps` times. Groups (one engine configuration each):
+  base:   max_model_len 2048, max_num_seqs 256, no prefix caching
+          throughput: 256 requests, 128-1024 in, 128-512 out (benchmarks/common.request_set, seed 0)
+          latency:    batch-1 decode, 128-token prompt: (t(16 + 256 tokens) - t(16)) / 256 per token
+  long:   max_model_len 8448, max_num_seqs 256, prefix caching on
+          shared-prefix: 256 requests sharing a 2,000-token system prompt + 128-512 own tokens, 128 out
+          long-context:  32 requests of 8,000 in / 256 out
+Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
+kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GROUPS = {
+    "base": dict(max_model_len=2048, max_num_seqs=256, prefix_caching=False,
+                 workloads=("throughput", "latency")),
+    "long": dict(max_model_len=8448, max_num_seqs=256, prefix_caching=True,
+                 workloads=("shared-prefix", "long-context")),
+}
+UTILIZATION = 0.9
+
+
+def workload(name: str, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths) of a throughput-style workload; the same on both engines."""
+    sys.path.insert(0, HERE)
+    from common import request_set
+    if name == "throughput":
+        return request_set(256, vocab=vocab, seed=0)
+    rng = random.Random(1)
+    if name == "shared-prefix":
+        system = [rng.randrange(10, vocab - 10) for _ in range(2000)]
+        prompts = [system + [rng.randrange(10, vocab - 10) for _ in range(rng.randint(128, 512))] for _ in range(256)]
+        return prompts, [128] * 256
+    if name == "long-context":
+        return [[rng.randrange(10, vocab - 10) for _ in range(8000)] for _ in range(32)], [256] * 32
+    raise ValueError(name)
+
+
+class KvfitEngine:
+    def __init__(self, model: str, group: dict):
+        from kvfit import LLM
+        self.llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda",
+                       max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
+                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION)
+
+    def generate(self, prompts, outs) -> int:
+        from kvfit import SamplingParams
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                  if _kvfit_has_detokenize() else SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in outs]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(r.outputs[0].token_ids) for r in results)
+
+
+def _kvfit_has_detokenize() -> bool:
+    from kvfit import SamplingParams
+    return "detokenize" in getattr(SamplingParams, "__dataclass_fields__", {})
+
+
+class VllmEngine:
+    def __init__(self, model: str, group: dict):
+        from kvfit.catalog import model_config
+        from vllm import LLM
+        folder = f"/tmp/vllm-cfg/{model}"
+        os.makedirs(folder, exist_ok=True)
+        with open(f"{folder}/config.json", "w") as fh:
+            json.dump({"torch_dtype": "bfloat16", **model_config(model)}, fh)
+        self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+                       max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
+                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
+
+    def generate(self, prompts, outs) -> int:
+        from vllm import SamplingParams
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in outs]
+        results = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return sum(len(r.outputs[0].token_ids) for r in results)
+
+
+def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
+    """Runs in its own process: prints one RESULT line per measured workload."""
+    import torch
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    from kvfit.model_facts import load_model_facts
+    vocab = load_model_facts(model).vocab_size
+    group = GROUPS[group_name]
+    start = time.perf_counter()
+    engine = (KvfitEngine if engine_name == "kvfit" else VllmEngine)(model, group)
+    startup = time.perf_counter() - start
+    _emit(engine_name, model, "startup", [startup], "s")
+    warm_prompts, warm_outs = workload("throughput", vocab)
+    engine.generate(warm_prompts[:8], warm_outs[:8])
+    for name in group["workloads"]:
+        values = []
+        for _ in range(reps):
+            if name == "latency":
+                prompt = [[100 + i % 1000 for i in range(128)]]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate(prompt, [16])
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                engine.generate(prompt, [16 + 256])
+                torch.cuda.synchronize()
+                values.append(((time.perf_counter() - t1) - (t1 - t0)) / 256 * 1e3)
+            else:
+                prompts, outs = workload(name, vocab)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                n = engine.generate(prompts, outs)
+                torch.cuda.synchronize()
+                assert n == sum(outs), (n, sum(outs))
+                values.append(n / (time.perf_counter() - t0))
+        _emit(engine_name, model, name, values, "ms/token" if name == "latency" else "tok/s")
+
+
+def _emit(engine: str, model: str, workload_name: str, values: list[float], unit: str) -> None:
+    print("RESULT " + json.dumps({"engine": engine, "model": model, "workload": workload_name, "unit": unit,
+                                  "values": values}), flush=True)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    table = []
+    keys = sorted({(r["model"], r["workload"]) for r in rows})
+    for model, name in keys:
+        by_engine = {r["engine"]: r for r in rows if (r["model"], r["workload"]) == (model, name)}
+        line = {"model": model, "workload": name}
+        for engine, r in by_engine.items():
+            med = statistics.median(r["values"])
+            line[f"{engine}_median"] = med
+            line[f"{engine}_spread"] = (max(r["values"]) - min(r["values"])) / med if med else 0.0
+            line["unit"] = r["unit"]
+        if "kvfit_median" in line and "vllm_median" in line and name != "startup":
+            k, v = line["kvfit_median"], line["vllm_median"]
+            line["ratio"] = v / k if name == "latency" else k / v       # > 1: kvfit is faster
+        table.append(line)
+    return table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
+    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm"])
+    ap.add_argument("--groups", nargs="+", default=["base"], choices=list(GROUPS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=3, metavar=("ENGINE", "MODEL", "GROUP"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(*args.worker, reps=args.reps)
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_vs_vllm: no CUDA device; this benchmark runs on a GPU only")
+        return 0
+    rows = []
+    for model in args.models:
+        for group in args.groups:
+            for engine in args.engines:
+                cmd = [sys.executable, __file__, "--worker", engine, model, group, "--reps", str(args.reps)]
+                print(f"=== {engine} {model} {group}", flush=True)
+                env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                except subprocess.TimeoutExpired:
+                    print(f"{engine} {model} {group}: timed out after {args.timeout} s", flush=True)
+                    continue
+                found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                rows += found
+                for r in found:
+                    print(f"  {r['workload']}: {', '.join(f'{v:.4g}' for v in r['values'])} {r['unit']}", flush=True)
+                if proc.returncode != 0:
+                    print(f"{engine} {model} {group}: exit {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+    table = summarize(rows)
+    print("\n| model | workload | kvfit (median, spread) | vLLM (median, spread) | ratio (>1: kvfit faster) |")
+    print("| --- | --- | --- | --- | --- |")
+    for t in table:
+        cell = {e: (f"{t[e + '_median']:.4g} {t['unit']} ({t[e + '_spread'] * 100:.1f}%)"
+                    if e + "_median" in t else "-") for e in ("kvfit", "vllm")}
+        ratio = f"{t['ratio']:.2f}x" if "ratio" in t else "-"
+        print(f"| {t['model']} | {t['workload']} | {cell['kvfit']} | {cell['vllm']} | {ratio} |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"rows": rows, "table": table}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
