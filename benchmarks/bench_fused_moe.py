@@ -1,14 +1,15 @@
 """Fused MoE (kvfit.models.fused_moe) on the GPU: sweep launch configs per batch size, against the torch reference.
 
 python benchmarks/bench_fused_moe.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--m 1 8 32 128 512 2048 8192]
-                                     [--budget-s 420] [--dtype bfloat16]
+                                     [--budget-s 420] [--dtype bfloat16] [--tp 1]
 For each MoE shape (one layer's experts, random bf16 weights, softmax routing of random logits) and each
 token count M: every candidate config (pruned by tokens per expert) is checked against moe_reference and
 timed as a CUDA graph of whole fused_moe calls (align + both launches + the sum over k: what decode
 replays); the best is then also timed eagerly, beside the reference (eager; it syncs once per call) and
 vLLM's fused_experts where vLLM is importable. Prints a table, then the best configs as a dict literal to
 paste into fused_moe.TUNED_CONFIGS. Stops sweeping (keeping the default config) once --budget-s is spent,
-so one device call of < 8 minutes always ends with a result.
+so one device call of < 8 minutes always ends with a result. --tp N sweeps one rank's slice (I / N), the
+shape a tensor-parallel rank runs (TUNED_CONFIGS is keyed by the per-rank I).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
         x = torch.randn(m, hidden, device=DEVICE, generator=gen).to(dtype)
         weights, ids = fm.select_experts(torch.randn(m, num_experts, device=DEVICE, generator=gen), top_k, True)
         ref = fm.moe_reference(x, w13, w2, weights, ids)
+        ids32 = ids.to(torch.int32)                                   # vLLM's routing dtype
         results = {}
         for cfg in candidates(m, num_experts, top_k, dtype):
             if results and time.monotonic() > deadline:
@@ -99,9 +101,13 @@ def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
             try:
                 err = relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)
                 assert err < 2e-2, f"{name} M={m} {cfg}: relative error {err:.2e} against moe_reference"
-                results[json.dumps(cfg)] = graph_seconds(lambda c=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=c))
+                run = lambda c=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=c)   # noqa: E731
+                results[json.dumps(cfg)] = graph_seconds(run)
             except triton_resource_errors() as e:
                 print(f"  skip {cfg}: {type(e).__name__}")
+        if not results:
+            print(f"  {name} M={m}: no config ran")
+            continue
         winner = min(results, key=results.get)
         cfg = json.loads(winner)
         tuned[m] = cfg
@@ -113,7 +119,7 @@ def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
                "error": relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)}
         if vllm is not None:
             try:
-                row["vllm_graph_s"] = graph_seconds(lambda: vllm(x, w13, w2, weights, ids.to(torch.int32)))
+                row["vllm_graph_s"] = graph_seconds(lambda: vllm(x, w13, w2, weights, ids32))
             except Exception as e:  # noqa: BLE001 - report, keep the sweep going
                 print(f"  vLLM fused_experts failed at M={m}: {type(e).__name__}: {e}")
         rows.append(row)
@@ -144,6 +150,7 @@ def main() -> int:
     ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each rank holds I / tp channels")
     args = ap.parse_args()
     if not gpu_only("bench_fused_moe"):
         return 0
@@ -153,7 +160,11 @@ def main() -> int:
     vllm = vllm_experts()
     rows, best = [], {}
     for name in args.shapes:
-        sweep_shape(name, SHAPES[name], args.m, dtype, deadline, vllm, rows, best)
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        if inter % args.tp:
+            raise SystemExit(f"--tp {args.tp} does not divide {name}'s intermediate size {inter}")
+        shape = (num_experts, top_k, hidden, inter // args.tp)
+        sweep_shape(name if args.tp == 1 else f"{name}/tp{args.tp}", shape, args.m, dtype, deadline, vllm, rows, best)
     print(f"swept in {time.monotonic() - start:.0f} s; paste into fused_moe.TUNED_CONFIGS (device "
           f"{torch.cuda.get_device_name()}):")
     print("TUNED_CONFIGS = {")

@@ -146,8 +146,8 @@ def test_select_experts_rejects_bad_arguments():
     logits = torch.randn(3, 4)
     with pytest.raises(ValueError, match="top_k=5 must be in"):
         fm.select_experts(logits, 5, True)
-    with pytest.raises(ValueError, match="scoring='sigmoid' is not supported"):
-        fm.select_experts(logits, 2, True, scoring="sigmoid")
+    with pytest.raises(ValueError, match="scoring_func='sigmoid' is not supported"):
+        fm.select_experts(logits, 2, True, scoring_func="sigmoid")
     with pytest.raises(ValueError, match=r"router_logits must be \[num_tokens, num_experts\]"):
         fm.select_experts(logits[0], 2, True)
 

@@ -77,7 +77,7 @@ def get_config(M: int, E: int, H: int, I: int, top_k: int, dtype: torch.dtype) -
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+                   scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
 
     As transformers' Qwen3MoeTopKRouter (renormalize = norm_topk_prob) and MixtralTopKRouter
@@ -85,8 +85,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     The weights stay fp32 (as vLLM's); Qwen3-MoE in transformers rounds them to the model dtype before
     use, Mixtral does not: identical in fp32, within one rounding in bf16/fp16.
     """
-    if scoring not in SCORING_FUNCS:
-        raise ValueError(f"scoring={scoring!r} is not supported; use one of {SCORING_FUNCS}")
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func={scoring_func!r} is not supported; use one of {SCORING_FUNCS}")
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits.shape)}")
     num_experts = router_logits.shape[1]
