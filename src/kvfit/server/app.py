@@ -142,8 +142,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version():
-        from kvfit import __version__
-        return {"version": __version__}
+        return {"version": _version()}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -200,6 +199,15 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
         text = await state.engine.prepare(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
         return {"prompt": text}
+
+
+def _version() -> str:
+    # kvfit.__version__'s source (the installed distribution); kvfit/__init__ sits above the server
+    from importlib import metadata
+    try:
+        return metadata.version("kvfit")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _model_card(state: ServerState, name: str) -> dict:
