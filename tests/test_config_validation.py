@@ -107,6 +107,8 @@ LOAD_CASES = [
      _set_rope(rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0,
                original_max_position_embeddings=64), ["high_freq_factor must be greater than low_freq_factor"]),
     ("rope-type-number", "config.json", _set_rope(rope_type=3), ["'rope_type'", "string"]),
+    # transformers 5 layout: rope_parameters' theta wins, but a malformed top-level one used to be ignored
+    ("rope-theta-top-level-shadowed", "config.json", _set(rope_theta="x"), ["'rope_theta'", "'x'"]),
     ("index-shard-number", "model.safetensors.index.json", '{"weight_map": {"lm_head.weight": 5}}',
      ["model.safetensors.index.json", "'weight_map'", "'lm_head.weight': 5"]),
     ("index-weight-map-list", "model.safetensors.index.json", '{"weight_map": [1]}', ["'weight_map'", "JSON object"]),

@@ -237,6 +237,8 @@ def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json") 
     """Read RoPE settings from a config.json dict; unsupported or out-of-range settings are a ConfigError."""
     d = _rope_dict(raw, source)
     where = f"{source} (rope_theta / rope_scaling / rope_parameters)"
+    # a top-level rope_theta shadowed by rope_parameters' is still checked: a malformed one is a corrupt file
+    read_field(raw, "rope_theta", "number", source, above=0)
     rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
