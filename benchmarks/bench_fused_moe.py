@@ -67,6 +67,23 @@ def eager_seconds(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") / 1e3
 
 
+def kernel_breakdown(fn, calls: int = 5) -> dict[str, float]:
+    """Device seconds per call of each kernel fn launches (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            name = event.key.removeprefix("_").split("(")[0][:40]
+            times[name] = times.get(name, 0.0) + event.self_device_time_total / 1e6 / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def vllm_experts():
     """vLLM's fused_experts(x, w13, w2, topk_weights, topk_ids) when vLLM is importable, else None."""
     try:
@@ -81,7 +98,48 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
 
-def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
+def sweep_configs(label, problem, configs, ref, deadline) -> dict[str, float]:
+    """json(config) -> graph seconds per call, for each config that matches the reference, until the deadline."""
+    from kvfit.models.fused_moe import fused_moe
+    results = {}
+    for cfg in configs:
+        if results and time.monotonic() > deadline:
+            print(f"  {label}: budget spent, {len(results)} configs timed")
+            break
+        try:
+            err = relative_error(fused_moe(*problem, config=cfg), ref)
+            assert err < 2e-2, f"{label} {cfg}: relative error {err:.2e} against moe_reference"
+            results[json.dumps(cfg)] = graph_seconds(lambda c=cfg: fused_moe(*problem, config=c))
+        except triton_resource_errors() as e:
+            print(f"  skip {cfg}: {type(e).__name__}")
+    return results
+
+
+def best_row(label, m, problem, cfg, results, ref, default_cfg, vllm) -> dict:
+    """The winner beside the default, eager timing, the reference, vLLM and a per-kernel breakdown."""
+    from kvfit.models.fused_moe import fused_moe, moe_reference
+    x, w13, w2, weights, ids = problem
+    row = {"shape": label, "m": m, "best": cfg, "fused_graph_s": results[json.dumps(cfg)],
+           "default_graph_s": results.get(json.dumps(default_cfg)),
+           "fused_eager_s": eager_seconds(lambda: fused_moe(*problem, config=cfg)),
+           "reference_s": eager_seconds(lambda: moe_reference(*problem)),
+           "error": relative_error(fused_moe(*problem, config=cfg), ref)}
+    if vllm is not None:
+        ids32 = ids.to(torch.int32)                                   # vLLM's routing dtype
+        try:
+            row["vllm_graph_s"] = graph_seconds(lambda: vllm(x, w13, w2, weights, ids32))
+        except Exception as e:  # noqa: BLE001 - report, keep the sweep going
+            print(f"  vLLM fused_experts failed at M={m}: {type(e).__name__}: {e}")
+    try:
+        row["kernels_s"] = kernel_breakdown(lambda: fused_moe(*problem, config=cfg))
+    except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the sweep
+        row["kernels_s"] = {}
+        print(f"  profiler failed: {type(e).__name__}: {e}")
+    return row
+
+
+def sweep_shape(label, shape, m_values, dtype, deadline, vllm, rows, best):
+    """Every M for one layer shape: appends table rows, records the best config per M in best."""
     from kvfit.models import fused_moe as fm
     num_experts, top_k, hidden, inter = shape
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -91,39 +149,17 @@ def sweep_shape(name, shape, m_values, dtype, deadline, vllm, rows, best):
     for m in m_values:
         x = torch.randn(m, hidden, device=DEVICE, generator=gen).to(dtype)
         weights, ids = fm.select_experts(torch.randn(m, num_experts, device=DEVICE, generator=gen), top_k, True)
-        ref = fm.moe_reference(x, w13, w2, weights, ids)
-        ids32 = ids.to(torch.int32)                                   # vLLM's routing dtype
-        results = {}
-        for cfg in candidates(m, num_experts, top_k, dtype):
-            if results and time.monotonic() > deadline:
-                print(f"  {name} M={m}: budget spent, {len(results)} configs timed")
-                break
-            try:
-                err = relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)
-                assert err < 2e-2, f"{name} M={m} {cfg}: relative error {err:.2e} against moe_reference"
-                run = lambda c=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=c)   # noqa: E731
-                results[json.dumps(cfg)] = graph_seconds(run)
-            except triton_resource_errors() as e:
-                print(f"  skip {cfg}: {type(e).__name__}")
+        problem = (x, w13, w2, weights, ids)
+        ref = fm.moe_reference(*problem)
+        results = sweep_configs(f"{label} M={m}", problem, candidates(m, num_experts, top_k, dtype), ref, deadline)
         if not results:
-            print(f"  {name} M={m}: no config ran")
+            print(f"  {label} M={m}: no config ran")
             continue
-        winner = min(results, key=results.get)
-        cfg = json.loads(winner)
-        tuned[m] = cfg
-        t_eager = eager_seconds(lambda: fm.fused_moe(x, w13, w2, weights, ids, config=cfg))
-        t_ref = eager_seconds(lambda: fm.moe_reference(x, w13, w2, weights, ids))
-        t_default = results.get(json.dumps(fm.default_config(m, num_experts, top_k, dtype)))
-        row = {"shape": name, "m": m, "best": cfg, "fused_graph_s": results[winner], "fused_eager_s": t_eager,
-               "default_graph_s": t_default, "reference_s": t_ref,
-               "error": relative_error(fm.fused_moe(x, w13, w2, weights, ids, config=cfg), ref)}
-        if vllm is not None:
-            try:
-                row["vllm_graph_s"] = graph_seconds(lambda: vllm(x, w13, w2, weights, ids32))
-            except Exception as e:  # noqa: BLE001 - report, keep the sweep going
-                print(f"  vLLM fused_experts failed at M={m}: {type(e).__name__}: {e}")
+        tuned[m] = cfg = json.loads(min(results, key=results.get))
+        row = best_row(label, m, problem, cfg, results, ref, fm.default_config(m, num_experts, top_k, dtype), vllm)
         rows.append(row)
         print_row(row, len(results))
+        print("    kernels: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row["kernels_s"].items()))
     del w13, w2
     torch.cuda.empty_cache()
 

@@ -359,7 +359,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_m_blocks = block_experts.numel()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)     # [T*k, I] SiLU(gate) * up
     pairs_out = out.view(num_pairs, hidden)
-    weights = topk_weights.reshape(-1).float()                                # [T*k] (a copy only if not fp32)
+    weights = topk_weights.reshape(-1)                                        # [T*k], any float dtype
     launch = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n,
                   BLOCK_K=block_k, GROUP_M=config["GROUP_SIZE_M"],
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",     # fp32: no tf32 rounding
