@@ -68,7 +68,7 @@ def test_unknown_fields_are_served_with_a_warning_naming_them(server, client, ca
 
 
 UNHONOURED = [("use_beam_search", True), ("best_of", 3), ("suffix", "x"), ("truncate_prompt_tokens", 5),
-              ("allowed_token_ids", [1, 2]), ("priority", 1), ("cache_salt", "s"), ("logits_processors", ["x"]),
+              ("priority", 1), ("cache_salt", "s"), ("logits_processors", ["x"]),
               ("return_tokens_as_token_ids", True), ("length_penalty", 0.5), ("guided_json", {"type": "object"}),
               ("guided_choice", ["a", "b"]), ("guided_regex", "a+"), ("vllm_xargs", {"a": 1})]
 
@@ -154,3 +154,20 @@ def test_the_stats_line_reports_activity_and_is_quiet_when_idle():
     stats.update(running=0, waiting=0, kv_blocks_used=0)
     assert logger.line(start + 20).startswith("Avg prompt throughput: 0.0 tokens/s")   # the interval after
     assert logger.line(start + 30) is None                                            # idle: quiet
+
+
+# chat messages ------------------------------------------------------------------------------------
+TEMPLATE = "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %};{% endfor %}{{ extra }}"
+
+
+def test_message_history_fields_reach_the_template_and_unknown_ones_are_named(caplog):
+    caplog.set_level(logging.WARNING, logger="kvfit")
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r",
+                                                   "mystery": 1}]
+    with running_server(FakeEngine(), "fake", chat_template=TEMPLATE) as (url, _):
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, "chat_template_kwargs": {"extra": "X", "zz": 1}})
+    # the fake tokenizer has one token per character
+    assert "".join(map(chr, r.json()["tokens"])) == "user:q;assistant:a(r);X"
+    logged = " ".join(rec.getMessage() for rec in caplog.records)
+    assert "'messages[1].mystery'" in logged
+    assert "chat_template_kwargs names variables the chat template does not read, so they do nothing: 'zz'" in logged

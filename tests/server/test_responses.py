@@ -27,9 +27,10 @@ def step(chosen: int, logprob: float, *others: tuple[int, float]) -> dict[int, L
 
 
 def builder(chat=False, top_logprobs=None, echo=False, stream=False, stop=(), include_usage=False, echo_text=None,
-            prompt_logprobs=False):
+            prompt_logprobs=False, continuous_usage=False):
     inp = GenerateInput([X, X], SamplingParams(stop=stop), True, stream, include_usage, echo=echo,
-                        echo_text=echo_text, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
+                        echo_text=echo_text, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                        continuous_usage=continuous_usage)
     return ResponseBuilder(chat, "m", inp, Chars())
 
 
@@ -99,8 +100,17 @@ def test_stream_chunks_per_choice_hold_back_a_possible_stop_string():
 
 def test_chat_stream_opens_each_choice_with_its_role_and_echo_once():
     b = builder(chat=True, stream=True, echo=True, echo_text="E")
-    assert [c["choices"][0]["delta"] for c in b.role_chunks()] == [{"role": "assistant", "content": ""}]
+    assert [c["choices"][0]["delta"] for c in b.role_chunks(2)] == [{"role": "assistant", "content": ""}]
     chunks = b.chunks(output(CompletionOutput(0, "a", [A]), finished=False))
     assert chunks[0]["choices"][0]["delta"] == {"content": "Ea"}
     chunks = b.chunks(output(CompletionOutput(0, "a", [A], finish_reason="stop")))
     assert chunks[0]["choices"][0]["delta"] == {} and chunks[0]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
+    b = builder(chat=True, stream=True, include_usage=True, continuous_usage=True)
+    assert b.role_chunks(2)[0]["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+    chunk = b.chunks(output(CompletionOutput(0, "ab", [A, B]), finished=False))[0]
+    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    plain = builder(stream=True, include_usage=True)
+    assert plain.chunks(output(CompletionOutput(0, "a", [A]), finished=False))[0]["usage"] is None

@@ -340,7 +340,7 @@ async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: Gene
     """SSE chunks: each choice's deltas and finish reason, usage if asked, then [DONE]."""
     output = None
     try:
-        for body in builder.role_chunks():
+        for body in builder.role_chunks(stream.num_prompt_tokens):
             yield sse(body)
         while output is None or not output.finished:
             try:

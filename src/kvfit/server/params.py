@@ -14,20 +14,19 @@ from dataclasses import dataclass
 
 from kvfit.errors import RequestError
 from kvfit.sampling_params import SamplingParams
-from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
-                                   bad_request)
+from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, TEMPLATE_MESSAGE_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
+                                   CompletionRequest, bad_request)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
 MAX_STOP_STRINGS = 16                  # each is searched after every token
 MAX_LOGPROBS = 20                      # OpenAI's and vLLM's (--max-logprobs) limit on top-k logprobs
-MAX_LOGIT_BIAS = 100.0                 # OpenAI: each bias in [-100, 100]
 # SamplingParams fields a request may set beyond the basic ones, with the value that asks for nothing.
 # A field this build's SamplingParams lacks is honoured only at that value, else a 400.
 SAMPLING_FIELDS: dict[str, object] = {
     "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
     "min_tokens": 0, "logit_bias": None, "logprobs": None, "prompt_logprobs": None,
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "bad_words": None, "structured_outputs": None}
+    "bad_words": None, "allowed_token_ids": None, "structured_outputs": None}
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class GenerateInput:
     echo_text: str | None = None   # chat: the assistant message that echo repeats
     top_logprobs: int | None = None
     prompt_logprobs: bool = False  # the client asked for prompt_logprobs (shown as vLLM does)
+    continuous_usage: bool = False  # every stream chunk carries the usage so far (vLLM's continuous_usage_stats)
 
     @property
     def n(self) -> int:
@@ -64,21 +64,6 @@ def check_unsupported(req) -> None:
         value = getattr(req, name, None)
         if value is not None and value not in neutral and not (name == "best_of" and value == req.n):
             raise bad_request(f"{name} is not supported by kvfit: {instead}", param=name)
-
-
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
-    if not raw:
-        return None
-    bias = {}
-    for key, value in raw.items():
-        if not key.isdigit() or len(key) > 10:
-            raise bad_request(f"logit_bias keys must be token ids (strings of digits), got {key[:32]!r}",
-                              param="logit_bias")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
-                              param="logit_bias")
-        bias[int(key)] = float(value)
-    return bias
 
 
 def _structured_outputs(req) -> object | None:
@@ -143,12 +128,13 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, logprobs_
     extra = {"n": (req.n, "n"), "presence_penalty": (req.presence_penalty, "presence_penalty"),
              "frequency_penalty": (req.frequency_penalty, "frequency_penalty"),
              "repetition_penalty": (req.repetition_penalty, "repetition_penalty"), "min_p": (req.min_p, "min_p"),
-             "min_tokens": (req.min_tokens, "min_tokens"), "logit_bias": (_logit_bias(req.logit_bias), "logit_bias"),
+             "min_tokens": (req.min_tokens, "min_tokens"), "logit_bias": (req.logit_bias or None, "logit_bias"),
              "logprobs": (logprobs, logprobs_param), "prompt_logprobs": (prompt_logprobs, "prompt_logprobs"),
              "include_stop_str_in_output": (req.include_stop_str_in_output, "include_stop_str_in_output"),
              "skip_special_tokens": (req.skip_special_tokens, "skip_special_tokens"),
              "spaces_between_special_tokens": (req.spaces_between_special_tokens, "spaces_between_special_tokens"),
              "bad_words": (tuple(req.bad_words) if req.bad_words else None, "bad_words"),
+             "allowed_token_ids": (req.allowed_token_ids, "allowed_token_ids"),
              "structured_outputs": (_structured_outputs(req), "structured_outputs")}
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     kwargs = {}
@@ -169,11 +155,13 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, logprobs_
         raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
 
-def _stream_flags(req) -> tuple[bool, bool]:
-    stream = bool(req.stream)
-    if req.stream_options is not None and not stream:
+def _stream_flags(req) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
+    stream, options = bool(req.stream), req.stream_options
+    if options is not None and not stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
-    return stream, bool(stream and req.stream_options and req.stream_options.include_usage)
+    include_usage = bool(stream and options and options.include_usage)
+    return stream, include_usage, include_usage and options.continuous_usage_stats
 
 
 def completion_input(req: CompletionRequest) -> GenerateInput:
@@ -187,10 +175,10 @@ def completion_input(req: CompletionRequest) -> GenerateInput:
         raise bad_request("the prompt is empty; give at least one token", param="prompt")
     _check_top_k_count(req.logprobs, "logprobs")
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    stream, include_usage = _stream_flags(req)
+    stream, include_usage, continuous_usage = _stream_flags(req)
     params = sampling_params(req, max_tokens, req.logprobs, "logprobs")
     return GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None)
+                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage)
 
 
 def chat_messages(req) -> list[dict]:
@@ -202,8 +190,8 @@ def chat_messages(req) -> list[dict]:
         content = m.content if isinstance(m.content, str) or m.content is None \
             else "".join(part.text for part in m.content)
         message = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
+        # as transformers: fields left out (None) are not there for the template
+        message.update({k: getattr(m, k) for k in TEMPLATE_MESSAGE_FIELDS if getattr(m, k) is not None})
         out.append(message)
     return out
 
@@ -218,10 +206,10 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    stream, include_usage = _stream_flags(req)
+    stream, include_usage, continuous_usage = _stream_flags(req)
     params = sampling_params(req, max_tokens, top_logprobs, "logprobs" if not req.top_logprobs else "top_logprobs")
     # vLLM's chat echo: the last message is repeated before the reply when it is the assistant's
     echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None)
+                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage)

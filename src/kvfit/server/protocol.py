@@ -47,6 +47,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM: usage so far in every chunk too
 
 
 # Fields vLLM knows that kvfit does not honour, with the values that ask for nothing (None: absent)
@@ -56,7 +57,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((1.0,), "it applies to beam search, which is not implemented"),
     "best_of": ((1,), "give n for several choices"),
     "truncate_prompt_tokens": ((), "shorten the prompt on the client"),
-    "allowed_token_ids": ((), "use logit_bias"),
     "priority": ((0,), "requests are served first come, first served"),
     "request_id": ((), "the server picks the id"),
     "cache_salt": ((), "the prefix cache is shared by all requests"),
@@ -106,6 +106,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: dict | None = None
     add_special_tokens: bool | None = None
@@ -114,7 +115,6 @@ class _SamplingFields(_Body):
     length_penalty: Any = None
     best_of: Any = None
     truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
     priority: Any = None
     request_id: Any = None
     cache_salt: Any = None
@@ -143,9 +143,18 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    """One message; the history fields (tool calls, reasoning) go to the chat template as given."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+TEMPLATE_MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls", "reasoning_content", "reasoning")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -209,11 +218,20 @@ def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
         body = model_class.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    unknown = [key for key in data if key not in model_class.model_fields]
+    unknown = [key for key in data if key not in model_class.model_fields] + _unknown_message_fields(data)
     if unknown:      # vLLM's behaviour: served, with a warning naming them (shortened: they are the client's)
         logger.warning("The following fields were present in the request but ignored: %s",
                        ", ".join(repr(key[:64]) for key in unknown[:16]) + (", ..." if len(unknown) > 16 else ""))
     return body
+
+
+def _unknown_message_fields(data: dict) -> list[str]:
+    """`messages[i].key` for each message key ChatMessage does not know (ignored, so named in the log)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return []
+    return [f"messages[{i}].{key}" for i, m in enumerate(messages) if isinstance(m, dict)
+            for key in m if key not in ChatMessage.model_fields][:16]
 
 
 def _load_json(raw: bytes):

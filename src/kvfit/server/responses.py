@@ -174,28 +174,32 @@ class ResponseBuilder:
         return choice
 
     # stream chunks ------------------------------------------------------------------------------
-    def role_chunks(self) -> list[dict]:
+    def role_chunks(self, num_prompt_tokens: int) -> list[dict]:
         """Chat streams open with the role, once per choice (OpenAI's first chunk)."""
         if not self.chat:
             return []
-        return [self._chunk_body(i, {"role": "assistant", "content": ""}, None, None)
+        so_far = usage(num_prompt_tokens, 0)
+        return [self._chunk_body(i, {"role": "assistant", "content": ""}, None, None, None, so_far)
                 for i in range(self.inp.n)]
 
-    def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None) -> dict:
+    def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None, so_far: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         choice["stop_reason"] = stop_reason
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [choice], {"usage": None} if self.inp.include_usage else None)
+        if not self.inp.include_usage:
+            return self._envelope(obj, [choice])
+        return self._envelope(obj, [choice], {"usage": so_far if self.inp.continuous_usage else None})
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """The chunks that a new (cumulative) output adds, one per choice that moved."""
+        so_far = usage(len(output.prompt_token_ids), sum(len(s.token_ids) for s in output.outputs))
         return [c for sample in sorted(output.outputs, key=lambda s: s.index)
-                if (c := self._choice_chunk(output, sample)) is not None]
+                if (c := self._choice_chunk(output, sample, so_far)) is not None]
 
-    def _choice_chunk(self, output: RequestOutput, sample: CompletionOutput) -> dict | None:
+    def _choice_chunk(self, output: RequestOutput, sample: CompletionOutput, so_far: dict) -> dict | None:
         sent = self._sent.setdefault(sample.index, _Sent())
         if sent.done:
             return None
@@ -219,7 +223,7 @@ class ResponseBuilder:
             return None
         sent.done = finished
         body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
-        return self._chunk_body(sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason)
+        return self._chunk_body(sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason, so_far)
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

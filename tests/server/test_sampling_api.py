@@ -1,0 +1,169 @@
+"""The sampling fields of issue 13 through the official openai client, on a tiny real model.
+
+References: the offline API (kvfit.LLM, same model and settings) for what the engine does with a
+SamplingParams (the server must map each field onto it as vLLM's server does), and transformers
+(fp32 log_softmax) for logprob values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import openai
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from server_testing import ENGINE_KWARGS, make_engine, running_server
+
+MODEL = "tiny"
+PROMPT = "Hello, my name is"
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    engine = make_engine(tiny_llama)
+    try:
+        with running_server(engine, MODEL) as (url, _):
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    llm = LLM(tiny_llama, **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is the log-distribution of the token after ids[:i + 1]."""
+    model, _ = hf
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def offline_outputs(offline, prompt, **params):
+    return offline.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs
+
+
+# n ---------------------------------------------------------------------------------------------
+def test_n_seeded_choices_equal_offline_and_usage_sums_them(client, offline):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, n=3, seed=7, max_tokens=8, temperature=1.0)
+    ref = offline_outputs(offline, PROMPT, n=3, seed=7, max_tokens=8, temperature=1.0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [o.text for o in ref]
+    assert len({c.text for c in resp.choices}) == 3
+    assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
+
+
+def test_n_streamed_chunks_name_their_choice(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert [texts[0], texts[1]] == [c.text for c in full.choices]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    chat = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=3, stream=True))
+    assert {c.choices[0].index for c in chat} == {0, 1}
+
+
+# logprobs ----------------------------------------------------------------------------------------
+def test_completion_logprobs_equal_transformers(client, hf):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    _, tok = hf
+    prompt_ids = tok(PROMPT)["input_ids"]
+    out_ids = tok(resp.choices[0].text, add_special_tokens=False)["input_ids"]
+    ref = hf_logprobs(hf, prompt_ids + out_ids)
+    for i, (token_logprob, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
+        row = ref[len(prompt_ids) - 1 + i]
+        assert math.isclose(token_logprob, row.max().item(), abs_tol=1e-3)        # greedy: the chosen is the top
+        expected_top = row.topk(3).values.tolist()
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(expected_top, abs=1e-3)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs(client, hf):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    choice = resp.choices[0]
+    assert choice.text.startswith(PROMPT)
+    _, tok = hf
+    prompt_ids = tok(PROMPT)["input_ids"]
+    ref = hf_logprobs(hf, prompt_ids)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None      # the first token has no context
+    for i in range(1, len(prompt_ids)):
+        assert math.isclose(lp.token_logprobs[i], ref[i - 1, prompt_ids[i]].item(), abs_tol=1e-3)
+    assert len(lp.tokens) == len(prompt_ids) + 2
+
+
+def test_chat_logprobs_and_top_logprobs(client, hf):
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-6)   # greedy
+        assert entry.bytes == list(entry.token.encode("utf-8", errors="replace"))
+    assert "".join(e.token for e in content) == resp.choices[0].message.content
+
+
+# sampling fields map onto SamplingParams as offline -----------------------------------------------
+@pytest.mark.parametrize("fields", [
+    {"repetition_penalty": 1.5}, {"presence_penalty": 1.5, "frequency_penalty": 1.0}, {"min_p": 1.0},
+    {"min_tokens": 6, "stop_token_ids": [2]}, {"logit_bias": {"42": 100}}, {"bad_words": ["the"]},
+], ids=["repetition", "presence-frequency", "min-p", "min-tokens", "logit-bias", "bad-words"])
+def test_sampling_fields_equal_offline(client, offline, fields):
+    extra = {k: v for k, v in fields.items() if k not in ("presence_penalty", "frequency_penalty", "logit_bias")}
+    std = {k: v for k, v in fields.items() if k not in extra}
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=5,
+                                     extra_body=extra, **std)
+    params = {**fields, "logit_bias": {int(k): v for k, v in fields["logit_bias"].items()}} \
+        if "logit_bias" in fields else fields
+    ref = offline_outputs(offline, PROMPT, max_tokens=8, temperature=0.8, seed=5, **params)[0]
+    assert resp.choices[0].text == ref.text
+    if "logit_bias" in fields:
+        assert ref.token_ids == [42] * 8
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green"]}},
+          "required": ["color"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_is_obeyed(client):
+    for seed in range(3):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}})
+        assert json.loads(resp.choices[0].message.content)["color"] in ("red", "green")
+
+
+def test_structured_outputs_regex_and_choice(client):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"regex": "[ab]{3}"}})
+    assert len(resp.choices[0].text) == 3 and set(resp.choices[0].text) <= {"a", "b"}
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert resp.choices[0].text in ("yes", "no")
