@@ -211,6 +211,11 @@ if triton is not None:
             tl.store(sorted_pair_ids_ptr + rows, start + offs, mask=mask)
 
     @triton.jit
+    def _k_step(stride, BLOCK_K: tl.constexpr):
+        """BLOCK_K * stride in int64 (a stride may arrive as int32, or as the constant 1)."""
+        return tl.full((), BLOCK_K, tl.int64) * stride
+
+    @triton.jit
     def _load_rows(ptrs, row_mask, offs_k, k_left, WHOLE_K: tl.constexpr):
         """[BM, BK] activation tile of the rows in row_mask; K masked only when it has a partial tile."""
         if WHOLE_K:
@@ -242,10 +247,11 @@ if triton is not None:
                         PRECISION: tl.constexpr):
         # act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one block of pairs
         pid_m, pid_n = _block_ids(tl.program_id(0), num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+        pid_m = pid_m.to(tl.int64)
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         if expert >= NUM_EXPERTS:       # past the last group: nothing to compute
             return
-        pairs = tl.load(sorted_pair_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = pairs < num_pairs                                          # padding rows hold num_pairs
         tokens = pairs // TOP_K
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,9 +269,9 @@ if triton is not None:
             u = _load_weights(u_ptrs, offs_k, HIDDEN - k, n_mask, HIDDEN % BLOCK_K == 0, INTER % BLOCK_N == 0)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xh
-            g_ptrs += BLOCK_K * stride_wh
-            u_ptrs += BLOCK_K * stride_wh
+            x_ptrs += _k_step(stride_xh, BLOCK_K)
+            g_ptrs += _k_step(stride_wh, BLOCK_K)
+            u_ptrs += _k_step(stride_wh, BLOCK_K)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                           # SiLU(gate) * up in fp32
         out_ptrs = act_ptr + pairs[:, None] * stride_ap + offs_n[None, :] * stride_ai
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -278,10 +284,11 @@ if triton is not None:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
         # out[pair, n] = topk_weight[pair] * (act[pair] . w2[e, n]) for one block of pairs
         pid_m, pid_n = _block_ids(tl.program_id(0), num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
+        pid_m = pid_m.to(tl.int64)
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         if expert >= NUM_EXPERTS:
             return
-        pairs = tl.load(sorted_pair_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = pairs < num_pairs
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
@@ -293,8 +300,8 @@ if triton is not None:
             a = _load_rows(a_ptrs, row_mask, offs_k, INTER - k, INTER % BLOCK_K == 0)
             w = _load_weights(w_ptrs, offs_k, INTER - k, n_mask, INTER % BLOCK_K == 0, HIDDEN % BLOCK_N == 0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ai
-            w_ptrs += BLOCK_K * stride_wi
+            a_ptrs += _k_step(stride_ai, BLOCK_K)
+            w_ptrs += _k_step(stride_wi, BLOCK_K)
         acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + pairs[:, None] * stride_op + offs_n[None, :] * stride_oh
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
