@@ -39,7 +39,7 @@ def test_every_catalog_model_loads(name):
 PUBLIC_PARAMS = {
     "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "qwen3-0.6b": 0.596e9, "qwen3-8b": 8.19e9,
     "qwen3-30b-a3b": 30.5e9, "qwen2.5-7b": 7.6e9, "mistral-7b": 7.25e9, "mixtral-8x7b": 46.7e9,
-    "deepseek-v3": 671e9,
+    "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9,
 }
 
 

@@ -42,7 +42,7 @@ def test_every_rank_plans_the_minimum(tiny_llama, monkeypatch, caplog):
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(budget) in m and str(cap) in m and "minimum" in m for m in logged), logged
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 3
+    assert len(out[0].outputs[0].token_ids) == 3
     del llm, out
     gc.collect()
     assert all_gone(pids, timeout_s=0), "garbage collection of the LLM did not stop its ranks"

@@ -24,7 +24,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _greedy(folder: str, prompts, **kwargs) -> tuple[list[list[int]], LLM]:
     llm = LLM(folder, **ENGINE_KWARGS, max_num_batched_tokens=32, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mqa_tied"])
@@ -58,8 +58,8 @@ def test_an_idle_engine_keeps_its_ranks(tiny_llama, monkeypatch):
     llm = LLM(tiny_llama, tensor_parallel_size=2, tp_timeout_s=4, **ENGINE_KWARGS)
     try:
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+        first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
         time.sleep(4.5)
-        assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids == first
+        assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == first
     finally:
         llm.shutdown()
