@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from kvfit import LLM, SamplingParams
-from server_testing import ENGINE_KWARGS, make_engine, running_server
+from kvfit import SamplingParams
+from server_testing import make_engine, running_server
 
 MODEL = "tiny"
 PROMPT = "Hello, my name is"
@@ -35,13 +35,6 @@ def server(tiny_llama):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    llm = LLM(tiny_llama, **ENGINE_KWARGS)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")

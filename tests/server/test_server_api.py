@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kvfit import LLM, SamplingParams
+from kvfit import SamplingParams
 from server_testing import (ENGINE_KWARGS, assert_blocks_balanced, completion_text, make_engine, openai_error,
                             running_server, scrape, wait_for_drain)
 
@@ -32,13 +32,6 @@ def server(tiny_llama):
             yield url
     finally:
         engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    llm = LLM(tiny_llama, **ENGINE_KWARGS)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
