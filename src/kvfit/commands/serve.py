@@ -32,13 +32,17 @@ def register(sub) -> None:
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_SECONDS, metavar="SECONDS",
                    help=f"a request body must arrive within this (default {DEFAULT_BODY_TIMEOUT_SECONDS} s), "
                         "else 408")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may send; the first is the one responses report (default: MODEL)")
+    p.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="the chat template: a .jinja file or the template text (default: the model's own)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests allowed to wait for the batch; beyond it new ones get 429")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level")
+                   help="the server's log level (kvfit and uvicorn; info: an access line per request and a stats "
+                        "line every 10 s while busy)")
     add_engine_flags(p)
     p.set_defaults(run=run)
 
@@ -54,15 +58,20 @@ def _check_args(args) -> None:
 
 def run(args) -> int:
     from kvfit.commands.flags import engine_kwargs
-    from kvfit.commands.common import engine_startup, setup_logging
+    from kvfit.commands.common import engine_startup
+    from kvfit.server.logs import configure_logging
     _check_args(args)
-    setup_logging()
+    configure_logging(args.log_level)
     from kvfit.config import EngineConfig
     from kvfit.engine.llm_engine import LLMEngine
+    from kvfit.models.chat_template import load_chat_template
     from kvfit.server.app import create_app
     from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,
                                      serve, startup_warnings, url_of)
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))   # a missing model is the first error
+    settings = engine_kwargs(args)
+    names = settings.pop("served_model_name", None) or [args.model]      # the first is the reported one
+    config = EngineConfig.from_kwargs(args.model, served_model_name=names[0], **settings)   # a missing model first
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     api_key = resolve_api_key(args.api_key, args.api_key_file)     # before loading: a bad key fails fast
     guards = GuardOptions(args.host, api_key, args.metrics_require_key, args.body_timeout)
     limits = ConnectionLimits(args.max_connections, args.header_timeout)
@@ -71,8 +80,9 @@ def run(args) -> int:
         with engine_startup(config):
             engine = LLMEngine(config)
         try:
-            name = config.model.served_model_name or args.model
-            app = create_app(engine, name, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+            name = names[0]
+            app = create_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
+                             chat_template=chat_template,
                              max_body_bytes=args.max_request_body_bytes,
                              metrics_require_key=args.metrics_require_key)
             install_guards(app, guards)
