@@ -22,5 +22,8 @@ for s in "$@"; do case $s in
   kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
   gemv) step gemv 240 python3 benchmarks/bench_gemv.py --model llama-3.1-8b ;;
   fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
+  fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;
+  moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/models/test_fused_moe.py -q -s -p no:cacheprovider ;;
+  vs-vllm-moe) step vs-vllm-moe 1200 python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b mixtral-8x7b ;;
   *) echo "unknown step $s" ;;
 esac; done
