@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import types
 
-from kvfit.engine.output import CompletionOutput, RequestOutput
+from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
 from kvfit.engine.admission import check_request
 from kvfit.errors import ConfigError
 
@@ -36,7 +36,8 @@ class CharTokenizer:
 
 
 class FakeEngine:
-    """Each step appends 'a', 'b', ... to each running request (at most max_running run, the rest wait).
+    """Each step appends 'a', 'b', ... to each running request (at most max_running run, the rest wait);
+    with n > 1, sample i is shifted by i letters; logprobs are made up (see _sample).
 
     A prompt containing `fail_step_on` makes step() raise; one containing `fail_add_on` makes
     add_request() raise an unexpected error.
@@ -86,10 +87,19 @@ class FakeEngine:
             finished = len(r["out"]) >= max_tokens
             if finished:
                 del self.requests[request_id]
-            sample = CompletionOutput(0, self.tokenizer.decode(r["out"]), list(r["out"]),
-                                      finish_reason="length" if finished else None)
-            outputs.append(RequestOutput(request_id, None, r["prompt"], outputs=[sample], finished=finished))
+            samples = [self._sample(i, r["out"], r["params"], finished) for i in range(getattr(r["params"], "n", 1))]
+            outputs.append(RequestOutput(request_id, None, r["prompt"], outputs=samples, finished=finished))
         return outputs
+
+    def _sample(self, index: int, out: list[int], params, finished: bool) -> CompletionOutput:
+        """Sample i is the letters shifted by i ('ab', 'bc', ...); with logprobs, each token has logprob
+        -(i + 1) / 10 and rank 1, and the next k - 1 letters follow it (the top k), each 1 lower."""
+        ids = [ord("a") + (t - ord("a") + index) % 26 for t in out]
+        k = getattr(params, "logprobs", None)
+        logprobs = None if k is None else [
+            {t + j: Logprob(-(index + 1) / 10 - j, j + 1, chr(t + j)) for j in range(max(k, 1))} for t in ids]
+        return CompletionOutput(index, self.tokenizer.decode(ids), ids, None, logprobs,
+                                "length" if finished else None)
 
     def stats(self):
         running = len(self._running())

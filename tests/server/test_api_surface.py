@@ -23,7 +23,8 @@ LABELS = '{engine="0",model_name="first-name"}'
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(FakeEngine(), NAMES, metrics_require_key=False) as (url, _):
+    with running_server(FakeEngine(), NAMES, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}") \
+            as (url, _):
         yield url
 
 
@@ -171,3 +172,31 @@ def test_message_history_fields_reach_the_template_and_unknown_ones_are_named(ca
     logged = " ".join(rec.getMessage() for rec in caplog.records)
     assert "'messages[1].mystery'" in logged
     assert "chat_template_kwargs names variables the chat template does not read, so they do nothing: 'zz'" in logged
+
+
+# n and logprobs end to end on the fake engine (its samples: 'ab', 'bc', ...; see FakeEngine._sample) ----
+def test_n_choices_full_and_streamed_with_usage_summed(client):
+    resp = client.completions.create(model="first-name", prompt="hi", max_tokens=2, n=3)
+    assert [(c.index, c.text) for c in resp.choices] == [(0, "ab"), (1, "bc"), (2, "cd")]
+    assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens == 2
+    chunks = list(client.completions.create(model="first-name", prompt="hi", max_tokens=2, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = {}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert texts == {0: "ab", 1: "bc"} and chunks[-1].usage.completion_tokens == 4
+    chat = list(client.chat.completions.create(model="first-name", messages=[{"role": "user", "content": "x"}],
+                                               n=2, max_tokens=1, stream=True))
+    assert [c.choices[0].delta.role for c in chat[:2]] == ["assistant", "assistant"]
+    assert {c.choices[0].index for c in chat} == {0, 1}
+
+
+def test_logprobs_shapes_through_the_client(client):
+    lp = client.completions.create(model="first-name", prompt="hi", max_tokens=2, logprobs=1).choices[0].logprobs
+    assert lp.tokens == ["a", "b"] and lp.token_logprobs == [-0.1, -0.1] and lp.text_offset == [0, 1]
+    assert lp.top_logprobs == [{"a": -0.1}, {"b": -0.1}]        # the top 1 is the chosen token
+    resp = client.chat.completions.create(model="first-name", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=1, logprobs=True, top_logprobs=2, n=2)
+    second = resp.choices[1].logprobs.content[0]
+    assert (second.token, second.logprob, second.bytes) == ("b", -0.2, [98])
+    assert [(t.token, t.logprob) for t in second.top_logprobs] == [("b", -0.2), ("c", -1.2)]

@@ -128,7 +128,10 @@ class ResponseBuilder:
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
-        return self._tokenizer.decode(output.prompt_token_ids) if self._tokenizer is not None else ""
+        # token-id prompts: their text as vLLM echoes it, special tokens included
+        if self._tokenizer is None:
+            return ""
+        return self._tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
 
     def _echo_prefix(self, output: RequestOutput) -> tuple[str, list[int], list]:
         """(text, token ids, logprob steps) that echo puts before a choice's own."""
