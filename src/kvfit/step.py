@@ -32,6 +32,8 @@ class NewRequest:
     params: SamplingParams
     block_ids: tuple[int, ...]           # the table so far (prefix-cache hits and this step's blocks)
     num_computed_tokens: int             # tokens whose K/V are already in those blocks (prefix hits)
+    eos_token_ids: tuple[int, ...] = ()  # held back with stop_token_ids until params.min_tokens
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class StepDelta:
     new_requests: tuple[NewRequest, ...] = ()
     finished_ids: tuple[str, ...] = ()             # ended (stop, length, abort) since the last delta
     preempted_ids: tuple[str, ...] = ()            # preempted this step: their blocks are gone
+    # structured outputs: {request_id: the tokens its grammar allows now, as an int32 bitmask's bytes
+    # (bit t of word t // 32; kvfit.structured.bitmask)}, for scheduled requests with a grammar (such a
+    # request always runs single steps)
+    token_bitmasks: dict[str, bytes] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +76,32 @@ class StepDelta:
         return self.num_steps[index] if self.num_steps else 1
 
 
-# {request_id: tokens sampled for it, in order: one per device step of the delta}
-SampledTokens = dict[str, list[int]]
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log probabilities (raw fp32 log-softmax), on the host: the token's with its rank
+    (1 = most likely), then the top-k ids and logprobs, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+class SampledTokens(dict):
+    """{request_id: tokens sampled for it, in order: one per device step of the delta}, plus
+
+    logprobs: {request_id: one TokenLogprobs per sampled token} for requests that asked (logprobs);
+    prompt_logprobs: {request_id: (first position, [TokenLogprobs of prompt tokens from there])} for
+    requests that asked (prompt_logprobs); position p's entry is prompt token p given tokens < p.
+    """
+
+    def __init__(self, tokens: dict[str, list[int]] | None = None,
+                 logprobs: dict[str, list[TokenLogprobs]] | None = None,
+                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None):
+        super().__init__(tokens or {})
+        self.logprobs = logprobs or {}
+        self.prompt_logprobs = prompt_logprobs or {}
 
 # The token the runner reports for a request whose logits were not finite (NaN or inf): the engine
 # ends that request alone with finish reason "error"; the rest of the batch goes on.

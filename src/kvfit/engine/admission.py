@@ -21,6 +21,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
                            "sampling_params")
     if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
         raise RequestError("a token-id prompt must be a list of integers", "prompt")
+    _check_token_ids(params, vocab_size)
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise RequestError("the prompt is empty; give at least one token", "prompt")
@@ -42,3 +43,29 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
         raise RequestError(f"the request needs {blocks} KV blocks but the cache has {num_blocks}; "
                            "lower max_tokens or give the cache more memory", "max_tokens")
     return max_total_tokens
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in the params must be in the model's vocabulary (vLLM checks these at admission too)."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})", name)
+
+
+def bad_words_token_ids(bad_words: tuple[str, ...], encode, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as vLLM derives them: the word (left-stripped) alone, and with a leading
+    space when that gives a different first token and as many tokens (a word mid-text). encode: text ->
+    ids without special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in bad_words:
+        alone = tuple(encode(word.lstrip()))
+        if alone:
+            out.append(alone)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+            out.append(spaced)
+    if any(t >= vocab_size for ids in out for t in ids):
+        raise RequestError("bad_words tokenize to ids outside the model's vocabulary", "bad_words")
+    return tuple(out)

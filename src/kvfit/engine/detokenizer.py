@@ -96,8 +96,9 @@ class _WindowDecoder:
     left context of each window ids[prefix_offset:].
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, skip_special_tokens: bool = True):
         self._backend = backend                 # a tokenizers.Tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -106,7 +107,7 @@ class _WindowDecoder:
         self._byte_run_open = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=True)
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one id; the raw text that became stable ("" while a character is incomplete)."""
@@ -147,8 +148,10 @@ class _WindowDecoder:
 class IncrementalDetokenizer:
     """One request's output text, built token by token."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False) -> None:
         """tokenizer: a kvfit Tokenizer, or None (then the text stays "" and stop must be empty).
+        include_stop_str_in_output: a matched stop string stays in the text (cut after it, not before).
 
         No prompt context: the text is the decode of the output ids alone, whose first window starts
         at the output's first token exactly as that decode does (prompt context would turn a stripped
@@ -156,7 +159,8 @@ class IncrementalDetokenizer:
         """
         assert tokenizer is not None or not stop, "stop strings need a tokenizer"
         assert all(stop), "stop strings must be non-empty (SamplingParams checks)"
-        self._window = None if tokenizer is None else _WindowDecoder(tokenizer.backend)
+        self._window = None if tokenizer is None else _WindowDecoder(tokenizer.backend, skip_special_tokens)
+        self._include_stop = include_stop_str_in_output
         self._clean = tokenizer is not None and tokenizer.cleans_up_spaces
         self._stops = tuple(stop)
         self._stop_first_chars = frozenset(s[0] for s in self._stops)
@@ -171,8 +175,9 @@ class IncrementalDetokenizer:
         self._num_released_chars = 0
 
     # adding tokens ------------------------------------------------------------------------------
-    def add(self, token_id: int) -> str | None:
-        """Append one token; the stop string that matched (the request must finish), else None."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; the stop string that matched (the request must finish), else None.
+        check_stop False: the token's text is added but no stop string is looked for (min_tokens)."""
         assert self._final is None, "add() after the request's text was finished"
         if self._window is None:
             return None
@@ -182,7 +187,7 @@ class IncrementalDetokenizer:
             self._pieces.append(committed)
             self._unreleased.append(committed)
             self._recent = _last_chars(before + committed, self._context_chars)
-        return self._find_stop(before, committed) if self._stops else None
+        return self._find_stop(before, committed) if self._stops and check_stop else None
 
     def _commit(self, raw: str) -> str:
         """Clean raw text up to the last cut no clean-up pattern can straddle; keep the rest."""
@@ -209,7 +214,7 @@ class IncrementalDetokenizer:
         at, stop = match
         text = self.text                    # O(length), once per request: it ends here
         start = len(text) - len(committed) - len(before)       # where `before` begins in the text
-        self._final = (text + tail)[:start + at]
+        self._final = (text + tail)[:start + at + (len(stop) if self._include_stop else 0)]
         return stop
 
     # reading the text ---------------------------------------------------------------------------

@@ -7,13 +7,15 @@ a KV cache manager and an output processor.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import logging
 import os
 
 from kvfit.config import EngineConfig
-from kvfit.engine.admission import check_request
+from kvfit.engine.admission import bad_words_token_ids, check_request
 from kvfit.engine.output import RequestOutput
 from kvfit.engine.output_processor import OutputProcessor
+from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
 from kvfit.engine.request import Request
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.startup import start_engine
@@ -44,6 +46,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
+        self._parents: dict[str, ParentRequest] = {}     # n > 1 requests by id
+        self._structured_outputs = None
 
     @property
     def device_name(self) -> str:
@@ -76,9 +80,14 @@ class LLMEngine:
                     strict_context: bool = False) -> str:
         """Queue a prompt (text or token ids); raise RequestError if it can never be served.
 
-        strict_context: prompt + max_tokens past --max-model-len is an error rather than a cut."""
-        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; use stop_token_ids with this model", "stop")
+        strict_context: prompt + max_tokens past --max-model-len is an error rather than a cut.
+        params.n > 1 queues n child requests (engine/parallel_sampling.py) under this request id."""
+        if isinstance(params, SamplingParams) and self.tokenizer is None:
+            for name, needs in (("stop", params.stop), ("bad_words", params.bad_words),
+                                ("structured_outputs", params.structured_outputs)):
+                if needs:
+                    raise RequestError(f"{name} needs a tokenizer (tokenizer.json), which this model folder lacks",
+                                       name)
         if not isinstance(prompt, (str, list, tuple)):
             raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                "prompt")
@@ -86,18 +95,48 @@ class LLMEngine:
         max_total = check_request(ids, params, self.facts.vocab_size, self.max_model_len, self.spec.block_size,
                                   self.pool.num_blocks, strict_context)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
-            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        req = Request(request_id=request_id, prompt_token_ids=ids, params=params, eos_token_ids=self.eos_token_ids,
-                      max_total_tokens=max_total)
-        self.scheduler.add(req)
-        self.outputs.add(req, prompt if isinstance(prompt, str) else None)
+        child_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
+        for rid in dict.fromkeys([request_id, *child_ids]):
+            if rid in self.scheduler.requests or rid in self._parents:
+                raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        bad_words = ()
+        if params.bad_words:
+            bad_words = bad_words_token_ids(params.bad_words, lambda text: self.tokenizer.encode(
+                text, add_special_tokens=False), self.facts.vocab_size)
+        grammar = self._structured().compile(params.structured_outputs) if params.structured_outputs else None
+        text = prompt if isinstance(prompt, str) else None
+        if params.n > 1:
+            self._parents[request_id] = ParentRequest(request_id, params.n, text, ids)
+        for index, rid in enumerate(child_ids):
+            child = params if params.n == 1 else params.for_sample(index)
+            if index > 0 and child.prompt_logprobs is not None:
+                child = replace(child, prompt_logprobs=None)     # the same as sample 0's
+            req = Request(request_id=rid, prompt_token_ids=ids, params=child, eos_token_ids=self.eos_token_ids,
+                          max_total_tokens=max_total, index=index,
+                          parent_id=request_id if params.n > 1 else None, bad_words_token_ids=bad_words,
+                          matcher=None if grammar is None else self._structured().matcher(grammar,
+                                                                                          child.stop_token_ids))
+            self.scheduler.add(req)
+            self.outputs.add(req, text)
         return request_id
 
+    def _structured(self):
+        """The engine's grammar compiler (built at the first structured request)."""
+        if self._structured_outputs is None:
+            from kvfit.structured import StructuredOutputs
+            self._structured_outputs = StructuredOutputs(self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
+        return self._structured_outputs
+
     def abort(self, request_id: str) -> bool:
-        """Abort a request; its blocks are freed at once. False if it was not active."""
-        self.outputs.drop(request_id)
-        return self.scheduler.finish(request_id, "abort") is not None
+        """Abort a request (every sample of an n > 1 request); its blocks are freed at once. False if it
+        was not active."""
+        parent = self._parents.pop(request_id, None)
+        ids = parent.child_ids if parent is not None else [request_id]
+        aborted = False
+        for rid in ids:
+            self.outputs.drop(rid)
+            aborted = self.scheduler.finish(rid, "abort") is not None or aborted
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -119,11 +158,53 @@ class LLMEngine:
             if delta.removed_ids:       # ended requests: the runner still drops their rows
                 self.workers.execute(delta)
             return []
-        tokens = self.workers.execute(delta)
+        tokens = self.workers.execute(self._with_bitmasks(delta))
+        for request_id, (first, entries) in tokens.prompt_logprobs.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self.outputs.add_prompt_logprobs(req, first, entries)
         outputs: dict[str, RequestOutput] = {}
         for k in range(delta.max_num_steps):
             self._apply(delta, tokens, k, stream, outputs)
-        return list(outputs.values())
+        return self._fold_samples(outputs, stream)
+
+    def _with_bitmasks(self, delta: StepDelta) -> StepDelta:
+        """Structured outputs: each scheduled grammar request's allowed tokens, filled on the host now."""
+        structured = [self.scheduler.requests[rid] for rid in delta.request_ids
+                      if self.scheduler.requests[rid].matcher is not None]
+        if not structured:
+            return delta
+        compiler = self._structured()
+        bitmask = compiler.allocate_bitmask(len(structured))                               # [S, words] int32
+        compiler.fill_bitmask(bitmask, [(req.matcher, i) for i, req in enumerate(structured)])
+        return replace(delta, token_bitmasks={req.request_id: bitmask[i].numpy().tobytes()
+                                              for i, req in enumerate(structured)})
+
+    def _fold_samples(self, outputs: dict[str, RequestOutput], stream: bool) -> list[RequestOutput]:
+        """Outputs of n > 1 children become their parent's (streaming: at each child's progress; else once,
+        when every sample has finished)."""
+        result, touched = [], {}
+        for out in outputs.values():
+            req_parent = self._child_parent(out.request_id)
+            if req_parent is None:
+                result.append(out)
+                continue
+            parent, index = req_parent
+            parent.update(out, index)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            if parent.done:
+                del self._parents[parent.request_id]
+            if parent.done or stream:
+                result.append(parent.output())
+        return result
+
+    def _child_parent(self, request_id: str):
+        prefix, _, parent_id = request_id.partition("_")
+        parent = self._parents.get(parent_id)
+        if parent is None or not prefix.isdigit() or int(prefix) >= len(parent.child_ids):
+            return None
+        return parent, int(prefix)
 
     def _apply(self, delta: StepDelta, tokens: SampledTokens, step: int, stream: bool,
                outputs: dict[str, RequestOutput]) -> None:
@@ -138,7 +219,16 @@ class LLMEngine:
                                "'error')", request_id)
                 self.scheduler.finish(request_id, "error")
                 outputs[request_id] = self.outputs.output(req, finished=True)
+        logprobs = tokens.logprobs
         for req in self.scheduler.update(delta, sampled, step):
+            if req.request_id in logprobs:
+                self.outputs.add_logprobs(req, logprobs[req.request_id][step])
+            if req.matcher is not None and not req.matcher.accept(req.token_ids[-1]):
+                logger.warning("request %s: the grammar refused token %d; ending it (finish reason 'error')",
+                               req.request_id, req.token_ids[-1])
+                self.scheduler.finish(req.request_id, "error")
+                outputs[req.request_id] = self.outputs.output(req, finished=True)
+                continue
             reason = self.outputs.finish_reason(req)
             if reason is not None:
                 self.scheduler.finish(req.request_id, reason)

@@ -30,6 +30,10 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None     # stop | length | abort | error (non-finite logits)
+    index: int = 0                       # which of the parent's n samples (0 without n)
+    parent_id: str | None = None         # the request of n samples this one belongs to
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
+    matcher: object | None = None        # structured outputs: a kvfit.structured Matcher
     # prompt + output in one list, appended one token at a time: slicing a step's tokens and
     # committing full blocks to the prefix cache never rebuild it
     token_ids: list[int] = field(init=False)
@@ -60,6 +64,12 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.token_ids.append(token)
+
+    @property
+    def single_step(self) -> bool:
+        """Whether each token needs the host before the next (a grammar, multi-token bad words), so the
+        request never runs multi-step rounds."""
+        return self.matcher is not None or any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -101,7 +101,8 @@ class Scheduler:
             return
         if any(s.num_tokens != 1 or s.req.num_computed_tokens + 1 != s.req.num_tokens for s in scheduled):
             return
-        steps = [max(1, min(num_steps, s.req.max_total_tokens - s.req.num_tokens)) for s in scheduled]
+        steps = [1 if s.req.single_step else max(1, min(num_steps, s.req.max_total_tokens - s.req.num_tokens))
+                 for s in scheduled]
         if max(steps) == 1:
             return
         need = sum(self.kv.num_blocks_short(s.req.request_id, s.req.num_computed_tokens + n)
@@ -118,7 +119,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             rid = req.request_id
-            num_hit = self.kv.lookup_prefix(rid, req.token_ids, count=False)
+            # prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM)
+            wants_all = req.params.prompt_logprobs is not None
+            num_hit = self.kv.lookup_prefix(rid, req.token_ids[:1] if wants_all else req.token_ids, count=False)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.grow(rid, num_hit + num_new) is None:
                 self.kv.free(rid)
@@ -152,7 +155,9 @@ class Scheduler:
         return NewRequest(request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
                           output_token_ids=tuple(req.token_ids[req.num_prompt_tokens:]), params=req.params,
                           block_ids=tuple(table[:len(table) - len(s.new_blocks)]),
-                          num_computed_tokens=req.num_computed_tokens)
+                          num_computed_tokens=req.num_computed_tokens,
+                          eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
+                          bad_words_token_ids=req.bad_words_token_ids)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

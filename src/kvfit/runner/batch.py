@@ -39,6 +39,7 @@ class ModelInputs:
     batch_rows: torch.Tensor       # [N] int64: persistent-batch row of each sampled request
     batch_rows_host: list[int]
     num_generated: torch.Tensor    # [N] int64: tokens each sampled request generated before this step
+    num_generated_host: list[int]
 
 
 def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelInputs:
@@ -79,4 +80,4 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelI
     sample_rows, batch_rows, num_generated = tail.view(3, -1)
     return ModelInputs(input_ids=ids_d, positions=positions, meta=meta, sample_rows=sample_rows,
                        sample_seqs=sample_seqs, batch_rows=batch_rows, batch_rows_host=[r.row for r in sampled],
-                       num_generated=num_generated)
+                       num_generated=num_generated, num_generated_host=[r.num_generated for r in sampled])

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from kvfit.planning import persistent_batch_bytes
+from kvfit.runner.logits_processing import RowExtras
 from kvfit.runner.sampling_state import SamplingState
 from kvfit.step import NewRequest, StepDelta
 
@@ -20,7 +21,8 @@ from kvfit.step import NewRequest, StepDelta
 class CachedRequest:
     """The runner's view of one request."""
 
-    __slots__ = ("request_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_blocks")
+    __slots__ = ("request_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
+                 "num_prompt_logprobs")
 
     def __init__(self, new: NewRequest, row: int):
         self.request_id = new.request_id
@@ -29,6 +31,7 @@ class CachedRequest:
         self.num_prompt_tokens = len(new.prompt_token_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.num_blocks = len(new.block_ids)
+        self.num_prompt_logprobs = new.params.prompt_logprobs     # None: not asked
 
     @property
     def num_generated(self) -> int:
@@ -71,8 +74,11 @@ class InputBatch:
                 req.num_blocks += len(block_ids)
         self._write_blocks(writes)
         if self.sampling is not None and added:
+            extras = [RowExtras(prompt_token_ids=n.prompt_token_ids, eos_token_ids=n.eos_token_ids,
+                                bad_words_token_ids=n.bad_words_token_ids, history=r.token_ids)
+                      for r, n in zip(added, delta.new_requests)]
             self.sampling.set_rows([r.row for r in added], [n.params for n in delta.new_requests],
-                                   [n.output_token_ids for n in delta.new_requests])
+                                   [n.output_token_ids for n in delta.new_requests], extras)
 
     def _remove(self, request_ids: Sequence[str]) -> None:
         rows = []

@@ -17,6 +17,9 @@ from kvfit.planning import resolve_max_model_len
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
+from kvfit.runner.logits_processing import unpack_logprobs
+from kvfit.runner.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_positions
+from kvfit.runner.sampling_state import SampleResult
 from kvfit.sampling_params import SamplingParams
 from kvfit.step import NewRequest, SampledTokens, StepDelta
 
@@ -148,7 +151,7 @@ class ModelRunner:
     def _execute(self, delta: StepDelta, kv_caches: KVCaches) -> SampledTokens:
         self.batch.apply(delta)
         if delta.empty:
-            return {}
+            return SampledTokens()
         inputs = build_inputs(self.batch, delta, self.spec.block_size)
         if delta.max_num_steps > 1 or (self.graphs is not None and kv_caches is self.kv_caches
                                        and self._is_graph_step(delta, inputs)):
@@ -162,21 +165,56 @@ class ModelRunner:
         return (len(delta.request_ids) <= self.graphs.buckets[-1] and delta.num_tokens == len(delta.request_ids)
                 and len(inputs.sample_seqs) == len(delta.request_ids))
 
-    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, step: int = 0,
-                counted: torch.Tensor | None = None) -> torch.Tensor:
-        # logits [N, vocab] -> tokens [N] on the device, no host sync
+    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, delta: StepDelta, step: int = 0,
+                counted: torch.Tensor | None = None) -> SampleResult:
+        # logits [N, vocab] -> tokens [N] (and packed logprobs) on the device, no host sync
         generated = inputs.num_generated + step if step else inputs.num_generated
-        return self.batch.sampling.sample(logits, inputs.batch_rows, inputs.batch_rows_host, generated, counted)
+        masked, bitmask = self._bitmask_rows(delta, inputs) if step == 0 else ([], None)
+        return self.batch.sampling.sample_step(logits, inputs.batch_rows, inputs.batch_rows_host, generated, counted,
+                                               inputs.num_generated_host, delta.max_num_steps, bitmask, masked)
+
+    def _bitmask_rows(self, delta: StepDelta, inputs: ModelInputs) -> tuple[list[int], torch.Tensor | None]:
+        """Structured outputs: the sampled positions with a grammar row and their bitmask [n, words] int32."""
+        if not delta.token_bitmasks:
+            return [], None
+        ids = [delta.request_ids[i] for i in inputs.sample_seqs]
+        masked = [j for j, rid in enumerate(ids) if rid in delta.token_bitmasks]
+        if not masked:
+            return [], None
+        words = [torch.frombuffer(bytearray(delta.token_bitmasks[ids[j]]), dtype=torch.int32) for j in masked]
+        return masked, torch.stack(words).to(self.device, non_blocking=True)
 
     def _execute_one(self, delta: StepDelta, inputs: ModelInputs, kv_caches: KVCaches) -> SampledTokens:
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
+        prompt_logprobs = self._prompt_logprobs(delta, hidden)
         if not inputs.sample_seqs:
-            return {}
+            return SampledTokens(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                    # [N, vocab]
         if self.tp_rank != 0:
-            return {}       # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
-        tokens = self._sample(logits, inputs).tolist()
-        return {delta.request_ids[i]: [t] for i, t in zip(inputs.sample_seqs, tokens)}
+            return SampledTokens()  # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
+        result = self._sample(logits, inputs, delta)
+        ids = [delta.request_ids[i] for i in inputs.sample_seqs]
+        tokens = result.tokens.tolist()
+        logprobs = {}
+        if result.logprobs is not None:
+            entries = unpack_logprobs(result.logprobs.tolist(), result.num_logprobs)
+            logprobs = {ids[j]: [entry] for j, entry in zip(result.logprob_positions, entries)}
+        return SampledTokens({rid: [t] for rid, t in zip(ids, tokens)}, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, delta: StepDelta, hidden: torch.Tensor) -> dict:
+        """Prompt logprobs of this step's prefill chunks, for the requests that asked (every rank computes
+        the logits; rank 0 keeps them)."""
+        jobs, row = [], 0
+        for request_id, n in zip(delta.request_ids, delta.num_scheduled_tokens):
+            req = self.batch.requests[request_id]
+            if req.num_prompt_logprobs is not None:
+                first, end = prompt_logprob_positions(req.num_computed_tokens, n, req.num_prompt_tokens)
+                if end > first:
+                    jobs.append((request_id, row, first, end - first, req.token_ids, req.num_prompt_logprobs))
+            row += n
+        if not jobs:
+            return {}
+        return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0)
 
     def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> SampledTokens:
         """Run an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled
@@ -192,6 +230,8 @@ class ModelRunner:
         ids, positions, seq_lens, slots = inputs.input_ids, inputs.positions, meta.seq_lens, meta.slot_mapping
         tables = meta.block_tables                                                              # [B, W]
         tokens = torch.empty((num_steps, len(steps)), dtype=torch.int64, device=self.device)     # [K, B]
+        packed: list[torch.Tensor] = []     # per step: packed logprobs of the rows that asked [L, 3 + 2k]
+        result = None
         if num_steps > 1:       # only a round of several steps needs these (not a one-step decode)
             remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
             rows = torch.arange(len(steps), device=self.device)                                     # [B]
@@ -202,7 +242,10 @@ class ModelRunner:
             logits = self._decode_logits(ids, positions, step_meta)                             # [B, vocab]
             if self.tp_rank == 0:
                 # a row past its last step still samples, but its token is dropped and not counted
-                tokens[k] = self._sample(logits, inputs, k, active)
+                result = self._sample(logits, inputs, delta, k, active)
+                tokens[k] = result.tokens
+                if result.logprobs is not None:
+                    packed.append(result.logprobs)
             del logits              # one step's logits alive at a time, as in the profiled step
             if k + 1 == num_steps:
                 break
@@ -212,9 +255,16 @@ class ModelRunner:
             seq_lens = seq_lens + active.to(seq_lens.dtype)
             slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)
         if self.tp_rank != 0:
-            return {}
+            return SampledTokens()
         sampled = tokens.t().tolist()
-        return {request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)}
+        out = SampledTokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)})
+        if packed:      # the same rows ask at every step: one copy of [K, L, 3 + 2k]
+            per_step = torch.stack(packed).tolist()
+            for j, pos in enumerate(result.logprob_positions):
+                k = result.num_logprobs[j]
+                out.logprobs[delta.request_ids[pos]] = unpack_logprobs(
+                    [per_step[s][j] for s in range(steps[pos])], [k] * steps[pos])
+        return out
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]

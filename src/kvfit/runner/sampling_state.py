@@ -11,12 +11,18 @@ underflows. Unseeded rows draw q from the default generator (one exponential_ fo
 A seeded row's q is a counter-based hash of (seed, num_generated, token id), so its token depends on
 nothing but those and its own logits: not on the batch, its row, other rows or the global RNG.
 
+Before the draw, rows whose parameters change their logits (penalties, logit_bias, bad words,
+min_tokens, allowed_token_ids, a grammar bitmask) are edited on an fp32 copy (runner/logits_processing.py);
+greedy rows then take the argmax of the edited logits, as vLLM's. Log probabilities are the raw
+logits' fp32 log-softmax (vLLM's default logprobs_mode, raw_logprobs), taken before any edit.
+
 Invariants:
 - a row's host mirrors (greedy / seeded / top-k / top-p) and its device parameters are written
   together, by set_rows and clear_rows only;
 - a free row (never set, or cleared) holds neutral parameters (greedy) and zero counts;
-- output_token_counts[row] counts every token sample() returned for the row since set_rows, plus the
-  output_token_ids set_rows was given.
+- output_token_counts[row] & COUNT_MASK counts every token sample() returned for the row since set_rows,
+  plus the output_token_ids set_rows was given; PROMPT_BIT marks the prompt's tokens of a row with a
+  repetition penalty.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Sequence
 import torch
 
 from kvfit.planning import persistent_batch_bytes
+from kvfit.runner.logits_processing import (PROMPT_BIT, RowEdits, RowExtras, StepEdits, apply_edits,
+                                            apply_penalties, pack_logprobs, row_edits, top_logprobs)
 from kvfit.sampling_params import SamplingParams
 from kvfit.step import NONFINITE_TOKEN
 
@@ -110,7 +118,7 @@ def filter_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return sorted_logits.gather(1, (num_keep - 1)[:, None]).squeeze(1)                    # rank < k: unmasked
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Plan:
     """Which logits rows need which work, decided on the host from the mirrors (no device sync)."""
 
@@ -119,26 +127,56 @@ class _Plan:
     filtered: list[int]       # positions among `sampled` of the rows using top-k or top-p
     any_top_p: bool
     num_candidates: int       # the largest logits the filters can keep: V unless every filtered row sets top-k
+    min_p: list[int]          # positions among `sampled` of the rows using min_p
+    min_p_values: list[float]
+    penalized: list[int]      # positions in the batch of rows with a penalty
+    logprobs: list[int]       # positions in the batch of rows that asked for logprobs
+    num_logprobs: int         # the largest k they asked for
+    edits: StepEdits
+    masked: list[int]         # positions in the batch with a grammar bitmask row
 
-    def index_tensors(self, device: torch.device, num_rows: int
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The three position lists in one host-to-device copy (none when no list is partial); None where
-        a list covers every row (no gather needed). An empty list gives an empty tensor."""
-        lists = [self.sampled, self.seeded, self.filtered]
-        partial = [len(ids) < total for ids, total in zip(lists, (num_rows, len(self.sampled), len(self.sampled)))]
-        values = [i for ids, part in zip(lists, partial) if part for i in ids]
-        host = torch.tensor(values, dtype=torch.int64)
-        # non_blocking: an async copy, the host does not wait for the stream
-        flat = host.to(device, non_blocking=True)                                         # [sum of partial lengths]
-        out, start = [], 0
-        for ids, part in zip(lists, partial):
-            out.append(flat[start:start + len(ids)] if part else None)
-            start += len(ids) if part else 0
-        return out[0], out[1], out[2]
+    @property
+    def processed(self) -> bool:
+        """Whether any row's logits change before the draw (then an fp32 copy is edited)."""
+        return bool(self.penalized or not self.edits.empty or self.masked)
+
+    def device_tensors(self, device: torch.device, num_rows: int) -> dict[str, torch.Tensor | None]:
+        """Every host list in one int64 and one fp32 host-to-device copy (async). A position list that
+        covers every row it indexes maps to None (no gather needed)."""
+        e = self.edits
+        num_sampled = len(self.sampled)
+        lists = {"sampled": (self.sampled, num_rows), "seeded": (self.seeded, num_sampled),
+                 "filtered": (self.filtered, num_sampled), "min_p": (self.min_p, -1),
+                 "penalized": (self.penalized, num_rows), "logprobs": (self.logprobs, num_rows),
+                 "masked": (self.masked, -1), "edit_pos": (e.pos, -1), "edit_tok": (e.tok, -1),
+                 "edit_until": (e.until, -1), "allowed_rows": (e.allowed_pos, -1),
+                 "allowed_j": ([j for j, _ in e.allowed_entries], -1),
+                 "allowed_tok": ([t for _, t in e.allowed_entries], -1)}
+        partial = {name: len(ids) != total for name, (ids, total) in lists.items()}
+        values = [i for name, (ids, _) in lists.items() if partial[name] for i in ids]
+        flat = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        out, start = {}, 0
+        for name, (ids, _) in lists.items():
+            out[name] = flat[start:start + len(ids)] if partial[name] else None
+            start += len(ids) if partial[name] else 0
+        floats = torch.tensor(e.val + self.min_p_values, dtype=torch.float32).to(device, non_blocking=True)
+        out["edit_values"], out["min_p_values"] = floats[:len(e.val)], floats[len(e.val):]
+        return out
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
+
+
+@dataclass
+class SampleResult:
+    """What one sample() returns: tokens [N] int64, and for the rows that asked for logprobs (positions
+    `logprob_positions`, each wanting `num_logprobs` top entries) pack_logprobs' fp64 [L, 2 + 2k]."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    logprob_positions: list[int] | None = None
+    num_logprobs: list[int] | None = None
 
 
 class SamplingState:
@@ -153,22 +191,27 @@ class SamplingState:
         self.top_p = zeros(torch.float32).fill_(1.0)       # [R]; 1 = off
         self.top_k = zeros(torch.int32)                    # [R]; 0 = off
         self.seed = zeros(torch.int64)                     # [R]; the seed mod 2^64, as int64
-        # room for penalties (not applied yet: SamplingParams has no such fields); neutral values
-        self.presence_penalty = zeros(torch.float32)       # [R]
-        self.frequency_penalty = zeros(torch.float32)      # [R]
-        self.repetition_penalty = zeros(torch.float32).fill_(1.0)   # [R]
-        self.output_token_counts = zeros(torch.int32, vocab_size)   # [R, vocab]
+        self.presence_penalty = zeros(torch.float32)       # [R]; 0 = off
+        self.frequency_penalty = zeros(torch.float32)      # [R]; 0 = off
+        self.repetition_penalty = zeros(torch.float32).fill_(1.0)   # [R]; 1 = off
+        self.output_token_counts = zeros(torch.int32, vocab_size)   # [R, vocab]: count | PROMPT_BIT
         # host mirrors, so sample() decides which work to skip without reading the device
         self.greedy = [True] * max_num_rows
         self.seeded = [False] * max_num_rows
         self.uses_top_k = [False] * max_num_rows
         self.top_k_host = [0] * max_num_rows               # the top-k of rows that use it, else 0
         self.uses_top_p = [False] * max_num_rows
+        self.min_p = [0.0] * max_num_rows                  # of sampled rows (min_p leaves greedy alone)
+        self.penalized = [False] * max_num_rows
+        self.num_logprobs: list[int | None] = [None] * max_num_rows
+        self.edits: list[RowEdits | None] = [None] * max_num_rows
 
     def set_rows(self, rows: Sequence[int], params: Sequence[SamplingParams],
-                 output_token_ids: Sequence[Sequence[int]]) -> None:
-        """Give rows to new (or resumed) requests: their parameters, and counts of the tokens they generated."""
-        assert len(rows) == len(params) == len(output_token_ids), "one params and one output list per row"
+                 output_token_ids: Sequence[Sequence[int]], extras: Sequence[RowExtras] | None = None) -> None:
+        """Give rows to new (or resumed) requests: their parameters, and counts of the tokens they generated
+        (extras: prompt, eos ids, tokenized bad words, history; default none)."""
+        extras = [RowExtras()] * len(rows) if extras is None else extras
+        assert len(rows) == len(params) == len(output_token_ids) == len(extras), "one of each per row"
         self._check_rows(rows)
         if not rows:
             return
@@ -177,14 +220,24 @@ class SamplingState:
         self.top_p[rows_d] = self._to_device([float(p.top_p) for p in params], torch.float32)
         self.top_k[rows_d] = self._to_device([max(p.top_k, 0) for p in params], torch.int32)
         self.seed[rows_d] = self._to_device([_signed((p.seed or 0) % _U64) for p in params], torch.int64)
+        penalties = self._to_device([[float(p.presence_penalty), float(p.frequency_penalty),
+                                      float(p.repetition_penalty)] for p in params], torch.float32)   # [n, 3]
+        self.presence_penalty[rows_d], self.frequency_penalty[rows_d], self.repetition_penalty[rows_d] = penalties.t()
         self.output_token_counts.index_fill_(0, rows_d, 0)
         self._add_counts(rows, output_token_ids)
-        for row, p in zip(rows, params):
+        self._mark_prompts([(row, e.prompt_token_ids) for row, p, e in zip(rows, params, extras)
+                            if p.repetition_penalty != 1])
+        for row, p, e in zip(rows, params, extras):
             self.greedy[row] = p.greedy
             self.seeded[row] = p.seed is not None and not p.greedy
             self.uses_top_k[row] = 0 < p.top_k < self.vocab_size and not p.greedy
             self.top_k_host[row] = p.top_k if self.uses_top_k[row] else 0
             self.uses_top_p[row] = p.top_p < 1.0 and not p.greedy
+            self.min_p[row] = float(p.min_p) if not p.greedy else 0.0
+            self.penalized[row] = p.uses_penalties
+            self.num_logprobs[row] = p.logprobs
+            edits = row_edits(p, e)
+            self.edits[row] = None if edits.empty else edits
 
     def clear_rows(self, rows: Sequence[int]) -> None:
         """Free rows (their requests finished or were preempted): neutral parameters, zero counts."""
@@ -198,25 +251,52 @@ class SamplingState:
             tensor.index_fill_(0, rows_d, neutral)
         for row in rows:
             self.greedy[row], self.seeded[row], self.uses_top_k[row], self.uses_top_p[row] = True, False, False, False
-            self.top_k_host[row] = 0
+            self.top_k_host[row], self.min_p[row], self.penalized[row] = 0, 0.0, False
+            self.num_logprobs[row], self.edits[row] = None, None
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: Sequence[int],
                num_generated: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+        """sample_step's tokens only: [N] int64."""
+        return self.sample_step(logits, rows, rows_host, num_generated, counted).tokens
+
+    def sample_step(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: Sequence[int],
+                    num_generated: torch.Tensor, counted: torch.Tensor | None = None,
+                    num_generated_host: Sequence[int] | None = None, num_steps: int = 1,
+                    bitmask: torch.Tensor | None = None, masked: Sequence[int] = ()) -> SampleResult:
         """One token per logits row, with no host synchronisation; counts them in output_token_counts.
 
         logits: [N, V] any float dtype (computed in fp32); rows: [N] int64, the persistent-batch row of each;
         rows_host: the same as a list; num_generated: [N] int64, tokens each request generated before
-        this one (a seeded row's noise depends on it); a row whose logits are not all finite gets
-        NONFINITE_TOKEN and is not counted; counted: [N] bool, the rows whose token is kept
-        (multi-step decoding samples rows past their last step and drops those tokens). Returns [N] int64
-        on logits' device.
+        this one (a seeded row's noise and min_tokens depend on it); a row whose logits are not all finite
+        gets NONFINITE_TOKEN and is not counted; counted: [N] bool, the rows whose token is kept
+        (multi-step decoding samples rows past their last step and drops those tokens).
+        num_generated_host: the same as num_generated at the round's first step (default: every row 0
+        and min_tokens always checked on the device); num_steps: device steps this round runs.
+        bitmask: [len(masked), words] int32 on the device, the grammar rows of the positions `masked`.
         """
         assert logits.shape == (len(rows_host), self.vocab_size), "logits: [len(rows_host), vocab_size]"
-        plan = self._plan(rows_host)
-        if not plan.sampled:
+        plan = self._plan(rows_host, num_generated_host, num_steps, masked)
+        if not plan.sampled and not plan.processed and not plan.logprobs:
             tokens = torch.argmax(logits, dim=-1)                                          # [N]
+            return SampleResult(self._count(tokens, logits, rows, counted))
+        index = plan.device_tensors(logits.device, logits.shape[0])
+        raw = None
+        if plan.logprobs:
+            raw = top_logprobs(_take(logits, index["logprobs"]), plan.num_logprobs)       # before any edit
+        work = self._processed_logits(logits, rows, num_generated, plan, index, bitmask)  # [N, V]
+        if plan.sampled:
+            tokens = self._sample_rows(work, rows, num_generated, plan, index)             # [N]
         else:
-            tokens = self._sample_rows(logits, rows, num_generated, plan)                  # [N]
+            tokens = torch.argmax(work, dim=-1)                                            # [N]
+        del work
+        tokens = self._count(tokens, logits, rows, counted)
+        if raw is None:
+            return SampleResult(tokens)
+        packed = pack_logprobs(*raw, _take(tokens, index["logprobs"]))                     # [L, 3 + 2k] fp64
+        return SampleResult(tokens, packed, plan.logprobs, [self.num_logprobs[rows_host[i]] for i in plan.logprobs])
+
+    def _count(self, tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+               counted: torch.Tensor | None) -> torch.Tensor:
         flat = rows * self.vocab_size + tokens                                             # [N]
         finite = torch.isfinite(logits).all(dim=-1)                                        # [N] bool
         kept = finite if counted is None else finite & counted
@@ -224,26 +304,70 @@ class SamplingState:
         # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
         return torch.where(finite, tokens, NONFINITE_TOKEN)
 
-    def _plan(self, rows_host: Sequence[int]) -> _Plan:
+    def _processed_logits(self, logits: torch.Tensor, rows: torch.Tensor, num_generated: torch.Tensor,
+                          plan: _Plan, index: dict, bitmask: torch.Tensor | None) -> torch.Tensor:
+        """Logits after allowed ids, bad words, min_tokens, logit_bias, the grammar and penalties (fp32
+        when any row changes; else the logits themselves, never written)."""
+        if not plan.processed:
+            return logits
+        work = logits.to(torch.float32, copy=True)                                         # [N, V]
+        apply_edits(work, num_generated, torch.stack([index["edit_pos"], index["edit_tok"], index["edit_until"]]),
+                    index["edit_values"], index["allowed_rows"],
+                    None if index["allowed_j"] is None else torch.stack([index["allowed_j"], index["allowed_tok"]]))
+        if plan.masked:
+            from kvfit.structured.bitmask import apply_bitmask
+            apply_bitmask(work, bitmask, index["masked"])
+        if plan.penalized:
+            p_idx = index["penalized"]
+            p_rows = _take(rows, p_idx)                                                    # [P]
+            penalised = apply_penalties(_take(work, p_idx), self.output_token_counts.index_select(0, p_rows),
+                                        self.presence_penalty[p_rows], self.frequency_penalty[p_rows],
+                                        self.repetition_penalty[p_rows])                   # [P, V]
+            if p_idx is None:
+                return penalised
+            work.index_copy_(0, p_idx, penalised)
+        return work
+
+    def _plan(self, rows_host: Sequence[int], num_generated_host: Sequence[int] | None = None,
+              num_steps: int = 1, masked: Sequence[int] = ()) -> _Plan:
         sampled = [i for i, row in enumerate(rows_host) if not self.greedy[row]]
         sampled_rows = [rows_host[i] for i in sampled]
         filtered = [j for j, row in enumerate(sampled_rows) if self.uses_top_k[row] or self.uses_top_p[row]]
         top_ks = [self.top_k_host[sampled_rows[j]] for j in filtered]
         largest_k = max(top_ks) if top_ks and min(top_ks) > 0 else self.vocab_size
+        min_p = [j for j, row in enumerate(sampled_rows) if self.min_p[row] > 0]
+        logprobs = [i for i, row in enumerate(rows_host) if self.num_logprobs[row] is not None]
+        edits = StepEdits()
+        for i, row in enumerate(rows_host):
+            if self.edits[row] is not None:
+                edits.add_row(i, self.edits[row], 0 if num_generated_host is None else num_generated_host[i],
+                              num_steps)
         return _Plan(sampled=sampled,
                      seeded=[j for j, row in enumerate(sampled_rows) if self.seeded[row]],
                      filtered=filtered,
                      any_top_p=any(self.uses_top_p[row] for row in sampled_rows),
-                     num_candidates=largest_k if largest_k <= MAX_TOPK_CANDIDATES else self.vocab_size)
+                     num_candidates=largest_k if largest_k <= MAX_TOPK_CANDIDATES else self.vocab_size,
+                     min_p=min_p, min_p_values=[self.min_p[sampled_rows[j]] for j in min_p],
+                     penalized=[i for i, row in enumerate(rows_host) if self.penalized[row]],
+                     logprobs=logprobs,
+                     num_logprobs=max((self.num_logprobs[rows_host[i]] for i in logprobs), default=0),
+                     edits=edits, masked=list(masked))
 
     def _sample_rows(self, logits: torch.Tensor, rows: torch.Tensor, num_generated: torch.Tensor,
-                     plan: _Plan) -> torch.Tensor:
+                     plan: _Plan, index: dict) -> torch.Tensor:
         # the M non-greedy rows of the N; greedy rows keep their argmax
-        sampled_idx, seeded_idx, filtered_idx = plan.index_tensors(logits.device, logits.shape[0])
+        sampled_idx, seeded_idx, filtered_idx = index["sampled"], index["seeded"], index["filtered"]
         sub_rows = _take(rows, sampled_idx)                                                # [M]
         temperature = self.temperature[sub_rows]                                           # [M] all > 0
         scaled = torch.empty((len(plan.sampled), self.vocab_size), dtype=torch.float32, device=logits.device)
         torch.div(_take(logits, sampled_idx), temperature[:, None], out=scaled)            # [M, V] fp32
+        if plan.min_p:
+            # min_p (after temperature, as vLLM): keep tokens with p >= min_p * p_max, i.e.
+            # logit >= max logit + log(min_p)
+            m_idx = index["min_p"]
+            sub = scaled.index_select(0, m_idx)                                            # [P, V]
+            floor = sub.max(dim=-1, keepdim=True).values + index["min_p_values"].log()[:, None]
+            scaled.index_copy_(0, m_idx, sub.masked_fill_(sub < floor, float("-inf")))
         if plan.filtered:
             f_rows = _take(sub_rows, filtered_idx)                                         # [F]
             threshold = filter_thresholds(_take(scaled, filtered_idx), self.top_k[f_rows], self.top_p[f_rows],
@@ -277,6 +401,14 @@ class SamplingState:
         if flat:
             flat_d = self._to_device(flat, torch.int64)                                    # [sum of lengths]
             self.output_token_counts.view(-1).index_add_(0, flat_d, torch.ones_like(flat_d, dtype=torch.int32))
+
+    def _mark_prompts(self, prompts: list[tuple[int, Sequence[int]]]) -> None:
+        """Set PROMPT_BIT on the prompt tokens of rows with a repetition penalty (each token once)."""
+        flat = sorted({row * self.vocab_size + t for row, ids in prompts for t in ids})
+        if flat:
+            flat_d = self._to_device(flat, torch.int64)
+            self.output_token_counts.view(-1).index_add_(0, flat_d, torch.full_like(flat_d, PROMPT_BIT,
+                                                                                    dtype=torch.int32))
 
     def _check_rows(self, rows: Sequence[int]) -> None:
         assert all(0 <= r < self.max_num_rows for r in rows), f"rows must be in [0, {self.max_num_rows})"

@@ -346,7 +346,7 @@ class TensorParallelWorkers:
                            num_threads=max(1, torch.get_num_threads() // world), parent_pid=os.getpid())
         self.world = world
         self.rank_num_blocks: list[int] = []     # the KV blocks each rank allocated, in rank order
-        self._sampled: SampledTokens = {}        # rank 0's tokens of the last step, sent with the next
+        self._sampled: dict[str, list[int]] = {}        # rank 0's tokens of the last step, sent with the next
         self._ranks = _spawn(world, launch_args, config.replace(device=device), facts, backend, spec, self.hooks)
         self._finalizer = weakref.finalize(self, self._ranks.close)
         with self._guard():
@@ -394,8 +394,9 @@ class TensorParallelWorkers:
         with self._guard():
             self._ranks.check_alive()
             dist.broadcast_object_list([(delta, self._sampled)], src=0, group=self._ranks.control)
-            self._sampled = self.worker.execute(delta)
-            return self._sampled
+            sampled = self.worker.execute(delta)
+            self._sampled = dict(sampled)        # the other ranks need the tokens only, not the logprobs
+            return sampled
 
     @property
     def pids(self) -> list[int]:

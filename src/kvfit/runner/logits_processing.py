@@ -1,0 +1,194 @@
+"""What a request's parameters do to its logits before the draw, and the log probabilities it asked for.
+
+Applied by SamplingState.sample() to the rows that need it, in vLLM v1's order: raw logprobs (before
+anything else), then on fp32 logits allowed_token_ids, bad words, min_tokens, logit_bias, the
+structured-output bitmask, then the penalties (repetition, frequency, presence); temperature, min_p,
+top-k and top-p come after, in the sampler.
+
+Everything per step travels in one int64 and one fp32 host-to-device copy built from host mirrors
+(`StepEdits`); no step reads the device. Entries that depend on how many tokens a request generated
+(min_tokens) carry a bound and are compared on the device against num_generated, so multi-step
+decoding advances them without the host.
+
+Output-token counts and prompt presence share one int32 tensor ([R, vocab]): the low bits count a
+token in the output, PROMPT_BIT marks it in the prompt (set only for rows with a repetition penalty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvfit.step import TokenLogprobs
+
+PROMPT_BIT = 1 << 30                  # in SamplingState.output_token_counts: the token is in the prompt
+COUNT_MASK = PROMPT_BIT - 1           # the output count (at most max_model_len < 2^30)
+ALWAYS = 1 << 62                      # an edit's bound on num_generated when it always applies
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowExtras:
+    """What a row needs beyond its SamplingParams (from the engine's NewRequest).
+
+    eos_token_ids: held back with stop_token_ids until min_tokens; bad_words_token_ids: each bad word's
+    token ids (the last one is banned when the output ends in the others); history: the request's
+    token ids (prompt + output, a list the runner extends) for multi-token bad words.
+    """
+
+    prompt_token_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
+    history: list[int] | None = None
+
+
+@dataclass
+class RowEdits:
+    """One row's host-side edits, derived once at set_rows."""
+
+    static: list[tuple[int, float]] = field(default_factory=list)   # logit_bias and one-token bad words
+    min_tokens: int = 0
+    held_back: tuple[int, ...] = ()          # eos + stop_token_ids, banned while num_generated < min_tokens
+    allowed: tuple[int, ...] | None = None
+    bad_sequences: list[tuple[tuple[int, ...], int]] = field(default_factory=list)   # (prefix, banned last)
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.static or self.min_tokens or self.allowed is not None or self.bad_sequences)
+
+    def dynamic_bans(self) -> list[int]:
+        """Last tokens of multi-token bad words whose prefix the output ends with (vLLM: output tokens only)."""
+        if not self.bad_sequences or self.history is None:
+            return []
+        output = self.history[self.num_prompt_tokens:]
+        return [last for prefix, last in self.bad_sequences
+                if len(prefix) <= len(output) and output[len(output) - len(prefix):] == list(prefix)]
+
+
+def row_edits(params, extras: RowExtras) -> RowEdits:
+    edits = RowEdits(min_tokens=params.min_tokens, allowed=params.allowed_token_ids, history=extras.history,
+                     num_prompt_tokens=len(extras.prompt_token_ids))
+    if params.min_tokens:
+        edits.held_back = tuple(dict.fromkeys((*extras.eos_token_ids, *params.stop_token_ids)))
+    edits.static = list((params.logit_bias or {}).items())
+    for ids in extras.bad_words_token_ids:
+        if len(ids) == 1:
+            edits.static.append((ids[0], NEG_INF))
+        elif ids:
+            edits.bad_sequences.append((tuple(ids[:-1]), ids[-1]))
+    return edits
+
+
+class StepEdits:
+    """The sparse logit edits of one step, gathered on the host: (position, token, value, bound) entries
+    and allowed-token rows. `pack()` adds them to the step's copies."""
+
+    def __init__(self):
+        self.pos: list[int] = []
+        self.tok: list[int] = []
+        self.val: list[float] = []
+        self.until: list[int] = []
+        self.allowed_pos: list[int] = []
+        self.allowed_entries: list[tuple[int, int]] = []      # (index among allowed rows, token)
+
+    def add_row(self, pos: int, edits: RowEdits, num_generated: int, num_steps: int) -> None:
+        for token, value in edits.static:
+            self._add(pos, token, value, ALWAYS)
+        if edits.min_tokens and num_generated < edits.min_tokens:
+            for token in edits.held_back:
+                self._add(pos, token, NEG_INF, edits.min_tokens)
+        if edits.bad_sequences:
+            assert num_steps == 1, "multi-token bad words need single steps (the scheduler gives them)"
+            for token in edits.dynamic_bans():
+                self._add(pos, token, NEG_INF, ALWAYS)
+        if edits.allowed is not None:
+            j = len(self.allowed_pos)
+            self.allowed_pos.append(pos)
+            self.allowed_entries.extend((j, t) for t in edits.allowed)
+
+    def _add(self, pos: int, token: int, value: float, until: int) -> None:
+        self.pos.append(pos)
+        self.tok.append(token)
+        self.val.append(value)
+        self.until.append(until)
+
+    @property
+    def empty(self) -> bool:
+        return not self.pos and not self.allowed_pos
+
+
+def apply_edits(logits: torch.Tensor, num_generated: torch.Tensor, edit_index: torch.Tensor,
+                edit_values: torch.Tensor, allowed_rows: torch.Tensor | None,
+                allowed_index: torch.Tensor | None) -> None:
+    """In place on fp32 logits [N, V]: allowed-token masks, then the additive edits.
+
+    edit_index: [3, E] int64 (position, token, bound); edit_values: [E] fp32 (a bias or -inf), applied
+    where num_generated[position] < bound. allowed_rows: [A] positions; allowed_index: [2, K] (index
+    among them, token): every other token of those rows gets -inf.
+    """
+    if allowed_rows is not None and allowed_rows.numel():
+        mask = torch.full((allowed_rows.shape[0], logits.shape[1]), NEG_INF, device=logits.device)   # [A, V]
+        mask[allowed_index[0], allowed_index[1]] = 0.0
+        logits.index_add_(0, allowed_rows, mask)
+    if edit_values.numel():
+        pos, tok, until = edit_index
+        live = num_generated.index_select(0, pos) < until                                 # [E] bool
+        values = torch.where(live, edit_values, torch.zeros_like(edit_values))
+        logits.index_put_((pos, tok), values, accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """Penalised fp32 logits of P rows.
+
+    logits: [P, V] fp32; counts: [P, V] int32 (output count | PROMPT_BIT); presence, frequency,
+    repetition: [P] fp32. Repetition as transformers' RepetitionPenaltyLogitsProcessor, on every token
+    of the prompt or the output: negative logits times the penalty, others divided by it; then
+    frequency_penalty x the output count and presence_penalty once per token the output holds (OpenAI).
+    """
+    output_counts = counts.bitwise_and(COUNT_MASK)                                        # [P, V]
+    in_output = output_counts > 0
+    seen = in_output | (counts >= PROMPT_BIT)
+    rep = repetition[:, None]
+    penalised = torch.where(logits < 0, logits * rep, logits / rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency[:, None] * output_counts.to(torch.float32)
+    return logits - presence[:, None] * in_output.to(torch.float32)
+
+
+def top_logprobs(raw_logits: torch.Tensor, num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 log-softmax of raw logits [L, V] -> (logprobs [L, V], top values [L, k], top ids [L, k])."""
+    logprobs = torch.log_softmax(raw_logits.to(torch.float32), dim=-1)
+    top = torch.topk(logprobs, num_logprobs, dim=-1) if num_logprobs else None
+    if top is None:
+        empty = logprobs.new_empty((logprobs.shape[0], 0))
+        return logprobs, empty, empty.to(torch.int64)
+    return logprobs, top.values, top.indices
+
+
+def pack_logprobs(logprobs: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """One fp64 tensor [L, 2 + 2k] per step (one copy to the host): the token's id, logprob and rank
+    (1 + how many tokens have a larger logprob, as vLLM counts), then the top-k ids and logprobs.
+
+    Token ids are exact in fp64. tokens: [L] int64 (a NONFINITE_TOKEN row's values are meaningless)."""
+    safe = tokens.clamp(min=0)
+    chosen = logprobs.gather(1, safe[:, None])                                            # [L, 1]
+    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1                             # [L, 1]
+    return torch.cat([safe[:, None].to(torch.float64), chosen.to(torch.float64), rank.to(torch.float64),
+                      top_ids.to(torch.float64), top_values.to(torch.float64)], dim=1)
+
+
+def unpack_logprobs(packed: list[list[float]], num_logprobs: Sequence[int]) -> list[TokenLogprobs]:
+    """Host rows of pack_logprobs, each cut to its own request's k."""
+    out = []
+    for row, k in zip(packed, num_logprobs):
+        width = (len(row) - 3) // 2
+        out.append(TokenLogprobs(token_id=int(row[0]), logprob=row[1], rank=int(row[2]),
+                                 top_ids=tuple(int(t) for t in row[3:3 + k]),
+                                 top_logprobs=tuple(row[3 + width:3 + width + k])))
+    return out
