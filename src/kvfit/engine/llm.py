@@ -10,6 +10,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from kvfit.config import EngineConfig
+from kvfit.hub import resolve_model_name
 from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -26,8 +27,10 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike, **kwargs):
-        self.config = EngineConfig.from_kwargs(os.fspath(model) if isinstance(model, os.PathLike) else model,
-                                               **kwargs)
+        """model: a folder, a Hugging Face id found in the local cache (HF_HUB_CACHE / HF_HOME; never
+        downloaded), or a catalog name (with load_format="dummy")."""
+        name = os.fspath(model) if isinstance(model, os.PathLike) else model
+        self.config = EngineConfig.from_kwargs(resolve_model_name(name) if isinstance(name, str) else name, **kwargs)
         # one engine, one caller at a time: generate() from several threads runs them in turn
         self._lock = threading.Lock()
         logging.getLogger("kvfit").setLevel(logging.INFO)
@@ -39,15 +42,42 @@ class LLM:
         return self.engine.plan
 
     def get_tokenizer(self):
+        """The model's tokenizer (kvfit.models.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        """Generate for every prompt; outputs come back in prompt order (vLLM's shapes).
 
-        Thread-safe: calls from several threads run one after another (the engine has one batch)."""
+        prompts: a text, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a list of
+        those; sampling_params: one for every prompt or a list with one per prompt (default
+        SamplingParams()). Thread-safe: calls from several threads run one after another (one batch)."""
         prompts = _prompt_list(prompts)
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them.
+
+        Each is rendered with the model's chat template (or chat_template, a template text) to token ids
+        as transformers' apply_chat_template(tokenize=True) gives them (no second bos)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("chat needs a tokenizer (tokenizer.json), which this model folder lacks", "messages")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
+                raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
+                                   "messages")
+            prompts.append(tokenizer.apply_chat_template(
+                list(conversation), add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, template_kwargs=chat_template_kwargs, tokenize=True))
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -56,7 +86,8 @@ class LLM:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise RequestError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each")
+            raise RequestError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each",
+                               "sampling_params")
         engine = self.engine
         ids = []
         try:
@@ -88,22 +119,41 @@ class LLM:
             self.engine.shutdown()
 
 
+def _is_token_ids(value) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    """A text, token ids, {"prompt": text} or {"prompt_token_ids": ids} -> text or token ids."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
+            return list(prompt["prompt_token_ids"])
+        raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, got '
+                           f"{_describe(prompt)}", "prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if _is_token_ids(prompt):
+        return list(prompt)
+    raise RequestError('each prompt must be a string, a list of token ids (ints), {"prompt": text} or '
+                       f'{{"prompt_token_ids": ids}}; got {type(prompt).__name__}', "prompt")
+
+
+def _describe(prompt: dict) -> str:
+    return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in list(prompt.items())[:4]) + "}"
+
+
 def _prompt_list(prompts) -> list:
-    """One prompt (text or token ids) or a sequence of them -> a list of prompts; anything else is a
-    RequestError (bytes are not token ids, None is not a prompt)."""
-    if isinstance(prompts, str):
-        return [prompts]
+    """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list of text / token-id
+    prompts; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise RequestError(f"prompts must be a string, a list of token ids, or a list of those; got "
+        raise RequestError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of those; got "
                            f"{type(prompts).__name__}", "prompt")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and _is_token_ids(prompts):
         return [prompts]
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            continue
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) or any(
-                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise RequestError(f"each prompt must be a string or a list of token ids (ints); got "
-                               f"{type(prompt).__name__}", "prompt")
-    return prompts
+    return [_one_prompt(p) for p in prompts]
