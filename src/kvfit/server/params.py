@@ -13,13 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvfit.errors import RequestError
-from kvfit.sampling_params import SamplingParams
+from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, TEMPLATE_MESSAGE_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                    CompletionRequest, bad_request)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
 MAX_STOP_STRINGS = 16                  # each is searched after every token
-MAX_LOGPROBS = 20                      # OpenAI's and vLLM's (--max-logprobs) limit on top-k logprobs
 # SamplingParams fields a request may set beyond the basic ones, with the value that asks for nothing.
 # A field this build's SamplingParams lacks is honoured only at that value, else a 400.
 SAMPLING_FIELDS: dict[str, object] = {

@@ -126,6 +126,8 @@ class ResponseBuilder:
 
     # what echo puts first ---------------------------------------------------------------------
     def _prompt_text(self, output: RequestOutput) -> str:
+        if isinstance(self.inp.prompt, str):        # the text as the client sent it (the engine got ids)
+            return self.inp.prompt
         if output.prompt is not None:
             return output.prompt
         # token-id prompts: their text as vLLM echoes it, special tokens included
