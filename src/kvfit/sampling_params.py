@@ -20,6 +20,8 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's (and vLLM's protocol's) range for a logit bias; larger values are clamped to it.
 MAX_LOGIT_BIAS = 100.0
+# Prompt positions whose logits are computed at once for prompt_logprobs (the runner; the estimate).
+PROMPT_LOGPROBS_SLICE = 256
 MAX_PENALTY = 2.0           # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
 
 

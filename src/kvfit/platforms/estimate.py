@@ -11,6 +11,7 @@ from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.model_facts import ModelFacts
 from kvfit.planning import persistent_batch_bytes
+from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 from kvfit.units import MiB, gib
 
 # CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
@@ -24,8 +25,13 @@ CUDA_GRAPH_BYTES = 64 * MiB
 # Bytes per logit of each sampled row at the sampler's worst (seeded rows with top-p, which the profile
 # runs): the LM head's output in the model dtype (2) plus the sampler's temporaries (fp32 scaled logits,
 # a full sort's values and int64 indices, softmax and cumsum, int64 hash state, fp32 noise): 1336 MiB
-# for 256 rows x 151,936 ids measured on the H200 (2026-12-03), 36 bytes per logit.
-LOGIT_BYTES = 2 + 36
+# for 256 rows x 151,936 ids measured on the H200 (2026-12-03), 36 bytes per logit. Rows whose logits are
+# edited first (penalties, logit_bias, bad words, min_tokens, a grammar bitmask) keep an fp32 edited copy
+# beside them: 4 more (estimated from the code, not yet measured; logprobs keep only [rows] values alive).
+LOGIT_BYTES = 2 + 4 + 36
+# prompt_logprobs: PROMPT_LOGPROBS_SLICE positions of logits at a time: the LM head's output (2), its fp32
+# copy and logsumexp's temporary (8), top-k and the rank's comparison (about 4); estimated.
+PROMPT_LOGIT_BYTES = 2 + 12
 
 
 def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_parallel_size: int) -> int:
@@ -36,7 +42,8 @@ def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_pa
 
 def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dtype_bytes: int,
                               tensor_parallel_size: int) -> int:
-    """Peak of one forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows."""
+    """Peak of one forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows (or a
+    prompt-logprobs slice, if larger)."""
     tokens = sched.max_num_batched_tokens
     tp = tensor_parallel_size
     inter = facts.intermediate_size
@@ -45,7 +52,8 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     # the MLP is the peak: gate, up and act(gate) * up of every token, beside the residual stream
     # and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b)
     per_token = 2 * facts.hidden_size + 3 * inter // tp
-    logits = min(sched.max_num_seqs, tokens) * facts.vocab_size * LOGIT_BYTES
+    logits = max(min(sched.max_num_seqs, tokens) * LOGIT_BYTES,
+                 min(PROMPT_LOGPROBS_SLICE, tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
     return tokens * per_token * act_dtype_bytes + logits
 
 

@@ -143,42 +143,50 @@ def apply_edits(logits: torch.Tensor, num_generated: torch.Tensor, edit_index: t
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
                     repetition: torch.Tensor) -> torch.Tensor:
-    """Penalised fp32 logits of P rows.
+    """Penalise fp32 logits of P rows in place; returns them.
 
-    logits: [P, V] fp32; counts: [P, V] int32 (output count | PROMPT_BIT); presence, frequency,
+    logits: [P, V] fp32; counts: [P, V] int32 (output count | PROMPT_BIT; overwritten); presence, frequency,
     repetition: [P] fp32. Repetition as transformers' RepetitionPenaltyLogitsProcessor, on every token
     of the prompt or the output: negative logits times the penalty, others divided by it; then
     frequency_penalty x the output count and presence_penalty once per token the output holds (OpenAI).
     """
-    output_counts = counts.bitwise_and(COUNT_MASK)                                        # [P, V]
-    in_output = output_counts > 0
-    seen = in_output | (counts >= PROMPT_BIT)
+    seen = counts != 0                                                                    # [P, V] prompt or output
+    output_counts = counts.bitwise_and_(COUNT_MASK)                                       # [P, V] in place
     rep = repetition[:, None]
-    penalised = torch.where(logits < 0, logits * rep, logits / rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency[:, None] * output_counts.to(torch.float32)
-    return logits - presence[:, None] * in_output.to(torch.float32)
+    factor = torch.where(logits < 0, rep, rep.reciprocal())                               # [P, V]
+    logits.mul_(factor.masked_fill_(~seen, 1.0))
+    del factor, seen
+    # frequency x count + presence x (count > 0), subtracted
+    penalty = output_counts.to(torch.float32).mul_(frequency[:, None])                    # [P, V]
+    penalty.add_((output_counts > 0).to(torch.float32).mul_(presence[:, None]))
+    return logits.sub_(penalty)
 
 
 def top_logprobs(raw_logits: torch.Tensor, num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 log-softmax of raw logits [L, V] -> (logprobs [L, V], top values [L, k], top ids [L, k])."""
-    logprobs = torch.log_softmax(raw_logits.to(torch.float32), dim=-1)
-    top = torch.topk(logprobs, num_logprobs, dim=-1) if num_logprobs else None
-    if top is None:
-        empty = logprobs.new_empty((logprobs.shape[0], 0))
-        return logprobs, empty, empty.to(torch.int64)
-    return logprobs, top.values, top.indices
+    """Raw logits [L, V] -> (logsumexp [L] fp32, top-k fp32 log-softmax values [L, k], their ids [L, k]).
+
+    The fp32 log-softmax of a token is its fp32 logit minus the logsumexp, so only [L] stays alive until
+    the token is drawn (pack_logprobs), not an [L, V] tensor beside the sampler's."""
+    logits = raw_logits.to(torch.float32)                                                 # [L, V]
+    lse = torch.logsumexp(logits, dim=-1)                                                 # [L]
+    if not num_logprobs:
+        empty = logits.new_empty((logits.shape[0], 0))
+        return lse, empty, empty.to(torch.int64)
+    top = torch.topk(logits, num_logprobs, dim=-1)
+    return lse, top.values.sub_(lse[:, None]), top.indices
 
 
-def pack_logprobs(logprobs: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+def pack_logprobs(lse: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor, raw_logits: torch.Tensor,
                   tokens: torch.Tensor) -> torch.Tensor:
-    """One fp64 tensor [L, 2 + 2k] per step (one copy to the host): the token's id, logprob and rank
+    """One fp64 tensor [L, 3 + 2k] per step (one copy to the host): the token's id, logprob and rank
     (1 + how many tokens have a larger logprob, as vLLM counts), then the top-k ids and logprobs.
 
-    Token ids are exact in fp64. tokens: [L] int64 (a NONFINITE_TOKEN row's values are meaningless)."""
+    raw_logits: [L, V] the same logits top_logprobs saw; token ids are exact in fp64. tokens: [L] int64
+    (a NONFINITE_TOKEN row's values are meaningless)."""
     safe = tokens.clamp(min=0)
-    chosen = logprobs.gather(1, safe[:, None])                                            # [L, 1]
-    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1                             # [L, 1]
+    chosen = raw_logits.gather(1, safe[:, None])                                          # [L, 1] model dtype
+    rank = (raw_logits > chosen).sum(dim=-1, keepdim=True) + 1                            # [L, 1]
+    chosen = chosen.to(torch.float32).sub_(lse[:, None])
     return torch.cat([safe[:, None].to(torch.float64), chosen.to(torch.float64), rank.to(torch.float64),
                       top_ids.to(torch.float64), top_values.to(torch.float64)], dim=1)
 

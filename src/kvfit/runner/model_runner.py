@@ -20,13 +20,18 @@ from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
 from kvfit.runner.logits_processing import unpack_logprobs
 from kvfit.runner.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_positions
 from kvfit.runner.sampling_state import SampleResult
-from kvfit.sampling_params import SamplingParams
+from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvfit.structured.bitmask import bitmask_words
 from kvfit.step import NewRequest, SampledTokens, StepDelta
 
 # The sampler's most expensive rows, for the profile: seeded (hashed noise) with top-p and no top-k
-# (a full sort of the vocabulary). Every sampled row of the widest profiled step uses them, so the
-# sampler's temporaries are part of the measured activation peak.
-PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+# (a full sort of the vocabulary), min_p, every penalty (the edited fp32 copy and the counts' temporaries),
+# a logit bias, the most top-k logprobs, prompt logprobs (PROMPT_LOGPROBS_SLICE positions of logits at a
+# time) and a grammar bitmask on every row (_profile_delta). Every row of the profiled steps uses them, so
+# enabling any of them never takes more than the measured activation peak.
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0, min_p=0.01, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logit_bias={0: 1.0},
+                                  logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
 
 
 def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
@@ -100,8 +105,10 @@ class ModelRunner:
             next_block += len(blocks)
             new.append(NewRequest(request_id=f"profile-{i}", prompt_token_ids=(0,) * n, output_token_ids=(),
                                   params=PROFILE_SAMPLING, block_ids=blocks, num_computed_tokens=0))
+        allow_all = bytes([0xFF]) * (4 * bitmask_words(self.facts.vocab_size))    # a grammar row allowing all
         return StepDelta(request_ids=tuple(r.request_id for r in new), num_scheduled_tokens=tuple(per_seq),
-                         new_block_ids=((),) * len(new), new_requests=tuple(new))
+                         new_block_ids=((),) * len(new), new_requests=tuple(new),
+                         token_bitmasks={r.request_id: allow_all for r in new})
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)

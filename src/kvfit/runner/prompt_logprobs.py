@@ -17,10 +17,8 @@ from typing import Callable
 import torch
 
 from kvfit.runner.logits_processing import pack_logprobs, top_logprobs, unpack_logprobs
+from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 from kvfit.step import TokenLogprobs
-
-# Positions whose logits are computed at once for prompt logprobs ([slice, vocab] fp32 at the peak).
-PROMPT_LOGPROBS_SLICE = 256
 
 
 def prompt_logprob_positions(num_computed: int, num_scheduled: int, num_prompt_tokens: int) -> tuple[int, int]:
@@ -44,9 +42,8 @@ def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torc
                 continue
             targets = torch.tensor(token_ids[first + start + 1:first + start + 1 + n],
                                    dtype=torch.int64).to(logits.device, non_blocking=True)   # [n]
-            logprobs, top_values, top_ids = top_logprobs(logits, k)
-            packed.append(pack_logprobs(logprobs, top_values, top_ids, targets))         # [n, 3 + 2k]
-            del logits, logprobs
+            packed.append(pack_logprobs(*top_logprobs(logits, k), logits, targets))      # [n, 3 + 2k]
+            del logits
         spans.append((request_id, first + 1, count, k))
     if not keep or not packed:
         return {}

@@ -148,7 +148,7 @@ class _Plan:
         lists = {"sampled": (self.sampled, num_rows), "seeded": (self.seeded, num_sampled),
                  "filtered": (self.filtered, num_sampled), "min_p": (self.min_p, -1),
                  "penalized": (self.penalized, num_rows), "logprobs": (self.logprobs, num_rows),
-                 "masked": (self.masked, -1), "edit_pos": (e.pos, -1), "edit_tok": (e.tok, -1),
+                 "masked": (self.masked, num_rows), "edit_pos": (e.pos, -1), "edit_tok": (e.tok, -1),
                  "edit_until": (e.until, -1), "allowed_rows": (e.allowed_pos, -1),
                  "allowed_j": ([j for j, _ in e.allowed_entries], -1),
                  "allowed_tok": ([t for _, t in e.allowed_entries], -1)}
@@ -292,7 +292,8 @@ class SamplingState:
         tokens = self._count(tokens, logits, rows, counted)
         if raw is None:
             return SampleResult(tokens)
-        packed = pack_logprobs(*raw, _take(tokens, index["logprobs"]))                     # [L, 3 + 2k] fp64
+        lp_idx = index["logprobs"]
+        packed = pack_logprobs(*raw, _take(logits, lp_idx), _take(tokens, lp_idx))          # [L, 3 + 2k] fp64
         return SampleResult(tokens, packed, plan.logprobs, [self.num_logprobs[rows_host[i]] for i in plan.logprobs])
 
     def _count(self, tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
@@ -320,7 +321,8 @@ class SamplingState:
         if plan.penalized:
             p_idx = index["penalized"]
             p_rows = _take(rows, p_idx)                                                    # [P]
-            penalised = apply_penalties(_take(work, p_idx), self.output_token_counts.index_select(0, p_rows),
+            penalised = apply_penalties(work if p_idx is None else work.index_select(0, p_idx),
+                                        self.output_token_counts.index_select(0, p_rows),
                                         self.presence_penalty[p_rows], self.frequency_penalty[p_rows],
                                         self.repetition_penalty[p_rows])                   # [P, V]
             if p_idx is None:
