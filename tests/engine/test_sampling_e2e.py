@@ -179,6 +179,10 @@ def test_abort_of_a_parent_aborts_every_sample(llm):
     assert engine.abort(rid) and not engine.has_unfinished()
     engine.step()
     assert engine.stats()["kv_blocks_used"] == 0
+    rid = engine.add_request(PROMPTS[0], SamplingParams(n=2, max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.abort(f"1_{rid}") and not engine.has_unfinished(), "one sample's id aborts them all"
+    assert not engine.abort(rid)
 
 
 def test_streamed_n_outputs_carry_every_sample(llm):

@@ -130,6 +130,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request (every sample of an n > 1 request); its blocks are freed at once. False if it
         was not active."""
+        child = self._child_parent(request_id)
+        if child is not None:               # one sample of n: the request is aborted as a whole (vLLM)
+            request_id = child[0].request_id
         parent = self._parents.pop(request_id, None)
         ids = parent.child_ids if parent is not None else [request_id]
         aborted = False
