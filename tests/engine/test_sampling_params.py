@@ -107,3 +107,51 @@ def test_bool_max_tokens_is_rejected():
 def test_values_the_sampler_cannot_use_are_rejected_up_front(kwargs):
     with pytest.raises(RequestError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=0), "n"), (dict(n=1.0), "n"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(presence_penalty=math.nan), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={"a": 1.0}), "logit_bias"),
+    (dict(logit_bias={3: math.inf}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(bad_words="word"), "bad_words"), (dict(bad_words=["ok", " "]), "bad_words"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(detokenize=None), "detokenize"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens"),
+    (dict(stop=["x"], detokenize=False), "stop"),
+    (dict(structured_outputs={"regex": "a"}), "structured_outputs"),
+])
+def test_new_fields_are_validated_naming_the_param(kwargs, param):
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and "\n" not in str(info.value)
+
+
+def test_logit_bias_keys_from_json_and_clamping():
+    p = SamplingParams(logit_bias={"5": 250, 7: -1000.0, 9: 0.5})
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
+
+
+def test_for_sample_gives_seed_plus_index():
+    p = SamplingParams(n=3, seed=10, logprobs=2)
+    assert [p.for_sample(i).seed for i in range(3)] == [10, 11, 12]
+    assert p.for_sample(1).n == 1 and p.for_sample(1).logprobs == 2
+    assert SamplingParams(n=2).for_sample(1).seed is None
+
+
+def test_admission_checks_token_ids_against_the_vocab():
+    from kvfit.engine.admission import bad_words_token_ids, check_request
+    for kwargs, param in ((dict(logit_bias={100: 1.0}), "logit_bias"), (dict(allowed_token_ids=[3, 100]),
+                                                                        "allowed_token_ids"),
+                          (dict(stop_token_ids=[100]), "stop_token_ids")):
+        with pytest.raises(RequestError) as info:
+            check_request([1, 2], SamplingParams(**kwargs), 100, 64, 4, 100)
+        assert info.value.param == param and "100" in str(info.value)
+    # vLLM's rule: the word alone, and with a leading space when that is a new first token of the same length
+    encode = {"bad": [7], " bad": [8], "two words": [3, 4], " two words": [5, 4, 9]}.__getitem__
+    assert bad_words_token_ids(("bad", "two words"), encode, 100) == ((7,), (8,), (3, 4))
