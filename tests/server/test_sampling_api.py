@@ -201,3 +201,37 @@ def test_streamed_chat_logprobs_cover_every_token(client):
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == chunks[-1].usage.completion_tokens == 5
     assert all(len(e.top_logprobs) == 1 for e in entries)
+
+
+@pytest.mark.parametrize("fields", [{"allowed_token_ids": [40, 41, 42]}, {"skip_special_tokens": False},
+                                    {"spaces_between_special_tokens": False}],
+                         ids=["allowed-token-ids", "skip-special-tokens", "spaces-between-special-tokens"])
+def test_more_vllm_fields_equal_offline(client, offline, fields):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2,
+                                     extra_body={"ignore_eos": True, **fields})
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    ref = offline_outputs(offline, PROMPT, max_tokens=6, temperature=1.0, seed=2, ignore_eos=True, **params)[0]
+    assert resp.choices[0].text == ref.text
+    if "allowed_token_ids" in fields:
+        assert set(ref.token_ids) <= {40, 41, 42}
+
+
+def test_chat_continue_final_message_and_echo(client, offline):
+    messages = MESSAGES + [{"role": "assistant", "content": "Hi! I am"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                      "echo": True})
+    tokenizer = offline.get_tokenizer()
+    ids = tokenizer.apply_chat_template(messages, False, continue_final_message=True, tokenize=True)
+    assert resp.usage.prompt_tokens == len(ids)
+    ref = offline_outputs(offline, ids, max_tokens=4, temperature=0)[0]
+    assert resp.choices[0].message.content == "Hi! I am" + ref.text        # echo: the open message first
+
+
+def test_continuous_usage_stats_in_every_chunk(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[-1] == 3 and counts == sorted(counts) and all(c.usage is not None for c in chunks)
