@@ -209,6 +209,14 @@ def test_include_stop_str_in_output_and_detokenize_false(llm):
     assert all(lp.decoded_token is None for position in raw.logprobs for lp in position.values())
 
 
+def test_skip_special_tokens_false_keeps_their_text(llm):
+    forced = dict(max_tokens=2, logit_bias={2: 100.0})          # id 2 is the tiny tokenizer's </s>
+    kept = llm.generate(PROMPTS[:1], greedy(skip_special_tokens=False, **forced), use_tqdm=False)[0].outputs[0]
+    skipped = llm.generate(PROMPTS[:1], greedy(**forced), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == skipped.token_ids == [2, 2]
+    assert kept.text == "</s></s>" and skipped.text == ""
+
+
 def test_multi_step_equals_single_step_with_penalties_and_logprobs(tiny_llama, llm):
     multi = LLM(tiny_llama, **{**KW, "num_scheduler_steps": 4})
     params = [SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True, logprobs=2,

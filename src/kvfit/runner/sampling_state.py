@@ -159,7 +159,9 @@ class _Plan:
         for name, (ids, _) in lists.items():
             out[name] = flat[start:start + len(ids)] if partial[name] else None
             start += len(ids) if partial[name] else 0
-        floats = torch.tensor(e.val + self.min_p_values, dtype=torch.float32).to(device, non_blocking=True)
+        values_f = e.val + self.min_p_values
+        floats = (torch.tensor(values_f, dtype=torch.float32).to(device, non_blocking=True) if values_f
+                  else torch.empty(0, dtype=torch.float32, device=device))
         out["edit_values"], out["min_p_values"] = floats[:len(e.val)], floats[len(e.val):]
         return out
 
