@@ -83,6 +83,7 @@ def test_tokenize_and_detokenize_a_prompt(server, hf):
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("/tokenize", {"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ("/tokenize", {"model": "other", "prompt": "a"}, "model"),

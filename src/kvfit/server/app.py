@@ -174,6 +174,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _request_body(request, state, TokenizeRequest)
+        check_unsupported(body)
         tokenizer = _tokenizer(state, "tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt (a text) or messages (a chat), not both or neither",

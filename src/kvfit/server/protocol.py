@@ -186,7 +186,10 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
-    chat_template: Any = None
+    chat_template: Any = None           # the rest: known, not honoured (UNSUPPORTED_FIELDS)
+    tools: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class DetokenizeRequest(_Body):
