@@ -230,3 +230,17 @@ def test_multi_step_equals_single_step_with_penalties_and_logprobs(tiny_llama, l
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert pa.keys() == pb.keys()
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_multi_token_bad_words_in_a_multi_step_engine(tiny_llama, llm):
+    """Such a request runs one step per round beside requests that run several; the result equals single steps."""
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPTS[:1], greedy(max_tokens=10), use_tqdm=False)[0].outputs[0].token_ids
+    word = tok.decode(base[2:4])                       # two generated tokens as one bad word
+    multi = LLM(tiny_llama, **{**KW, "num_scheduler_steps": 4})
+    params = [greedy(max_tokens=10, bad_words=[word]), greedy(max_tokens=10)]
+    one = llm.generate(PROMPTS, params, use_tqdm=False)
+    many = multi.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+    ids = one[0].outputs[0].token_ids
+    assert ids != base and word not in tok.decode(ids)

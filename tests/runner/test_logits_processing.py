@@ -49,7 +49,7 @@ def test_min_tokens_masks_stop_ids_until_reached_on_the_device():
                    [RowExtras(eos_token_ids=(2,))])
     logits[0, 4] = 9.0
     rows = torch.tensor([0])
-    picks = [state.sample_step(logits, rows, [0], torch.tensor([k]), num_generated_host=[0], num_steps=3)
+    picks = [state.sample_step(logits, rows, [0], torch.tensor([k]), num_generated_host=[0])
              .tokens.item() for k in range(3)]
     assert picks[0] not in (2, 4) and picks[1] not in (2, 4) and picks[2] == 2
 
@@ -95,7 +95,7 @@ def test_sample_step_with_every_feature_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "nonzero", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, host_read)
     monkeypatch.setattr(torch, "nonzero", host_read)
-    results = [state.sample_step(logits, rows, [0, 1, 2, 3], gen + k, num_generated_host=[0] * 4, num_steps=3)
+    results = [state.sample_step(logits, rows, [0, 1, 2, 3], gen + k, num_generated_host=[0] * 4)
                for k in range(3)]
     monkeypatch.undo()
     for r in results:

@@ -95,14 +95,15 @@ class StepEdits:
         self.allowed_pos: list[int] = []
         self.allowed_entries: list[tuple[int, int]] = []      # (index among allowed rows, token)
 
-    def add_row(self, pos: int, edits: RowEdits, num_generated: int, num_steps: int) -> None:
+    def add_row(self, pos: int, edits: RowEdits, num_generated: int) -> None:
         for token, value in edits.static:
             self._add(pos, token, value, ALWAYS)
         if edits.min_tokens and num_generated < edits.min_tokens:
             for token in edits.held_back:
                 self._add(pos, token, NEG_INF, edits.min_tokens)
         if edits.bad_sequences:
-            assert num_steps == 1, "multi-token bad words need single steps (the scheduler gives them)"
+            # from the host history: right at a round's first step; such a request runs one step per round
+            # (the scheduler), so what the batch samples for it past that step is dropped
             for token in edits.dynamic_bans():
                 self._add(pos, token, NEG_INF, ALWAYS)
         if edits.allowed is not None:

@@ -178,7 +178,7 @@ class ModelRunner:
         generated = inputs.num_generated + step if step else inputs.num_generated
         masked, bitmask = self._bitmask_rows(delta, inputs) if step == 0 else ([], None)
         return self.batch.sampling.sample_step(logits, inputs.batch_rows, inputs.batch_rows_host, generated, counted,
-                                               inputs.num_generated_host, delta.max_num_steps, bitmask, masked)
+                                               inputs.num_generated_host, bitmask, masked)
 
     def _bitmask_rows(self, delta: StepDelta, inputs: ModelInputs) -> tuple[list[int], torch.Tensor | None]:
         """Structured outputs: the sampled positions with a grammar row and their bitmask [n, words] int32."""

@@ -263,8 +263,7 @@ class SamplingState:
 
     def sample_step(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: Sequence[int],
                     num_generated: torch.Tensor, counted: torch.Tensor | None = None,
-                    num_generated_host: Sequence[int] | None = None, num_steps: int = 1,
-                    bitmask: torch.Tensor | None = None, masked: Sequence[int] = ()) -> SampleResult:
+                    num_generated_host: Sequence[int] | None = None, bitmask: torch.Tensor | None = None, masked: Sequence[int] = ()) -> SampleResult:
         """One token per logits row, with no host synchronisation; counts them in output_token_counts.
 
         logits: [N, V] any float dtype (computed in fp32); rows: [N] int64, the persistent-batch row of each;
@@ -273,11 +272,11 @@ class SamplingState:
         gets NONFINITE_TOKEN and is not counted; counted: [N] bool, the rows whose token is kept
         (multi-step decoding samples rows past their last step and drops those tokens).
         num_generated_host: the same as num_generated at the round's first step (default: every row 0
-        and min_tokens always checked on the device); num_steps: device steps this round runs.
+        and min_tokens always checked on the device).
         bitmask: [len(masked), words] int32 on the device, the grammar rows of the positions `masked`.
         """
         assert logits.shape == (len(rows_host), self.vocab_size), "logits: [len(rows_host), vocab_size]"
-        plan = self._plan(rows_host, num_generated_host, num_steps, masked)
+        plan = self._plan(rows_host, num_generated_host, masked)
         if not plan.sampled and not plan.processed and not plan.logprobs:
             tokens = torch.argmax(logits, dim=-1)                                          # [N]
             return SampleResult(self._count(tokens, logits, rows, counted))
@@ -333,7 +332,7 @@ class SamplingState:
         return work
 
     def _plan(self, rows_host: Sequence[int], num_generated_host: Sequence[int] | None = None,
-              num_steps: int = 1, masked: Sequence[int] = ()) -> _Plan:
+              masked: Sequence[int] = ()) -> _Plan:
         sampled = [i for i, row in enumerate(rows_host) if not self.greedy[row]]
         sampled_rows = [rows_host[i] for i in sampled]
         filtered = [j for j, row in enumerate(sampled_rows) if self.uses_top_k[row] or self.uses_top_p[row]]
@@ -344,8 +343,7 @@ class SamplingState:
         edits = StepEdits()
         for i, row in enumerate(rows_host):
             if self.edits[row] is not None:
-                edits.add_row(i, self.edits[row], 0 if num_generated_host is None else num_generated_host[i],
-                              num_steps)
+                edits.add_row(i, self.edits[row], 0 if num_generated_host is None else num_generated_host[i])
         return _Plan(sampled=sampled,
                      seeded=[j for j, row in enumerate(sampled_rows) if self.seeded[row]],
                      filtered=filtered,
