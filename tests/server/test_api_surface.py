@@ -6,6 +6,7 @@ but does not honour (a 400 naming them), metrics under vLLM's names, the access 
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import openai
@@ -133,12 +134,17 @@ def test_an_access_line_per_request(server, client, caplog):
     client.completions.create(model="first-name", prompt="hello", max_tokens=3)
     list(client.completions.create(model="first-name", prompt="hey", max_tokens=2, stream=True))
     httpx.get(f"{server}/nowhere")
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvfit.access"]
+    deadline = time.monotonic() + 10      # a stream's line comes once the server has closed it
+    while len(lines := [r.getMessage() for r in caplog.records if r.name == "kvfit.access"]) < 3:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.02)
     assert len(lines) == 3, lines
-    assert '"POST /v1/completions" 200 ' in lines[0] and lines[0].endswith("prompt_tokens=5 output_tokens=3")
-    assert lines[1].endswith("prompt_tokens=3 output_tokens=2")
-    assert '"GET /nowhere" 404 ' in lines[2] and "prompt_tokens" not in lines[2]
-    assert lines[0].startswith("127.0.0.1:")
+    full, streamed, missing = (next(x for x in lines if key in x) for key in ("prompt_tokens=5", "prompt_tokens=3",
+                                                                            "/nowhere"))
+    assert '"POST /v1/completions" 200 ' in full and full.endswith("prompt_tokens=5 output_tokens=3")
+    assert streamed.endswith("prompt_tokens=3 output_tokens=2")
+    assert '"GET /nowhere" 404 ' in missing and "prompt_tokens" not in missing
+    assert full.startswith("127.0.0.1:")
 
 
 def test_the_stats_line_reports_activity_and_is_quiet_when_idle():

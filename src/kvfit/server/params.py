@@ -3,8 +3,7 @@
 The mapping is vLLM's OpenAI server's (to_sampling_params): field names, defaults (completions
 max_tokens 16, chat max_tokens = the rest of the context), echo asking for prompt logprobs, chat's
 logprobs + top_logprobs becoming one top-k count. A field vLLM knows but kvfit cannot honour is a
-400 naming it, never ignored: see protocol.UNSUPPORTED_FIELDS, and SAMPLING_FIELDS for those that
-need a SamplingParams field this build may not have yet.
+400 naming it, never ignored (protocol.UNSUPPORTED_FIELDS); SamplingParams checks every range.
 """
 
 from __future__ import annotations
@@ -14,18 +13,16 @@ from dataclasses import dataclass
 
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvfit.structured_params import StructuredOutputsParams
 from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, TEMPLATE_MESSAGE_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                    CompletionRequest, bad_request)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
 MAX_STOP_STRINGS = 16                  # each is searched after every token
-# SamplingParams fields a request may set beyond the basic ones, with the value that asks for nothing.
-# A field this build's SamplingParams lacks is honoured only at that value, else a 400.
-SAMPLING_FIELDS: dict[str, object] = {
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-    "min_tokens": 0, "logit_bias": None, "logprobs": None, "prompt_logprobs": None,
-    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "bad_words": None, "allowed_token_ids": None, "structured_outputs": None}
+# request fields that are SamplingParams fields of the same name and meaning
+PASSED_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                 "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                 "bad_words", "allowed_token_ids")
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class GenerateInput:
 
     @property
     def n(self) -> int:
-        return getattr(self.params, "n", 1)
+        return self.params.n
 
 
 def check_unsupported(req) -> None:
@@ -65,7 +62,7 @@ def check_unsupported(req) -> None:
             raise bad_request(f"{name} is not supported by kvfit: {instead}", param=name)
 
 
-def _structured_outputs(req) -> object | None:
+def _structured_outputs(req) -> StructuredOutputsParams | None:
     """StructuredOutputsParams from structured_outputs or response_format (only one of them)."""
     fields = dict(req.structured_outputs or {})
     fmt = req.response_format
@@ -89,11 +86,6 @@ def _structured_outputs(req) -> object | None:
         fields = fields or fmt_fields
     if not fields:
         return None
-    try:
-        from kvfit.structured_params import StructuredOutputsParams
-    except ImportError:
-        raise bad_request("structured outputs (response_format json_object / json_schema, structured_outputs) are "
-                          "not supported yet by this kvfit build", param="structured_outputs") from None
     allowed = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
     unknown = [k for k in fields if k not in allowed]
     if unknown:
@@ -110,7 +102,7 @@ def _check_top_k_count(value: int | None, param: str) -> None:
         raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """SamplingParams of a request; SamplingParams validates every range and names the field (a 400).
 
     logprobs: the top-k count the engine returns per generated token (None: none)."""
@@ -118,32 +110,15 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, logprobs_
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    _check_top_k_count(req.prompt_logprobs, "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     prompt_logprobs = req.prompt_logprobs
     if getattr(req, "echo", None) and logprobs is not None and not isinstance(req, ChatCompletionRequest):
         prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
-    extra = {"n": (req.n, "n"), "presence_penalty": (req.presence_penalty, "presence_penalty"),
-             "frequency_penalty": (req.frequency_penalty, "frequency_penalty"),
-             "repetition_penalty": (req.repetition_penalty, "repetition_penalty"), "min_p": (req.min_p, "min_p"),
-             "min_tokens": (req.min_tokens, "min_tokens"), "logit_bias": (req.logit_bias or None, "logit_bias"),
-             "logprobs": (logprobs, logprobs_param), "prompt_logprobs": (prompt_logprobs, "prompt_logprobs"),
-             "include_stop_str_in_output": (req.include_stop_str_in_output, "include_stop_str_in_output"),
-             "skip_special_tokens": (req.skip_special_tokens, "skip_special_tokens"),
-             "spaces_between_special_tokens": (req.spaces_between_special_tokens, "spaces_between_special_tokens"),
-             "bad_words": (tuple(req.bad_words) if req.bad_words else None, "bad_words"),
-             "allowed_token_ids": (req.allowed_token_ids, "allowed_token_ids"),
-             "structured_outputs": (_structured_outputs(req), "structured_outputs")}
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    kwargs = {}
-    for name, (value, param) in extra.items():
-        if value is None:
-            continue
-        if name in known:
-            kwargs[name] = value
-        elif value != SAMPLING_FIELDS[name]:
-            raise bad_request(f"{param} is not supported yet by this kvfit build; leave it out", param=param)
+    # the fields that carry their SamplingParams name, passed on when given (its defaults are vLLM's)
+    kwargs = {name: getattr(req, name) for name in PASSED_FIELDS if getattr(req, name) is not None}
+    extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": _structured_outputs(req)}
+    kwargs.update({name: value for name, value in extra.items() if value is not None})
     try:
         return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p,
@@ -175,7 +150,7 @@ def completion_input(req: CompletionRequest) -> GenerateInput:
     _check_top_k_count(req.logprobs, "logprobs")
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     stream, include_usage, continuous_usage = _stream_flags(req)
-    params = sampling_params(req, max_tokens, req.logprobs, "logprobs")
+    params = sampling_params(req, max_tokens, req.logprobs)
     return GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage)
 
@@ -202,11 +177,11 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
     _check_top_k_count(req.top_logprobs, "top_logprobs")
-    if req.top_logprobs and not req.logprobs:
+    if req.top_logprobs is not None and not req.logprobs:       # vLLM's rule, 0 included
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stream, include_usage, continuous_usage = _stream_flags(req)
-    params = sampling_params(req, max_tokens, top_logprobs, "logprobs" if not req.top_logprobs else "top_logprobs")
+    params = sampling_params(req, max_tokens, top_logprobs)
     # vLLM's chat echo: the last message is repeated before the reply when it is the assistant's
     echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
