@@ -235,3 +235,14 @@ def test_continuous_usage_stats_in_every_chunk(client):
                                             extra_body={"ignore_eos": True}))
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts[-1] == 3 and counts == sorted(counts) and all(c.usage is not None for c in chunks)
+
+
+def test_streamed_echo_with_logprobs_equals_the_full_response(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+    assert "".join(c.text for c in chunks) == full.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed == full.logprobs.token_logprobs and streamed[0] is None
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == full.logprobs.text_offset
