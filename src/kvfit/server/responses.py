@@ -114,7 +114,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.text_of = TokenTexts(tokenizer)
         self._tokenizer = tokenizer
-        self._object = ("chat.completion" if chat else "text_completion")
+        self._object = "chat.completion" if chat else "text_completion"
+        self._chunk_object = "chat.completion.chunk" if chat else "text_completion"
         # while a stop string may still complete, its possible beginning is held back (it would be cut)
         self._hold = max((len(s) for s in inp.params.stop), default=1) - 1
         self._sent: dict[int, _Sent] = {}
@@ -162,10 +163,9 @@ class ResponseBuilder:
         return self._envelope(self._object, choices, extra)
 
     def _full_choice(self, output: RequestOutput, sample: CompletionOutput) -> dict:
-        prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
-        steps = prefix_steps + list(sample.logprobs or [None] * len(sample.token_ids))
-        logprobs = self._logprobs(sample.token_ids if self.chat else prefix_ids + list(sample.token_ids),
-                                  list(sample.logprobs or []) if self.chat else steps)
+        prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)     # chat: text only
+        steps = sample.logprobs or [None] * len(sample.token_ids)
+        logprobs = self._logprobs(prefix_ids + list(sample.token_ids), prefix_steps + list(steps))
         text = prefix_text + sample.text
         choice = {"index": sample.index}
         if self.chat:
@@ -193,10 +193,9 @@ class ResponseBuilder:
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         choice["stop_reason"] = stop_reason
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
         if not self.inp.include_usage:
-            return self._envelope(obj, [choice])
-        return self._envelope(obj, [choice], {"usage": so_far if self.inp.continuous_usage else None})
+            return self._envelope(self._chunk_object, [choice])
+        return self._envelope(self._chunk_object, [choice], {"usage": so_far if self.inp.continuous_usage else None})
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """The chunks that a new (cumulative) output adds, one per choice that moved."""
@@ -218,9 +217,9 @@ class ResponseBuilder:
             sent.started = True
             prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
             delta = prefix_text + delta
-            if not self.chat and prefix_ids:
+            if prefix_ids:                                  # completions' echo
+                new_steps = prefix_steps + (new_steps or [None] * len(new_ids))
                 new_ids = prefix_ids + new_ids
-                new_steps = prefix_steps + (new_steps or [None] * (len(new_ids) - len(prefix_ids)))
         logprobs = self._logprobs(new_ids, new_steps, sent.text_offset) if new_ids else None
         if logprobs is not None and not self.chat:
             sent.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
@@ -231,5 +230,4 @@ class ResponseBuilder:
         return self._chunk_body(sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason, so_far)
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
+        return self._envelope(self._chunk_object, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
