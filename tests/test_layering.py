@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvfit"
 
 # component -> rank (a top-level module or a subpackage of kvfit)
 LAYERS = {
-    "errors": 0,
+    "errors": 0, "version": 0,
     "units": 1, "catalog": 1,
     "model_facts": 2, "hub": 2,          # hub: model ids -> local Hugging Face cache folders
     "kv": 3,

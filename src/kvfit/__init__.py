@@ -1,11 +1,6 @@
 """kvfit: an LLM inference engine whose paged KV cache is sized from the memory it measures."""
 
-from importlib import metadata as _metadata
-
-try:
-    __version__ = _metadata.version("kvfit")       # the one version: pyproject.toml's, as installed
-except _metadata.PackageNotFoundError:             # run from a source tree that was never installed
-    __version__ = "0+unknown"
+from kvfit.version import __version__
 
 
 def __getattr__(name):

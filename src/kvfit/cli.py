@@ -12,7 +12,7 @@ import os
 import select
 import sys
 
-from kvfit import __version__
+from kvfit.version import __version__
 from kvfit.errors import KvfitError
 
 

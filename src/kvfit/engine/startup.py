@@ -4,6 +4,8 @@ allocate the KV cache -> capture graphs. The engine gets the result; its constru
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 
@@ -68,6 +70,8 @@ def start_engine(config: EngineConfig) -> StartedEngine:
     try:
         readings = executor.measure()
         plan = plan_kv_cache(readings, spec, limits, config.parallel.tensor_parallel_size)
+        # --max-model-len auto: the planner chose the length; the scheduler and admission use it
+        limits = dataclasses.replace(limits, max_model_len=plan.max_model_len)
         logger.info(plan.log_line())
         for warning in plan.warnings:
             logger.warning(warning)
