@@ -86,3 +86,25 @@ def test_plan_estimate_is_within_3_percent_of_the_profile(llm):
     print(f"\nestimated reading {estimate}\nmeasured reading {measured}\n"
           f"predicted {predicted} vs profiled {llm.capacity.num_blocks}")
     assert abs(predicted - llm.capacity.num_blocks) <= 0.03 * llm.capacity.num_blocks
+
+
+def test_logprobs_and_penalties_at_max_num_seqs_stay_inside_the_budget(llm):
+    """The profile sampled its widest step with every sampler feature on (20 logprobs, prompt logprobs,
+    penalties, a logit bias, min_p), so a full batch asking for all of them fits the same budget."""
+    from kvfit import SamplingParams
+    engine = llm.engine
+    num = SETTINGS["max_num_seqs"]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=24, ignore_eos=True, logprobs=20,
+                            prompt_logprobs=20, repetition_penalty=1.1, presence_penalty=0.5,
+                            frequency_penalty=0.2, min_p=0.05, logit_bias={11: 2.0})
+    prompts = [[(13 * i + j) % 1000 + 10 for j in range(1500)] for i in range(num)]
+    torch.cuda.synchronize()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free
+    print(f"\nwith logprobs at {num} seqs: device in use {in_use} of budget {int(total * UTILIZATION)}")
+    assert all(len(o.outputs[0].logprobs) == 24 and len(o.prompt_logprobs) == 1500 for o in outputs)
+    assert all(len(step) >= 20 for o in outputs for step in o.outputs[0].logprobs)
+    assert in_use <= int(total * UTILIZATION) + (64 << 20)
+    assert engine.pool.num_used_blocks == 0
