@@ -380,3 +380,18 @@ if __name__ == "__main__" and sys.argv[1:] == ["--huge-offset-check"]:
     _huge_offset_check()
 if COMPILE_CHECK:
     _compile_check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_runs_each_distinct_config_once():
+    from kvfit.models.fused_moe import get_config, warm_up
+    w13 = torch.randn(8, 2 * 32, 64, device="cuda", dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16) * 0.05
+    count = warm_up(w13, w2, 2, 1000)
+    configs = {tuple(sorted(get_config(m, 8, 64, 32, 2, torch.bfloat16).items())) for m in range(1, 1001)}
+    assert count == len(configs)
+
+
+def test_warm_up_is_a_no_op_off_the_fused_path():
+    from kvfit.models.fused_moe import warm_up
+    assert warm_up(torch.zeros(4, 16, 8), torch.zeros(4, 8, 8), 2, 64) == 0

@@ -186,6 +186,29 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     return moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) -> int:
+    """Compile every launch config get_config can pick for 1..max_tokens tokens of this expert shape (one
+    fused_moe call per distinct config, on zero activations), so no Triton compile lands in a served
+    step. Returns how many configs ran (0 where the fused path does not apply)."""
+    if not fused_moe_applies(w13) or max_tokens < 1:
+        return 0
+    num_experts, two_inter, hidden = w13.shape
+    tuned = TUNED_CONFIGS.get((num_experts, hidden, two_inter // 2, top_k, str(w13.dtype).removeprefix("torch.")), {})
+    sizes = {1 << p for p in range(max_tokens.bit_length())} | {max_tokens} | {m for m in tuned if m <= max_tokens}
+    seen = set()
+    for m in sorted(sizes):
+        config = get_config(m, num_experts, hidden, two_inter // 2, top_k, w13.dtype)
+        key = tuple(sorted(config.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros((m, hidden), dtype=w13.dtype, device=w13.device)
+        ids = (torch.arange(m * top_k, device=w13.device) % num_experts).view(m, top_k)
+        weights = torch.full((m, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+        fused_moe(x, w13, w2, weights, ids, config)
+    return len(seen)
+
+
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows after moe_align at most: each expert hit (at most min(E, pairs) of them) pads < block_m rows."""
     return num_pairs + min(num_experts, num_pairs) * (block_m - 1)

@@ -21,6 +21,7 @@ import torch
 
 from kvfit.errors import ConfigError
 from kvfit.model_facts import ModelFacts, read_field
+from kvfit.models import fused_moe
 from kvfit.models.fused_moe import moe_experts, select_experts
 from kvfit.models.gemv import linear
 from kvfit.models.llama import CausalLM
@@ -158,6 +159,15 @@ class MoECausalLM(CausalLM):
         if layer in self.moe.sparse_layers:
             return SparseMoE(self.config.hidden_size, self.moe, dtype, device, self.tp_rank, self.tp_size)
         return super().make_mlp(layer, dtype, device)
+
+    def warm_up(self, max_num_tokens: int) -> int:
+        """Compile the fused-MoE configs of every batch size up to max_num_tokens now (start-up), not
+        in the first steps that need them; every sparse layer has the same shape, so one layer does."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                experts = layer.mlp.experts
+                return fused_moe.warm_up(experts.gate_up_proj, experts.down_proj, self.moe.top_k, max_num_tokens)
+        return 0
 
     def checkpoint_name(self, name: str) -> str:
         if self.moe.block_name != "mlp":

@@ -83,6 +83,9 @@ class ModelRunner:
         sched = self.config.scheduler
         max_len = self.max_model_len
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+        warm_up = getattr(self.model, "warm_up", None)     # kernels with per-size configs compile here
+        if warm_up is not None:
+            warm_up(num_tokens)
         wide = max(min(sched.max_num_seqs, num_tokens), 1)
         long = max(-(-num_tokens // max_len), 1)
         deltas = [self._profile_delta(num_tokens, n) for n in dict.fromkeys((wide, long))]
