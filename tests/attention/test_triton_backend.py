@@ -34,30 +34,12 @@ if DEVICE.type == "cpu" and not INTERPRET and not COMPILE_CHECK:
 
 
 def _interpreter_fixes() -> None:
-    """Two test-only shims for Triton 3.6's interpreter (the GPU compiler is unaffected):
-    - it turns loop bounds into ints with int(1-element array), which NumPy >= 2.4 rejects;
-    - tl.dot on bfloat16 multiplies the raw uint16 bit patterns; widen bf16 operands to fp32 first
-      (exact, and what the tensor cores do: bf16 products accumulated in fp32)."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-    if getattr(interp, "_kvfit_shims", False):
-        return
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widen(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    create_dot = interp.InterpreterBuilder.create_dot
-    interp._patch_lang_tensor = patched_tensor
-    interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: create_dot(self, widen(a), widen(b), *rest)
-    interp._kvfit_shims = True
+    import sys
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # also when run as a script
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from triton_interpreter import apply_interpreter_fixes
+    apply_interpreter_fixes()
 
 
 def _import_backend():

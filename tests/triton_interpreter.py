@@ -1,0 +1,29 @@
+"""Test-only shims for Triton 3.6's interpreter (TRITON_INTERPRET=1; the GPU compiler is unaffected)."""
+
+from __future__ import annotations
+
+
+def apply_interpreter_fixes() -> None:
+    """- the interpreter turns loop bounds into ints with int(1-element array), which NumPy >= 2.4 rejects;
+    - tl.dot on bfloat16 multiplies the raw uint16 bit patterns; widen bf16 operands to fp32 first
+      (exact, and what the tensor cores do: bf16 products accumulated in fp32). Idempotent."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+    if getattr(interp, "_kvfit_shims", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    create_dot = interp.InterpreterBuilder.create_dot
+    interp._patch_lang_tensor = patched_tensor
+    interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: create_dot(self, widen(a), widen(b), *rest)
+    interp._kvfit_shims = True
