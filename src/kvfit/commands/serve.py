@@ -61,7 +61,6 @@ def run(args) -> int:
     from kvfit.commands.common import engine_startup
     from kvfit.server.logs import configure_logging
     _check_args(args)
-    configure_logging(args.log_level)
     from kvfit.config import EngineConfig
     from kvfit.engine.llm_engine import LLMEngine
     from kvfit.models.chat_template import load_chat_template
@@ -76,6 +75,7 @@ def run(args) -> int:
     guards = GuardOptions(args.host, api_key, args.metrics_require_key, args.body_timeout)
     limits = ConnectionLimits(args.max_connections, args.header_timeout)
     sock = bind_socket(args.host, args.port)     # before loading: a taken port fails fast
+    configure_logging(args.log_level)            # once the flags are good: a mistake stays one error line
     try:
         with engine_startup(config):
             engine = LLMEngine(config)

@@ -28,11 +28,33 @@ access_logger = logging.getLogger("kvfit.access")
 stats_logger = logging.getLogger("kvfit.stats")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes (not as it was when configured: a caller
+    may redirect or close the one it had, as a test's capture does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def configure_logging(level: str = "info") -> None:
     """Every record (kvfit's, uvicorn's: uvicorn is started with log_config=None, so its loggers
-    propagate here) on stderr in LOG_FORMAT, with a timestamp."""
-    logging.basicConfig(stream=sys.stderr, level=level.upper(), format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT,
-                        force=True)
+    propagate here) on stderr in LOG_FORMAT, with a timestamp. Replaces a plain stderr handler set
+    up before (logging.basicConfig's), so there is one format; other handlers stay."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler) in (logging.StreamHandler, _StderrHandler):
+            root.removeHandler(handler)
+    root.addHandler(_StderrHandler())
+    root.setLevel(level.upper())
 
 
 @dataclass
