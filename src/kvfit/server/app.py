@@ -37,6 +37,7 @@ from kvfit.server.params import GenerateInput, chat_input, chat_messages, check_
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, parse_body, sse)
 from kvfit.server.responses import ResponseBuilder
+from kvfit.version import __version__
 
 logger = logging.getLogger("kvfit")
 
@@ -142,7 +143,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version():
-        return {"version": _version()}
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -200,15 +201,6 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
         text = await state.engine.prepare(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
         return {"prompt": text}
-
-
-def _version() -> str:
-    # kvfit.__version__'s source (the installed distribution); kvfit/__init__ sits above the server
-    from importlib import metadata
-    try:
-        return metadata.version("kvfit")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def _model_card(state: ServerState, name: str) -> dict:
