@@ -67,6 +67,25 @@ def train_tokenizer(vocab_size: int = 320, add_bos: bool = True, qwen_style: boo
     return tok
 
 
+def train_byte_fallback_tokenizer(lines: list[str], specials=(UNK, BOS, EOS), vocab_size: int = 300):
+    """A sentencepiece-style BPE (Metaspace "\u2581" words, <0xNN> byte pieces for anything untrained, the
+    decoder Llama 2 / Mistral ship) trained on `lines`; specials take the first ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token=specials[0]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                                       show_progress=False))
+    state = json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    for byte in range(256):            # sentencepiece's byte pieces, after the trained ones
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    state["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(state))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
 def _hf_config(arch: str, **kw):
     import transformers
     common = dict(vocab_size=kw["vocab_size"], hidden_size=kw["hidden_size"],

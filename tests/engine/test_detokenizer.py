@@ -11,7 +11,6 @@ Each has special tokens in its vocab, which decode skips, and an added token "<t
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvfit.engine.detokenizer import IncrementalDetokenizer, _is_safe_cut, _stop_prefix_len, clean_up
 from kvfit.models.tokenizer import CLEANUPS, Tokenizer
-from tiny_models import CORPUS
+from tiny_models import CORPUS, train_byte_fallback_tokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
 TEXT = CORPUS + """\
@@ -59,20 +58,7 @@ def _metaspace() -> Tokenizer:
 
 
 def _byte_fallback() -> Tokenizer:
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    tok = Backend(models.BPE(unk_token=SPECIALS[0]))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator(LINES, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                       show_progress=False))
-    state = json.loads(tok.to_str())
-    vocab = state["model"]["vocab"]
-    for byte in range(256):            # sentencepiece's byte pieces, after the trained ones
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    state["model"]["byte_fallback"] = True
-    tok = Backend.from_str(json.dumps(state))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return _wrap(tok)
+    return _wrap(train_byte_fallback_tokenizer(LINES, SPECIALS))
 
 
 def _wordpiece() -> Tokenizer:

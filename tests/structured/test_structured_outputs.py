@@ -18,7 +18,7 @@ import torch
 from kvfit.errors import ConfigError, RequestError
 from kvfit.models.tokenizer import Tokenizer
 from kvfit.structured import StructuredOutputs, StructuredOutputsParams as Params
-from tiny_models import BOS, CORPUS, EOS, UNK, train_tokenizer
+from tiny_models import BOS, CORPUS, EOS, UNK, train_byte_fallback_tokenizer, train_tokenizer
 
 PADDING = 13          # model rows past the tokenizer's vocabulary
 EOS_ID = 2
@@ -40,20 +40,7 @@ STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def _byte_fallback():
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-    tok = Backend(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator(LINES, trainers.BpeTrainer(vocab_size=300, special_tokens=[UNK, BOS, EOS],
-                                                       show_progress=False))
-    state = json.loads(tok.to_str())
-    vocab = state["model"]["vocab"]
-    for byte in range(256):            # sentencepiece's byte pieces, after the trained ones
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    state["model"]["byte_fallback"] = True
-    tok = Backend.from_str(json.dumps(state))
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return tok
+    return train_byte_fallback_tokenizer(LINES)
 
 
 def _metaspace():
