@@ -37,19 +37,8 @@ def test_block_count_follows_the_measured_reading(llm):
 
 
 def test_plan_estimate_is_within_2_percent_of_the_profile(llm):
-    from kvfit.config import EngineConfig
-    from kvfit.kv.plan import plan_kv_cache
-    from kvfit.model_facts import load_model_facts
-    from kvfit.planning import spec_and_limits
-    from kvfit.platforms.estimate import estimate_reading
-    config = EngineConfig.from_kwargs(MODEL, **SETTINGS)
-    facts = load_model_facts(MODEL)
-    spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
-    measured = llm.engine.readings[0]
-    estimate = estimate_reading(facts, measured.total_bytes, config.cache, config.scheduler, 1, 2)
-    predicted = plan_kv_cache(estimate, spec, limits).num_blocks
-    print(f"\nestimated reading {estimate}\nmeasured reading {measured}\n"
-          f"predicted {predicted} vs profiled {llm.capacity.num_blocks}")
+    from gpu_capacity import estimated_blocks
+    predicted = estimated_blocks(MODEL, SETTINGS, llm)
     assert abs(predicted - llm.capacity.num_blocks) <= 0.02 * llm.capacity.num_blocks
 
 

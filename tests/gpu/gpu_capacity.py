@@ -1,0 +1,22 @@
+"""Shared by the GPU capacity tests: `kvfit plan`'s estimate for an engine's settings, next to its profile."""
+
+from __future__ import annotations
+
+
+def estimated_blocks(model: str, settings: dict, llm) -> int:
+    """The block count `kvfit plan` estimates for `model` under `settings` on this device (the measured
+    total memory), printed beside the profiled reading."""
+    from kvfit.config import EngineConfig
+    from kvfit.kv.plan import plan_kv_cache
+    from kvfit.model_facts import load_model_facts
+    from kvfit.planning import spec_and_limits
+    from kvfit.platforms.estimate import estimate_reading
+    config = EngineConfig.from_kwargs(model, **settings)
+    facts = load_model_facts(model)
+    spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
+    measured = llm.engine.readings[0]
+    estimate = estimate_reading(facts, measured.total_bytes, config.cache, config.scheduler, 1, 2)
+    predicted = plan_kv_cache(estimate, spec, limits).num_blocks
+    print(f"\nestimated reading {estimate}\nmeasured reading {measured}\n"
+          f"predicted {predicted} vs profiled {llm.capacity.num_blocks}")
+    return predicted
