@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -16,6 +18,9 @@ from server_testing import openai_error, running_server, wait_healthy
 from test_server_cli import read_until, serving
 
 from kvfit.errors import KvfitError
+from kvfit.server.app import create_app
+from kvfit.server.launch import (DEAD_ENGINE_GRACE_SECONDS, GRACEFUL_SHUTDOWN_SECONDS, GracefulServer,
+                                 GuardOptions, bind_socket, install_guards, url_of, uvicorn_config)
 
 RANKS_STOPPED = "the tensor-parallel ranks have stopped after an earlier error; start a new engine"
 
@@ -115,6 +120,53 @@ def test_an_ordinary_failed_step_keeps_the_server_healthy():
         assert r.status_code == 200
 
 
+@contextlib.contextmanager
+def self_stopping_server(engine):
+    """The app served as `kvfit serve` serves it: GracefulServer watching check_dead (a 0.3 s grace);
+    yields (url, app, server thread); stops the server at the end if it still runs."""
+    app = create_app(engine, "fake")
+    install_guards(app, GuardOptions("127.0.0.1"))
+    sock = bind_socket("127.0.0.1", 0)
+    server = GracefulServer(uvicorn_config(app, log_level="warning", graceful_shutdown_s=5),
+                            app.state.kvfit.engine.begin_shutdown, app.state.kvfit.engine.check_dead,
+                            dead_grace_s=0.3)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_healthy(url_of(sock))
+        yield url_of(sock), app, thread
+    finally:
+        app.state.kvfit.engine.begin_shutdown()
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+class DyingEngine(FakeTPEngine, BrokenLoopEngine):
+    """KILL-RANK: a step fails as after a rank died; BREAK-LOOP: the engine thread dies."""
+
+
+@pytest.mark.parametrize("prompt", ["KILL-RANK", "BREAK-LOOP"], ids=["fatal-step", "dead-engine-thread"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_server_stops_by_itself_once_the_engine_is_dead_after_the_request_in_flight_gets_its_error(prompt):
+    with self_stopping_server(DyingEngine()) as (url, app, thread):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 4})
+        assert r.status_code in (500, 503), r.text
+        openai_error(r)
+        thread.join(10)          # grace 0.3 s + uvicorn's drain: no request is left open
+        assert not thread.is_alive(), "the server kept running with a dead engine"
+        assert app.state.kvfit.engine.check_dead() is not None
+
+
+def test_a_server_watching_a_healthy_engine_keeps_serving():
+    with self_stopping_server(DyingEngine()) as (url, _, thread):
+        for _ in range(3):
+            r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        time.sleep(0.5)          # past the grace: nothing stops a healthy server
+        assert thread.is_alive() and httpx.get(f"{url}/health").status_code == 200
+
+
 def _rank_pids(parent_pid: int) -> list[int]:
     """Children of parent_pid started by multiprocessing's spawn (the ranks, not its resource tracker)."""
     pids = []
@@ -133,7 +185,10 @@ def _rank_pids(parent_pid: int) -> list[int]:
     return pids
 
 
-def test_serve_with_a_killed_rank_reports_503_and_exits_non_zero(tiny_llama, tmp_path):
+def test_serve_with_a_killed_rank_reports_503_then_exits_1_by_itself(tiny_llama, tmp_path):
+    """No signal: once the engine is dead the server answers 503 for DEAD_ENGINE_GRACE_SECONDS, then
+    stops on its own and exits 1 with the one-line error (a healthy server's SIGTERM exit 0 is in
+    test_server_cli.py)."""
     with serving(tiny_llama, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
                  log_path=tmp_path / "stderr.txt") as (proc, lines):
         match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
@@ -142,14 +197,15 @@ def test_serve_with_a_killed_rank_reports_503_and_exits_non_zero(tiny_llama, tmp
         ranks = _rank_pids(proc.pid)
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        r = httpx.get(f"{url}/health")
+        killed_at = time.monotonic()
+        # a new request while the engine is dead: a 503 naming it (the server is still up: the
+        # grace starts once the server loop has seen the rank gone, at most 0.1 s after /health has)
+        while (r := httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello",
+                                                              "max_tokens": 2})).status_code == 200:
+            assert time.monotonic() - killed_at < 10, "the dead rank went unnoticed"
+            time.sleep(0.02)
         assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
-        assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 1
+        assert proc.wait(timeout=DEAD_ENGINE_GRACE_SECONDS + GRACEFUL_SHUTDOWN_SECONDS + 10) == 1
     log = (tmp_path / "stderr.txt").read_text()
-    assert "error: the engine stopped while serving" in log, log[-2000:]
+    assert "error: the engine stopped while serving (tensor-parallel rank(s) [1] exited)" in log, log[-2000:]
+    assert "Traceback" not in log, log[-4000:]

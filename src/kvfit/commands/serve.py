@@ -90,8 +90,10 @@ def run(args) -> int:
                 print(line, file=sys.stderr, flush=True)
             print(f"capacity: {engine.plan.log_line()}", flush=True)
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
-            serve(app, sock, app.state.kvfit.engine.begin_shutdown, log_level=args.log_level, limits=limits)
-            dead_reason = app.state.kvfit.engine.check_dead()
+            async_engine = app.state.kvfit.engine
+            serve(app, sock, async_engine.begin_shutdown, log_level=args.log_level, limits=limits,
+                  dead_reason=async_engine.check_dead)     # a dead engine ends the server: exit 1
+            dead_reason = async_engine.check_dead()
         finally:
             engine.shutdown()
     finally:

@@ -6,6 +6,10 @@ printed at start-up, the guards middleware, and uvicorn's connection limits and 
 On a signal: the engine refuses new requests and ends running ones (their streams get an error
 event and [DONE]), uvicorn stops accepting and drains connections, the lifespan joins the engine
 thread, and the process exits 0.
+
+When the engine dies (a tensor-parallel rank, the engine thread, a step it cannot recover from), the
+server stops by itself, as vLLM's API server does on EngineDeadError: the responses in flight get
+their error, then uvicorn shuts down and `kvfit serve` exits 1 (see GracefulServer.on_tick).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -32,6 +37,9 @@ from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFA
 from kvfit.server.logs import AccessLogMiddleware
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
+# after the engine is found dead, how long in-flight responses get to write their 503/500 before
+# uvicorn stops (its graceful shutdown then gives each connection GRACEFUL_SHUTDOWN_SECONDS more)
+DEAD_ENGINE_GRACE_SECONDS = 2.0
 
 logger = logging.getLogger("kvfit")
 
@@ -141,12 +149,33 @@ def url_of(sock: socket.socket) -> str:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose signal handling also ends the engine's requests, and exits 0."""
+    """uvicorn.Server whose signal handling also ends the engine's requests, and which stops by
+    itself DEAD_ENGINE_GRACE_SECONDS after dead_reason() first names why the engine cannot serve."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None],
+                 dead_reason: Callable[[], str | None] | None = None,
+                 dead_grace_s: float = DEAD_ENGINE_GRACE_SECONDS):
         super().__init__(config)
         self._on_exit = on_exit
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_reason = dead_reason
+        self._dead_grace_s = dead_grace_s
+        self._dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop calls this every 0.1 s; True ends the loop and starts the shutdown
+        if await super().on_tick(counter):
+            return True
+        if self._dead_reason is None:
+            return False
+        now = time.monotonic()
+        if self._dead_since is None:
+            reason = self._dead_reason()
+            if reason is None:
+                return False
+            self._dead_since = now
+            logger.error("the engine stopped (%s); shutting the server down in %.1f s", reason, self._dead_grace_s)
+        return now - self._dead_since >= self._dead_grace_s
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -222,6 +251,8 @@ def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level
 
 
 def serve(app, sock: socket.socket, on_exit: Callable[[], None], log_level: str = "info",
-          limits: ConnectionLimits = ConnectionLimits()) -> None:
-    """Serve app on sock until a signal (or should_exit); returns after the lifespan shut down."""
-    GracefulServer(uvicorn_config(app, limits, log_level), on_exit).run(sockets=[sock])
+          limits: ConnectionLimits = ConnectionLimits(),
+          dead_reason: Callable[[], str | None] | None = None) -> None:
+    """Serve app on sock until a signal, should_exit, or (given dead_reason) the engine is dead;
+    returns after the lifespan shut down."""
+    GracefulServer(uvicorn_config(app, limits, log_level), on_exit, dead_reason).run(sockets=[sock])
