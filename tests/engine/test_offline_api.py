@@ -65,3 +65,37 @@ def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
 def test_a_seed_past_torchs_range_is_a_config_error(tiny_llama):
     with pytest.raises(ConfigError, match="--seed must be at most 2"):
         LLM(tiny_llama, seed=2**64, **KW)
+
+
+# cache_salt (vLLM's prefix-cache isolation) in a prompt dict ----------------------------------------
+SALT_PROMPT = list(range(1, 30))       # 7 full blocks of 4 + 1 token
+
+
+def _cached_tokens(llm, prompt) -> int:
+    return llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens
+
+
+def test_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(tiny_llama):
+    llm = LLM(tiny_llama, **KW)       # its own cache: no other test's blocks
+    salted = {"prompt_token_ids": SALT_PROMPT, "cache_salt": "tenant-a"}
+    assert _cached_tokens(llm, salted) == 0
+    assert _cached_tokens(llm, salted) == 28                             # same salt: a hit
+    assert _cached_tokens(llm, {**salted, "cache_salt": "tenant-b"}) == 0   # another salt: none
+    assert _cached_tokens(llm, {"prompt_token_ids": SALT_PROMPT}) == 0      # no salt: none
+    assert _cached_tokens(llm, SALT_PROMPT) == 28                        # unsalted prompts share as before
+    text = llm.get_tokenizer().decode(SALT_PROMPT)
+    assert _cached_tokens(llm, {"prompt": text, "cache_salt": "t"}) == 0
+    out = llm.generate({"prompt": text, "cache_salt": "t"}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0
+    # the salt changes what is shared, never the output
+    assert out.outputs[0].token_ids == llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"], b"a"])
+def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_request_error(llm, salt):
+    with pytest.raises(RequestError, match="cache_salt must be a non-empty string") as info:
+        llm.generate({"prompt": "hi", "cache_salt": salt}, GREEDY, use_tqdm=False)
+    assert info.value.param == "cache_salt" and "\n" not in str(info.value)
+    with pytest.raises(RequestError, match="cache_salt"):
+        llm.engine.add_request([1, 2], GREEDY, cache_salt="")

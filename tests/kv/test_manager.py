@@ -302,9 +302,9 @@ def test_commit_hashes_and_registers_each_block_once(monkeypatch):
     calls = {"hash": 0, "register": 0}
     real_hash, real_register = manager_module.hash_block, BlockPool.register
 
-    def counting_hash(parent, token_ids):
+    def counting_hash(parent, token_ids, cache_salt=None):
         calls["hash"] += 1
-        return real_hash(parent, token_ids)
+        return real_hash(parent, token_ids, cache_salt)
 
     def counting_register(self, block_id, block_hash):
         calls["register"] += 1

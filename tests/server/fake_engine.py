@@ -56,13 +56,13 @@ class FakeEngine:
     def encode(self, text):
         return self.tokenizer.encode(text)
 
-    def add_request(self, prompt, params, request_id, strict_context=False):
+    def add_request(self, prompt, params, request_id, strict_context=False, cache_salt=None):
         prompt = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         # the engine's own admission check, over a cache with room for anything
         check_request(prompt, params, 0x110000, self.max_model_len, 16, 10**6, strict_context)
         if self.fail_add_on in self.tokenizer.decode(prompt):
             raise RuntimeError("add exploded")
-        self.requests[request_id] = {"prompt": prompt, "out": [], "params": params}
+        self.requests[request_id] = {"prompt": prompt, "out": [], "params": params, "cache_salt": cache_salt}
         return request_id
 
     def abort(self, request_id):

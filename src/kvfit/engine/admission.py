@@ -9,6 +9,16 @@ from kvfit.errors import RequestError
 from kvfit.sampling_params import SamplingParams
 
 
+def check_cache_salt(cache_salt) -> str | None:
+    """vLLM's cache_salt: None, or a non-empty string (requests share prefix-cache blocks only with
+    the same salt); anything else is a RequestError naming it."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        got = "an empty string" if isinstance(cache_salt, str) else f"a {type(cache_salt).__name__}"
+        raise RequestError(f"cache_salt must be a non-empty string (requests share prefix-cache blocks only with "
+                           f"the same salt), got {got}; give a string or leave it out", "cache_salt")
+    return cache_salt
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   block_size: int, num_blocks: int, strict_context: bool = False) -> int:
     """Return the request's max_total_tokens (prompt + output, at most max_model_len).

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from kvfit.config import EngineConfig
 from kvfit.hub import resolve_model_name
+from kvfit.engine.admission import check_cache_salt
 from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -49,8 +50,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order (vLLM's shapes).
 
-        prompts: a text, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a list of
-        those; sampling_params: one for every prompt or a list with one per prompt (default
+        prompts: a text, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids} (either dict
+        may add "cache_salt": a non-empty string; the prompt then shares prefix-cache blocks only with
+        prompts of the same salt), or a list of those; sampling_params: one for every prompt or a list with one per prompt (default
         SamplingParams()). Thread-safe: calls from several threads run one after another (one batch)."""
         prompts = _prompt_list(prompts)
         with self._lock:
@@ -75,13 +77,14 @@ class LLM:
             if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
                 raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
                                    "messages")
-            prompts.append(tokenizer.apply_chat_template(
+            prompts.append((tokenizer.apply_chat_template(
                 list(conversation), add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, template_kwargs=chat_template_kwargs, tokenize=True))
+                chat_template=chat_template, template_kwargs=chat_template_kwargs, tokenize=True), None))
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
 
-    def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        """prompts: (text or token ids, cache_salt or None) pairs."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -91,8 +94,8 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
+            for (prompt, cache_salt), p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p, cache_salt=cache_salt))
         except BaseException:
             for request_id in ids:
                 engine.abort(request_id)
@@ -124,19 +127,22 @@ def _is_token_ids(value) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-def _one_prompt(prompt) -> str | list[int]:
-    """A text, token ids, {"prompt": text} or {"prompt_token_ids": ids} -> text or token ids."""
+def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
+    """A text, token ids, {"prompt": text} or {"prompt_token_ids": ids} (a dict may add "cache_salt")
+    -> (text or token ids, cache_salt or None)."""
     if isinstance(prompt, dict):
-        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"]
-        if set(prompt) == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
-            return list(prompt["prompt_token_ids"])
-        raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, got '
-                           f"{_describe(prompt)}", "prompt")
+        keys = set(prompt) - {"cache_salt"}
+        cache_salt = check_cache_salt(prompt.get("cache_salt"))
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], cache_salt
+        if keys == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
+            return list(prompt["prompt_token_ids"]), cache_salt
+        raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, with an optional '
+                           f'"cache_salt"; got {_describe(prompt)}', "prompt")
     if isinstance(prompt, str):
-        return prompt
+        return prompt, None
     if _is_token_ids(prompt):
-        return list(prompt)
+        return list(prompt), None
     raise RequestError('each prompt must be a string, a list of token ids (ints), {"prompt": text} or '
                        f'{{"prompt_token_ids": ids}}; got {type(prompt).__name__}', "prompt")
 
@@ -146,8 +152,8 @@ def _describe(prompt: dict) -> str:
 
 
 def _prompt_list(prompts) -> list:
-    """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list of text / token-id
-    prompts; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
+    """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list of (text or token
+    ids, cache_salt) pairs; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
     if isinstance(prompts, (str, dict)):
         return [_one_prompt(prompts)]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
@@ -155,5 +161,5 @@ def _prompt_list(prompts) -> list:
                            f"{type(prompts).__name__}", "prompt")
     prompts = list(prompts)
     if prompts and _is_token_ids(prompts):
-        return [prompts]
+        return [(prompts, None)]
     return [_one_prompt(p) for p in prompts]

@@ -12,7 +12,7 @@ import logging
 import os
 
 from kvfit.config import EngineConfig
-from kvfit.engine.admission import bad_words_token_ids, check_request
+from kvfit.engine.admission import bad_words_token_ids, check_cache_salt, check_request
 from kvfit.engine.output import RequestOutput
 from kvfit.engine.output_processor import OutputProcessor
 from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
@@ -77,10 +77,12 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    strict_context: bool = False) -> str:
+                    strict_context: bool = False, cache_salt: str | None = None) -> str:
         """Queue a prompt (text or token ids); raise RequestError if it can never be served.
 
         strict_context: prompt + max_tokens past --max-model-len is an error rather than a cut.
+        cache_salt: vLLM's prefix-cache isolation; the request shares cached blocks only with
+        requests of the same salt (None: with every unsalted request).
         params.n > 1 queues n child requests (engine/parallel_sampling.py) under this request id."""
         if isinstance(params, SamplingParams) and self.tokenizer is None:
             for name, needs in (("stop", params.stop), ("bad_words", params.bad_words),
@@ -91,6 +93,7 @@ class LLMEngine:
         if not isinstance(prompt, (str, list, tuple)):
             raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                "prompt")
+        check_cache_salt(cache_salt)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_total = check_request(ids, params, self.facts.vocab_size, self.max_model_len, self.spec.block_size,
                                   self.pool.num_blocks, strict_context)
@@ -114,6 +117,7 @@ class LLMEngine:
             req = Request(request_id=rid, prompt_token_ids=ids, params=child, eos_token_ids=self.eos_token_ids,
                           max_total_tokens=max_total, index=index,
                           parent_id=request_id if params.n > 1 else None, bad_words_token_ids=bad_words,
+                          cache_salt=cache_salt,
                           matcher=None if grammar is None else self._structured().matcher(grammar,
                                                                                           child.stop_token_ids))
             self.scheduler.add(req)

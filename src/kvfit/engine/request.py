@@ -34,6 +34,7 @@ class Request:
     parent_id: str | None = None         # the request of n samples this one belongs to
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
     matcher: object | None = None        # structured outputs: a kvfit.structured Matcher
+    cache_salt: str | None = None        # prefix-cache isolation: shares blocks only with the same salt
     # prompt + output in one list, appended one token at a time: slicing a step's tokens and
     # committing full blocks to the prefix cache never rebuild it
     token_ids: list[int] = field(init=False)

@@ -9,7 +9,7 @@ Invariants (checked by check_invariants and tests/kv/test_manager_state_machine.
 - A used block's ref count equals the number of tables holding it; no block is twice in one table;
   every used block of the pool is in some table. After every request is freed no block is used.
 - block_hashes[i] of a request is the chained hash (kv/prefix.py) of its tokens [i*block_size,
-  (i+1)*block_size); the list is a prefix of the chain, never longer than the full blocks seen.
+  (i+1)*block_size), its cache salt in the first (set at lookup_prefix); the list is a prefix of the chain, never longer than the full blocks seen.
 - The first num_committed_blocks blocks of a table have been offered to pool.register (prefix hits
   count as committed: they are registered already), so commit registers each block once, and hashes
   and registers only blocks that became full since the last call: O(new blocks) per call.
@@ -26,12 +26,13 @@ from kvfit.kv.prefix import hash_block
 class _Table:
     """One request's blocks and the hashes of its full blocks."""
 
-    __slots__ = ("block_ids", "block_hashes", "num_committed_blocks")
+    __slots__ = ("block_ids", "block_hashes", "num_committed_blocks", "cache_salt")
 
-    def __init__(self) -> None:
+    def __init__(self, cache_salt: str | None = None) -> None:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
+        self.cache_salt = cache_salt     # mixed into the first block's hash: no sharing across salts
 
 
 class KVCacheManager:
@@ -62,13 +63,15 @@ class KVCacheManager:
         return max(num_needed_blocks - len(self.block_ids(request_id)), 0)
 
     # prefix cache -------------------------------------------------------------------------------
-    def lookup_prefix(self, request_id: str, token_ids: Sequence[int], count: bool = True) -> int:
+    def lookup_prefix(self, request_id: str, token_ids: Sequence[int], count: bool = True,
+                      cache_salt: str | None = None) -> int:
         """Start the request's table with the leading cached full blocks of token_ids; return the
         tokens found (a multiple of block_size). At least one token is always left to compute, so at
         most (len(token_ids) - 1) // block_size blocks are taken. Blocks are hashed lazily and only
-        up to the first miss; commit hashes the rest as they are computed."""
+        up to the first miss; commit hashes the rest as they are computed. cache_salt: only blocks
+        committed under the same salt (or both without one) are found, and commit uses it too."""
         assert request_id not in self._tables, f"request {request_id} already has a table"
-        table = self._tables[request_id] = _Table()
+        table = self._tables[request_id] = _Table(cache_salt)
         num_hit_tokens = self._take_cached_prefix(table, token_ids) if self.pool.enable_prefix_caching else 0
         if count:
             self.num_prefix_queries += len(token_ids)
@@ -95,7 +98,10 @@ class KVCacheManager:
         start = len(hashes) * block_size
         block_tokens = token_ids[start:start + block_size]
         assert len(block_tokens) == block_size, "only full blocks are hashed"
-        block_hash = hash_block(hashes[-1] if hashes else None, block_tokens)
+        if hashes:
+            block_hash = hash_block(hashes[-1], block_tokens)
+        else:
+            block_hash = hash_block(None, block_tokens, table.cache_salt)
         hashes.append(block_hash)
         return block_hash
 

@@ -309,7 +309,7 @@ def _num_output_tokens(output) -> int:
 async def _generate(request: Request, state: ServerState, inp: GenerateInput, chat: bool):
     builder = ResponseBuilder(chat, state.model_name, inp, state.engine.engine.tokenizer)
     access = request.scope.get(ACCESS_SCOPE_KEY)
-    stream = await state.engine.add(builder.id, inp.prompt, inp.params, inp.max_tokens_given)
+    stream = await state.engine.add(builder.id, inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt)
     stream.on_progress = state.metrics.progress
     if inp.stream:
         return _EventStream(_stream_events(state, builder, inp, stream, access),

@@ -175,6 +175,7 @@ class _Add:
     max_tokens_given: bool
     stream: RequestStream
     future: asyncio.Future
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -253,14 +254,15 @@ class AsyncEngine:
         return self._stats
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  max_tokens_given: bool = True) -> RequestStream:
-        """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead)."""
+                  max_tokens_given: bool = True, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead).
+        cache_salt: the request shares prefix-cache blocks only with requests of the same salt."""
         if (error := self.health()) is not None:
             raise error
         stream = RequestStream(request_id)
         ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         future = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_id, ids, params, max_tokens_given, stream, future))
+        self._send(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:
             stream.num_prompt_tokens = await future
         except asyncio.CancelledError:
@@ -395,7 +397,7 @@ class AsyncEngine:
             raise queue_full_error(self.max_waiting_requests)
         # the engine's admission check is the only one; its RequestError carries param and code
         engine.add_request(command.prompt_ids, command.params, command.request_id,
-                           strict_context=command.max_tokens_given)
+                           strict_context=command.max_tokens_given, cache_salt=command.cache_salt)
         self._room.take(num_prompt_tokens)
         return num_prompt_tokens
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvfit.engine.admission import check_cache_salt
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.structured_params import StructuredOutputsParams
@@ -43,6 +44,7 @@ class GenerateInput:
     top_logprobs: int | None = None
     prompt_logprobs: bool = False  # the client asked for prompt_logprobs (shown as vLLM does)
     continuous_usage: bool = False  # every stream chunk carries the usage so far (vLLM's continuous_usage_stats)
+    cache_salt: str | None = None   # vLLM's prefix-cache isolation: blocks are shared only with the same salt
 
     @property
     def n(self) -> int:
@@ -129,6 +131,13 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
         raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
 
+def _cache_salt(req) -> str | None:
+    try:
+        return check_cache_salt(req.cache_salt)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+
+
 def _stream_flags(req) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage_stats)."""
     stream, options = bool(req.stream), req.stream_options
@@ -152,7 +161,8 @@ def completion_input(req: CompletionRequest) -> GenerateInput:
     stream, include_usage, continuous_usage = _stream_flags(req)
     params = sampling_params(req, max_tokens, req.logprobs)
     return GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage)
+                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
+                         cache_salt=_cache_salt(req))
 
 
 def chat_messages(req) -> list[dict]:
@@ -186,4 +196,5 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage)
+                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
+                         cache_salt=_cache_salt(req))
