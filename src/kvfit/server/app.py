@@ -164,7 +164,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _request_body(request, state, ChatCompletionRequest)
-        messages = chat_messages(body)
+        messages = await state.engine.prepare(chat_messages, body)      # grows with the body: off the loop
         prompt_ids = await _chat_prompt_ids(state, body, messages, bool(body.add_special_tokens))
         return await _generate(request, state, chat_input(body, prompt_ids, messages), chat=True)
 
@@ -181,7 +181,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("give either prompt (a text) or messages (a chat), not both or neither",
                               param="prompt")
         if body.messages is not None:
-            messages = chat_messages(body)
+            messages = await state.engine.prepare(chat_messages, body)
             special = bool(body.add_special_tokens)           # vLLM: false for chats (the template has them)
             ids = await _chat_prompt_ids(state, body, messages, special)
         else:

@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 logger = logging.getLogger("kvfit")
 
@@ -156,6 +156,10 @@ class ChatMessage(_Body):
 TEMPLATE_MESSAGE_FIELDS = ("name", "tool_call_id", "tool_calls", "reasoning_content", "reasoning")
 
 
+_MESSAGE_LIST = TypeAdapter(list[ChatMessage])
+MESSAGES_PER_SLICE = 1000       # ~1-2 ms of pydantic, GIL held, per slice
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -217,7 +221,7 @@ def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
     if _MAYBE_SURROGATE.search(raw):
         _reject_surrogates(data)
     try:
-        body = model_class.model_validate(data)
+        body = _validate(model_class, data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
     unknown = [key for key in data if key not in model_class.model_fields] + _unknown_message_fields(data)
@@ -227,13 +231,34 @@ def parse_body(raw: bytes, model_class: type[_Body]) -> _Body:
     return body
 
 
+def _validate(model_class: type[_Body], data: dict) -> _Body:
+    """model_class.model_validate(data), a long message list in slices of MESSAGES_PER_SLICE: pydantic
+    holds the GIL for a whole call (~40-70 ms for 25,000 messages on the CI machine), and the event
+    loop (/health, streams) waits for it; between slices it gets the GIL back. A slice that fails is
+    validated again with the whole body, so the error names the message as before."""
+    messages = data.get("messages")
+    sliced = isinstance(messages, list) and len(messages) > MESSAGES_PER_SLICE
+    if not sliced or "messages" not in model_class.model_fields:
+        return model_class.model_validate(data)
+    body = model_class.model_validate({**data, "messages": []})
+    validated = []
+    try:
+        for start in range(0, len(messages), MESSAGES_PER_SLICE):
+            validated.extend(_MESSAGE_LIST.validate_python(messages[start:start + MESSAGES_PER_SLICE]))
+    except ValidationError:
+        return model_class.model_validate(data)        # raises, naming messages.<index>
+    body.messages = validated
+    return body
+
+
 def _unknown_message_fields(data: dict) -> list[str]:
     """`messages[i].key` for each message key ChatMessage does not know (ignored, so named in the log)."""
     messages = data.get("messages")
     if not isinstance(messages, list):
         return []
-    return [f"messages[{i}].{key}" for i, m in enumerate(messages) if isinstance(m, dict)
-            for key in m if key not in ChatMessage.model_fields][:16]
+    known = ChatMessage.model_fields.keys()
+    return [f"messages[{i}].{key}" for i, m in enumerate(messages) if isinstance(m, dict) and not m.keys() <= known
+            for key in m if key not in known][:16]
 
 
 def _load_json(raw: bytes):
