@@ -13,7 +13,7 @@ import os
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"   # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -113,6 +113,13 @@ def _hf_config(arch: str, **kw):
             num_experts_per_tok=moe.get("top_k", 2), moe_intermediate_size=moe.get("moe_intermediate_size", 32),
             decoder_sparse_step=moe.get("decoder_sparse_step", 1), mlp_only_layers=moe.get("mlp_only_layers", []),
             norm_topk_prob=moe.get("norm_topk_prob", True), **common)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            use_sliding_window=False, num_experts=moe.get("num_experts", 8), num_experts_per_tok=moe.get("top_k", 2),
+            moe_intermediate_size=moe.get("moe_intermediate_size", 32),
+            shared_expert_intermediate_size=moe.get("shared_expert_intermediate_size", 48),
+            decoder_sparse_step=moe.get("decoder_sparse_step", 1), mlp_only_layers=moe.get("mlp_only_layers", []),
+            norm_topk_prob=moe.get("norm_topk_prob", False), **common)
     if arch == "mixtral":
         common["intermediate_size"] = moe.get("moe_intermediate_size", common["intermediate_size"])
         return transformers.MixtralConfig(sliding_window=None, num_local_experts=moe.get("num_experts", 8),
@@ -153,8 +160,9 @@ def make_tiny_model(tmp_path, arch: str = "llama", num_kv_heads: int = 2, seed: 
     """Write a tiny HF model folder under tmp_path and return its path.
 
     arch: llama | mistral | qwen2 (q/k/v bias) | qwen3 (q/k norm; head_dim 32 != hidden/heads by default) |
-    qwen3_moe | mixtral (mixture of experts; moe: num_experts (8), top_k (2), moe_intermediate_size (32;
-    Mixtral's intermediate_size), decoder_sparse_step, mlp_only_layers, norm_topk_prob).
+    qwen3_moe | qwen2_moe | mixtral (mixture of experts; moe: num_experts (8), top_k (2), moe_intermediate_size (32;
+    Mixtral's intermediate_size), decoder_sparse_step, mlp_only_layers, norm_topk_prob,
+    shared_expert_intermediate_size (48, Qwen2-MoE)).
     rope_scaling: None, "llama3" (a llama 3.1 scaling) or a rope_scaling dict. max_shard_size (e.g.
     "40KB") saves sharded safetensors with model.safetensors.index.json.
     """

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
@@ -48,6 +50,7 @@ FAMILY_RULES = {
     "mistral": FamilyRules(reads_sliding_window=True),
     "qwen2": FamilyRules(qkv_bias=True),
     "qwen3": FamilyRules(reads_attention_bias=True, qk_norm=True),
+    "qwen2_moe": FamilyRules(qkv_bias=True),
     "qwen3_moe": FamilyRules(reads_attention_bias=True, qk_norm=True),
     "mixtral": FamilyRules(reads_sliding_window=True),
     "deepseek_v2": FamilyRules(),
@@ -329,7 +332,8 @@ def _attention_params(f: ModelFacts, cfg: dict, source: str) -> int:
 
 
 def _qwen3_moe_sparse_layers(f: ModelFacts, cfg: dict, source: str) -> tuple[int, int]:
-    """(experts, number of layers that use them) of a Qwen3-MoE config: every step-th layer but mlp_only_layers."""
+    """(experts, number of layers that use them) of a Qwen2-MoE / Qwen3-MoE config: every step-th layer but
+    mlp_only_layers."""
     # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
     experts = read_field(cfg, "num_experts", "int", source, minimum=0)
     if experts is None:
@@ -352,11 +356,13 @@ def _mlp_params(f: ModelFacts, cfg: dict, source: str) -> int:
     if f.family == "mixtral":
         experts = read_field(cfg, "num_local_experts", "int", source, default=8, minimum=1)
         return f.num_layers * (h * experts + experts * dense)
-    if f.family == "qwen3_moe":
+    if f.family in ("qwen2_moe", "qwen3_moe"):
         experts, num_sparse = _qwen3_moe_sparse_layers(f, cfg, source)
         if not num_sparse:
             return f.num_layers * dense
         moe = h * experts + experts * 3 * h * _positive_int(cfg, "moe_intermediate_size", source)
+        if f.family == "qwen2_moe":     # a shared expert beside the routed ones, with its own sigmoid gate
+            moe += 3 * h * _positive_int(cfg, "shared_expert_intermediate_size", source) + h
         return num_sparse * moe + (f.num_layers - num_sparse) * dense
     if f.family.startswith("deepseek"):
         routed = read_field(cfg, "n_routed_experts", "int", source, minimum=1)

@@ -124,16 +124,17 @@ def test_plannable_but_not_runnable_families_are_refused(arch):
            "v_head_dim": 8}
     with pytest.raises(ConfigError, match=rf"^{arch} can be planned but not run yet; runnable: LlamaForCausalLM, "
                                           r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                          r"Qwen3MoeForCausalLM, MixtralForCausalLM$"):
+                                          r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM$"):
         load_model("", facts_from_config(cfg), torch.float32, "cpu", BACKEND, load_format="dummy")
 
 
 def test_dummy_moe_models_run(tmp_path):
-    """Qwen3-MoE and Mixtral with --load-format dummy: stacked experts filled, a forward pass runs."""
-    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    """Qwen3-MoE, Qwen2-MoE and Mixtral with --load-format dummy: stacked experts filled, a forward pass runs."""
+    for arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"):
         cfg = {"architectures": [arch], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 50, "num_experts": 4,
-               "moe_intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2}
+               "moe_intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "shared_expert_intermediate_size": 24}
         facts = facts_from_config(cfg)
         model = load_model("", facts, torch.float32, "cpu", BACKEND, load_format="dummy")
         cache = PagedCache(facts)

@@ -19,7 +19,8 @@ PLANNABLE_ONLY = sorted(set(SUPPORTED_ARCHITECTURES) - set(MODELS))
 
 def test_runnable_architectures_are_the_registry_and_all_supported():
     assert runnable_architectures() == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                                        "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                        "MixtralForCausalLM")
     assert set(runnable_architectures()) <= set(SUPPORTED_ARCHITECTURES)
     assert all(is_runnable(arch) for arch in runnable_architectures())
     assert PLANNABLE_ONLY and not any(is_runnable(arch) for arch in PLANNABLE_ONLY)
@@ -36,8 +37,8 @@ def test_a_plannable_only_architecture_names_the_runnable_ones(arch):
     with pytest.raises(ConfigError) as err:
         model_class(arch)
     assert str(err.value) == (f"{arch} can be planned but not run yet; runnable: LlamaForCausalLM, "
-                              "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
-                              "MixtralForCausalLM")
+                              "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
+                              "Qwen3MoeForCausalLM, MixtralForCausalLM")
 
 
 def test_the_registry_imports_no_torch():

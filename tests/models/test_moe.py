@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) give transformers' logits and tokens.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) give transformers'
+logits and tokens.
 
 Tiny random checkpoints built with transformers' own classes and save_pretrained (per-expert
 tensors, the Hub layout); loaded through kvfit's real loader into stacked experts. Covers dense
@@ -40,12 +41,19 @@ def tiny_qwen3_moe_step2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory) -> str:
+    # a shared expert with a sigmoid gate beside 4 routed experts; layer 1 dense
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="qwen2_moe", num_layers=2, seed=10,
+                           moe={"num_experts": 4, "top_k": 2, "mlp_only_layers": [1]})
+
+
+@pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="mixtral", num_layers=2, seed=9,
                            moe={"num_experts": 4, "top_k": 2, "moe_intermediate_size": 48})
 
 
-MODELS = ["tiny_qwen3_moe", "tiny_qwen3_moe_step2", "tiny_mixtral"]
+MODELS = ["tiny_qwen3_moe", "tiny_qwen3_moe_step2", "tiny_qwen2_moe", "tiny_mixtral"]
 
 
 def _load(folder: str):
@@ -144,9 +152,9 @@ def test_an_expert_split_that_does_not_divide_is_a_config_error(tiny_mixtral):
         MoECausalLM(facts, torch.float32, "cpu", TorchReferenceBackend(), tp_rank=0, tp_size=5)
 
 
-def test_two_ranks_match_transformers(tmp_path, tiny_qwen3_moe, tiny_mixtral):
+def test_two_ranks_match_transformers(tmp_path, tiny_qwen3_moe, tiny_qwen2_moe, tiny_mixtral):
     from transformers import AutoModelForCausalLM
-    folders = [tiny_qwen3_moe, tiny_mixtral]
+    folders = [tiny_qwen3_moe, tiny_qwen2_moe, tiny_mixtral]
     tokens = random_tokens(load_model_facts(tiny_mixtral).vocab_size, 12, seed=4)
     out_file = str(tmp_path / "logits.pt")
     mp.spawn(rank_main, args=(2, str(tmp_path / "init"), folders, tokens, 9, out_file), nprocs=2, join=True)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders on the Llama-family decoder: Qwen3-MoE and Mixtral.
+"""Mixture-of-experts decoders on the Llama-family decoder: Qwen3-MoE, Qwen2-MoE and Mixtral.
 
 Attention, norms, embedding and lm_head are llama.py's; only the MLP of a sparse layer differs: a
 router (`gate`, replicated) picks top_k experts per token (softmax in fp32, top-k, renormalised
@@ -8,7 +8,8 @@ Experts are stored stacked, one tensor per projection ([E, 2 I, H] gate rows the
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`) or
 from transformers 5's stacked `mlp.experts.gate_up_proj/down_proj`. With tensor parallelism each
 rank holds a slice of every expert's intermediate channels (never whole experts), so every rank
-runs every token and one all-reduce sums the ranks' parts, as for a dense MLP.
+runs every token and one all-reduce sums the ranks' parts, as for a dense MLP. Qwen2-MoE adds a shared
+expert (a SwiGLU, sharded as a dense MLP) scaled per token by sigmoid(shared_expert_gate(x)).
 The experts run in fused_moe.moe_experts: grouped-GEMM Triton kernels on CUDA, torch elsewhere.
 """
 
@@ -24,6 +25,7 @@ from kvfit.model_facts import ModelFacts, read_field
 from kvfit.models import fused_moe
 from kvfit.models.fused_moe import moe_experts, select_experts
 from kvfit.models.gemv import linear
+from kvfit.models.layers import SwiGLU
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly
 
@@ -40,6 +42,7 @@ class MoEConfig:
     sparse_layers: frozenset[int]
     block_name: str                 # the sparse block's name in the checkpoint ("mlp" or "block_sparse_moe")
     expert_names: tuple[str, str, str]   # gate, up, down projection names of one expert
+    shared_intermediate_size: int = 0    # Qwen2-MoE: a shared expert (SwiGLU) with a sigmoid gate, else 0
 
 
 def moe_config(facts: ModelFacts) -> MoEConfig:
@@ -51,7 +54,7 @@ def moe_config(facts: ModelFacts) -> MoEConfig:
                         intermediate_size=facts.intermediate_size, renormalize=True, round_weights=False,
                         sparse_layers=frozenset(range(facts.num_layers)), block_name="block_sparse_moe",
                         expert_names=("w1", "w3", "w2"))
-    elif facts.family == "qwen3_moe":
+    elif facts.family in ("qwen2_moe", "qwen3_moe"):
         # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
         experts = read_field(raw, "num_experts", "int", source, minimum=0)
         if experts is None:
@@ -66,7 +69,10 @@ def moe_config(facts: ModelFacts) -> MoEConfig:
                                                      minimum=1),
                         renormalize=read_field(raw, "norm_topk_prob", "bool", source, default=False),
                         round_weights=True, sparse_layers=sparse, block_name="mlp",
-                        expert_names=("gate_proj", "up_proj", "down_proj"))
+                        expert_names=("gate_proj", "up_proj", "down_proj"),
+                        shared_intermediate_size=read_field(raw, "shared_expert_intermediate_size", "int", source,
+                                                            required=True, minimum=1)
+                        if facts.family == "qwen2_moe" else 0)
     else:
         raise ConfigError(f"{facts.architecture} is not a mixture-of-experts model kvfit runs")
     if cfg.sparse_layers and cfg.top_k > cfg.num_experts:
@@ -91,9 +97,14 @@ class SparseMoE(torch.nn.Module):
         self.experts.gate_up_proj.full_shape = (e, 2 * moe.intermediate_size, h)
         self.experts.down_proj = make_param((e, h, self.size), None, dtype, device)
         self.experts.down_proj.full_shape = (e, h, moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            self.shared_expert = SwiGLU(h, moe.shared_intermediate_size, False, dtype, device, tp_rank, tp_size)
+            self.shared_expert_gate = torch.nn.Module()
+            self.shared_expert_gate.weight = make_param((1, h), None, dtype, device)
 
     def fuse_projections(self) -> None:
-        pass                                    # the experts are stacked at load already
+        if self.moe.shared_intermediate_size:   # the routed experts are stacked at load already
+            self.shared_expert.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
@@ -101,8 +112,11 @@ class SparseMoE(torch.nn.Module):
         weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize)
         if self.moe.round_weights:
             weights = weights.to(x.dtype)
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        return all_reduce(out, self.tp_size)
+        out = all_reduce(moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids),
+                         self.tp_size)
+        if self.moe.shared_intermediate_size:   # Qwen2-MoE: + sigmoid(gate(x)) * shared_expert(x)
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
 
     # loading ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -25,6 +25,7 @@ MODELS = {
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "Qwen2MoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
     "MixtralForCausalLM": _MOE,
 }

@@ -47,7 +47,7 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     tokens = sched.max_num_batched_tokens
     tp = tensor_parallel_size
     inter = facts.intermediate_size
-    if facts.family in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
+    if facts.family in ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
         inter = facts.raw.get("moe_intermediate_size", inter) * facts.raw.get("num_experts_per_tok", 1)
     # the MLP is the peak: gate, up and act(gate) * up of every token, beside the residual stream
     # and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b)
