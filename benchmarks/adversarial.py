@@ -378,7 +378,7 @@ def run_cli(model: str, root: str, tally: Tally):
         runs.append(("bad flags (generate)", gen[:1] + [model] + gen[1:] + flags, 2))
     for flags in (["--device-memory", "1e400"], ["--device-memory", "-5GiB"], ["--device-memory", "nanGiB"],
                   ["--block-size", "3"], ["--gpu", "TPU"], ["--gpu-memory-utilization", "2"],
-                  ["--tensor-parallel-size", "0"], ["--max-model-len", "-1"], ["--kv-cache-memory", "1e400"]):
+                  ["--tensor-parallel-size", "0"], ["--max-model-len", "0"], ["--kv-cache-memory", "1e400"]):
         runs.append(("bad flags (plan)", ["plan", model] + flags, 2))
     runs.append(("valid CLI (control)", ["plan", model, "--device-memory", "80GiB"], 0))
     # top-level rope_theta "x" next to a good rope_parameters is shadowed: expected to run (exit 0) or refuse
