@@ -1,5 +1,6 @@
 """tests/server: the helper modules beside the tests (server_testing, fake_engine) are importable; the
-offline reference (kvfit.LLM on the tiny llama, the servers' settings) per module."""
+offline reference (kvfit.LLM on the tiny llama, the servers' settings) and a server of that model, with
+an openai client for it, per module."""
 
 import os
 import sys
@@ -17,3 +18,22 @@ def offline(tiny_llama):
     llm = LLM(tiny_llama, **ENGINE_KWARGS)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama):
+    """A server of the tiny llama named "tiny", with the offline reference's settings: its base URL."""
+    from server_testing import make_engine, running_server
+    engine = make_engine(tiny_llama)
+    try:
+        with running_server(engine, "tiny") as (url, _):
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    """The official openai client of tiny_server."""
+    import openai
+    return openai.OpenAI(base_url=f"{tiny_server}/v1", api_key="unused", max_retries=0, timeout=60)

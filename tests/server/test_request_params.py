@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvfit.server.params import chat_input, completion_input
+from kvfit.server.params import chat_input, completion_inputs
 from kvfit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 def completion(**fields):
-    return completion_input(CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields}))
+    return completion_inputs(CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields}))[0]
 
 
 def chat(**fields):

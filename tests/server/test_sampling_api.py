@@ -10,31 +10,14 @@ from __future__ import annotations
 import json
 import math
 
-import openai
 import pytest
 import torch
 
 from kvfit import SamplingParams
-from server_testing import make_engine, running_server
 
 MODEL = "tiny"
 PROMPT = "Hello, my name is"
 MESSAGES = [{"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    engine = make_engine(tiny_llama)
-    try:
-        with running_server(engine, MODEL) as (url, _):
-            yield url
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +40,8 @@ def offline_outputs(offline, prompt, **params):
 
 
 # n ---------------------------------------------------------------------------------------------
-def test_n_seeded_choices_equal_offline_and_usage_sums_them(client, offline):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, n=3, seed=7, max_tokens=8, temperature=1.0)
+def test_n_seeded_choices_equal_offline_and_usage_sums_them(tiny_client, offline):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, n=3, seed=7, max_tokens=8, temperature=1.0)
     ref = offline_outputs(offline, PROMPT, n=3, seed=7, max_tokens=8, temperature=1.0)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [o.text for o in ref]
@@ -66,22 +49,22 @@ def test_n_seeded_choices_equal_offline_and_usage_sums_them(client, offline):
     assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
 
 
-def test_n_streamed_chunks_name_their_choice(client):
-    full = client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0,
+def test_n_streamed_chunks_name_their_choice(tiny_client):
+    full = tiny_client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0)
+    chunks = list(tiny_client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=6, temperature=1.0,
                                             stream=True, stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
     for chunk in chunks[:-1]:
         texts[chunk.choices[0].index] += chunk.choices[0].text
     assert [texts[0], texts[1]] == [c.text for c in full.choices]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    chat = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=3, stream=True))
+    chat = list(tiny_client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=3, stream=True))
     assert {c.choices[0].index for c in chat} == {0, 1}
 
 
 # logprobs ----------------------------------------------------------------------------------------
-def test_completion_logprobs_equal_transformers(client, offline, hf):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+def test_completion_logprobs_equal_transformers(tiny_client, offline, hf):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs
     _, tok = hf
     prompt_ids = tok(PROMPT)["input_ids"]
@@ -99,8 +82,8 @@ def test_completion_logprobs_equal_transformers(client, offline, hf):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
-def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs(client, hf):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs(tiny_client, hf):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
     choice = resp.choices[0]
     assert choice.text.startswith(PROMPT)                 # the prompt as sent (its bos is a token, not text)
     _, tok = hf
@@ -113,8 +96,8 @@ def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs(client, hf):
     assert len(lp.tokens) == len(prompt_ids) + 2
 
 
-def test_chat_logprobs_and_top_logprobs(client, hf):
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+def test_chat_logprobs_and_top_logprobs(tiny_client, hf):
+    resp = tiny_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=2)
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
@@ -130,10 +113,10 @@ def test_chat_logprobs_and_top_logprobs(client, hf):
     {"repetition_penalty": 1.5}, {"presence_penalty": 1.5, "frequency_penalty": 1.0}, {"min_p": 1.0},
     {"min_tokens": 6, "stop_token_ids": [2]}, {"logit_bias": {"42": 100}}, {"bad_words": ["the"]},
 ], ids=["repetition", "presence-frequency", "min-p", "min-tokens", "logit-bias", "bad-words"])
-def test_sampling_fields_equal_offline(client, offline, fields):
+def test_sampling_fields_equal_offline(tiny_client, offline, fields):
     extra = {k: v for k, v in fields.items() if k not in ("presence_penalty", "frequency_penalty", "logit_bias")}
     std = {k: v for k, v in fields.items() if k not in extra}
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=5,
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=5,
                                      extra_body=extra, **std)
     params = {**fields, "logit_bias": {int(k): v for k, v in fields["logit_bias"].items()}} \
         if "logit_bias" in fields else fields
@@ -147,29 +130,29 @@ SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "enum": [
           "required": ["color"], "additionalProperties": False}
 
 
-def test_response_format_json_schema_is_obeyed(client):
+def test_response_format_json_schema_is_obeyed(tiny_client):
     for seed in range(3):
-        resp = client.chat.completions.create(
+        resp = tiny_client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=100, temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}})
         assert resp.choices[0].finish_reason == "stop"        # the grammar ended it (a random model: much whitespace)
         assert json.loads(resp.choices[0].message.content)["color"] in ("red", "green")
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100, temperature=1.0, seed=0,
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100, temperature=1.0, seed=0,
                                      extra_body={"response_format": {"type": "json_object"}})   # vLLM's extension
     assert isinstance(json.loads(resp.choices[0].text), dict)
 
 
-def test_structured_outputs_regex_and_choice(client):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+def test_structured_outputs_regex_and_choice(tiny_client):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
                                      extra_body={"structured_outputs": {"regex": "[ab]{3}"}})
     assert len(resp.choices[0].text) == 3 and set(resp.choices[0].text) <= {"a", "b"}
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert resp.choices[0].text in ("yes", "no")
 
 
-def test_prompt_logprobs_in_vllms_shape(client, hf):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+def test_prompt_logprobs_in_vllms_shape(tiny_client, hf):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
                                      extra_body={"prompt_logprobs": 1})
     _, tok = hf
     prompt_ids = tok(PROMPT)["input_ids"]
@@ -182,11 +165,11 @@ def test_prompt_logprobs_in_vllms_shape(client, hf):
         assert entry["rank"] >= 1
 
 
-def test_include_stop_str_in_output_equals_offline(client, offline):
+def test_include_stop_str_in_output_equals_offline(tiny_client, offline):
     ref = offline_outputs(offline, PROMPT, max_tokens=12, temperature=0, ignore_eos=True)[0].text
     stop = ref[3:5]
     for include in (False, True):
-        resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+        resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                          extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
         expected = offline_outputs(offline, PROMPT, max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,),
                                    include_stop_str_in_output=include)[0]
@@ -194,8 +177,8 @@ def test_include_stop_str_in_output_equals_offline(client, offline):
         assert resp.choices[0].text.endswith(stop) is include
 
 
-def test_streamed_chat_logprobs_cover_every_token(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
+def test_streamed_chat_logprobs_cover_every_token(tiny_client):
+    chunks = list(tiny_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
                                                  logprobs=True, top_logprobs=1, stream=True,
                                                  stream_options={"include_usage": True}))
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -206,8 +189,8 @@ def test_streamed_chat_logprobs_cover_every_token(client):
 @pytest.mark.parametrize("fields", [{"allowed_token_ids": [40, 41, 42]}, {"skip_special_tokens": False},
                                     {"spaces_between_special_tokens": False}],
                          ids=["allowed-token-ids", "skip-special-tokens", "spaces-between-special-tokens"])
-def test_more_vllm_fields_equal_offline(client, offline, fields):
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2,
+def test_more_vllm_fields_equal_offline(tiny_client, offline, fields):
+    resp = tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2,
                                      extra_body={"ignore_eos": True, **fields})
     params = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     ref = offline_outputs(offline, PROMPT, max_tokens=6, temperature=1.0, seed=2, ignore_eos=True, **params)[0]
@@ -216,9 +199,9 @@ def test_more_vllm_fields_equal_offline(client, offline, fields):
         assert set(ref.token_ids) <= {40, 41, 42}
 
 
-def test_chat_continue_final_message_and_echo(client, offline):
+def test_chat_continue_final_message_and_echo(tiny_client, offline):
     messages = MESSAGES + [{"role": "assistant", "content": "Hi! I am"}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+    resp = tiny_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"add_generation_prompt": False, "continue_final_message": True,
                                                       "echo": True})
     tokenizer = offline.get_tokenizer()
@@ -228,8 +211,8 @@ def test_chat_continue_final_message_and_echo(client, offline):
     assert resp.choices[0].message.content == "Hi! I am" + ref.text        # echo: the open message first
 
 
-def test_continuous_usage_stats_in_every_chunk(client):
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+def test_continuous_usage_stats_in_every_chunk(tiny_client):
+    chunks = list(tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
                                             stream_options={"include_usage": True,
                                                             "continuous_usage_stats": True},
                                             extra_body={"ignore_eos": True}))
@@ -237,10 +220,10 @@ def test_continuous_usage_stats_in_every_chunk(client):
     assert counts[-1] == 3 and counts == sorted(counts) and all(c.usage is not None for c in chunks)
 
 
-def test_streamed_echo_with_logprobs_equals_the_full_response(client):
+def test_streamed_echo_with_logprobs_equals_the_full_response(tiny_client):
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
-    full = client.completions.create(**kwargs).choices[0]
-    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+    full = tiny_client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in tiny_client.completions.create(stream=True, **kwargs)]
     assert "".join(c.text for c in chunks) == full.text
     streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
     assert streamed == full.logprobs.token_logprobs and streamed[0] is None

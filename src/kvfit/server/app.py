@@ -33,10 +33,10 @@ from kvfit.server.async_engine import AsyncEngine, RequestStream
 from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvfit.server.params import GenerateInput, chat_input, chat_messages, check_unsupported, completion_input
+from kvfit.server.params import GenerateInput, chat_input, chat_messages, check_unsupported, completion_inputs
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, parse_body, sse)
-from kvfit.server.responses import ResponseBuilder
+from kvfit.server.responses import ResponseBuilder, usage
 from kvfit.version import __version__
 
 logger = logging.getLogger("kvfit")
@@ -159,14 +159,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _request_body(request, state, CompletionRequest)
-        return await _generate(request, state, completion_input(body), chat=False)
+        return await _generate(request, state, completion_inputs(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _request_body(request, state, ChatCompletionRequest)
         messages = await state.engine.prepare(chat_messages, body)      # grows with the body: off the loop
         prompt_ids = await _chat_prompt_ids(state, body, messages, bool(body.add_special_tokens))
-        return await _generate(request, state, chat_input(body, prompt_ids, messages), chat=True)
+        return await _generate(request, state, [chat_input(body, prompt_ids, messages)], chat=True)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:
@@ -306,50 +306,111 @@ def _num_output_tokens(output) -> int:
     return sum(len(sample.token_ids) for sample in output.outputs) if output is not None else 0
 
 
-async def _generate(request: Request, state: ServerState, inp: GenerateInput, chat: bool):
-    builder = ResponseBuilder(chat, state.model_name, inp, state.engine.engine.tokenizer)
+async def _generate(request: Request, state: ServerState, inputs: list[GenerateInput], chat: bool):
+    """One engine request per prompt (a completions batch has several, vLLM's way); the response
+    holds their choices prompt-major, the usage summed."""
+    response_id = new_id("chatcmpl" if chat else "cmpl")
+    n, tokenizer = inputs[0].n, state.engine.engine.tokenizer
+    builders = [ResponseBuilder(chat, state.model_name, inp, tokenizer, response_id, i * n)
+                for i, inp in enumerate(inputs)]
     access = request.scope.get(ACCESS_SCOPE_KEY)
-    stream = await state.engine.add(builder.id, inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt)
-    stream.on_progress = state.metrics.progress
-    if inp.stream:
-        return _EventStream(_stream_events(state, builder, inp, stream, access),
-                            lambda: _close(state, stream, access))
-    output = None
+    streams = await _add_all(state, response_id, inputs)
+    if inputs[0].stream:
+        return _EventStream(_stream_events(state, builders, inputs[0], streams, access),
+                            lambda: _close_all(state, streams, access))
+    outputs = [None] * len(streams)
     try:
-        while output is None or not output.finished:
-            try:
-                output = await stream.next(timeout=DISCONNECT_POLL_SECONDS)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    logger.info("client of %s went away; aborting it", stream.request_id)
-                    return Response(status_code=499)
+        for i, stream in enumerate(streams):       # they run together; each is awaited to its end
+            while outputs[i] is None or not outputs[i].finished:
+                try:
+                    outputs[i] = await stream.next(timeout=DISCONNECT_POLL_SECONDS)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        logger.info("client of %s went away; aborting it", response_id)
+                        return Response(status_code=499)
     finally:
-        _close(state, stream, access)
-    return builder.full(output, stream.num_prompt_tokens)
+        _close_all(state, streams, access)
+    bodies = [b.full(out, s.num_prompt_tokens) for b, out, s in zip(builders, outputs, streams)]
+    body = bodies[0]
+    if len(bodies) > 1:
+        body["choices"] = [choice for b in bodies for choice in b["choices"]]
+        body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
+                              sum(b["usage"]["completion_tokens"] for b in bodies))
+    return body
 
 
-async def _stream_events(state: ServerState, builder: ResponseBuilder, inp: GenerateInput, stream: RequestStream,
-                         access: AccessRecord | None):
-    """SSE chunks: each choice's deltas and finish reason, usage if asked, then [DONE]."""
-    output = None
+async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
+    """Queue every prompt's request; if one is refused, abort those queued and fail the whole request
+    with that prompt's error (its index named in a batch)."""
+    streams: list[RequestStream] = []
+    batch = len(inputs) > 1
     try:
-        for body in builder.role_chunks(stream.num_prompt_tokens):
-            yield sse(body)
-        while output is None or not output.finished:
+        for i, inp in enumerate(inputs):
+            request_id = f"{response_id}-{i}" if batch else response_id     # vLLM's sub-request ids
             try:
-                output = await stream.next()
+                stream = await state.engine.add(request_id, inp.prompt, inp.params, inp.max_tokens_given,
+                                                inp.cache_salt)
             except APIError as exc:
-                yield sse(exc.body())
-                yield sse("[DONE]")
+                if not batch:
+                    raise
+                raise APIError(exc.status, f"prompt {i} of {len(inputs)}: {exc.message}", exc.type,
+                               exc.param or "prompt", exc.code) from None
+            stream.on_progress = state.metrics.progress
+            streams.append(stream)
+    except BaseException:
+        _close_all(state, streams)
+        raise
+    return streams
+
+
+async def _merged(streams: list[RequestStream]):
+    """(prompt index, output or APIError) as any stream moves, until every one finished or one failed."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            while not stream.finished:
+                queue.put_nowait((i, await stream.next()))
+        except APIError as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            yield i, item
+            if isinstance(item, APIError):
                 return
-            for body in builder.chunks(output):
-                yield sse(body)
+            remaining -= item.finished
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream_events(state: ServerState, builders: list[ResponseBuilder], inp: GenerateInput,
+                         streams: list[RequestStream], access: AccessRecord | None):
+    """SSE chunks: each choice's deltas and finish reason, usage if asked, then [DONE]."""
+    outputs = [None] * len(streams)
+    try:
+        for body in builders[0].role_chunks(streams[0].num_prompt_tokens):
+            yield sse(body)
+        async with contextlib.aclosing(_merged(streams)) as moves:
+            async for i, item in moves:
+                if isinstance(item, APIError):
+                    yield sse(item.body())
+                    yield sse("[DONE]")
+                    return
+                outputs[i] = item
+                for body in builders[i].chunks(item):
+                    yield sse(body)
         if inp.include_usage:
-            yield sse(builder.usage_chunk(stream.num_prompt_tokens, _num_output_tokens(output)))
+            yield sse(builders[0].usage_chunk(sum(s.num_prompt_tokens for s in streams),
+                                              sum(_num_output_tokens(out) for out in outputs)))
         yield sse("[DONE]")
     finally:
         # CancelledError (client gone) or GeneratorExit lands here too
-        _close(state, stream, access)
+        _close_all(state, streams, access)
 
 
 class _EventStream(StreamingResponse):
@@ -368,9 +429,17 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def _close(state: ServerState, stream: RequestStream, access: AccessRecord | None = None) -> None:
-    """Once per request: abort it if it did not finish (its blocks are freed at once), record metrics
-    and the access line's token counts."""
+def _close_all(state: ServerState, streams: list[RequestStream], access: AccessRecord | None = None) -> None:
+    """Close every prompt's request; the access line gets their summed token counts."""
+    for stream in streams:
+        _close(state, stream)
+    if access is not None and streams:
+        access.prompt_tokens = sum(s.num_prompt_tokens for s in streams)
+        access.output_tokens = sum(_num_output_tokens(s.output) for s in streams)
+
+
+def _close(state: ServerState, stream: RequestStream) -> None:
+    """Once per request: abort it if it did not finish (its blocks are freed at once), record metrics."""
     if stream.closed:
         return
     stream.closed = True
@@ -383,5 +452,3 @@ def _close(state: ServerState, stream: RequestStream, access: AccessRecord | Non
     else:
         reason = "error" if stream.error is not None else "abort"
     state.metrics.observe(stream, num_output_tokens, reason, time.monotonic())
-    if access is not None:
-        access.prompt_tokens, access.output_tokens = stream.num_prompt_tokens, num_output_tokens

@@ -147,22 +147,30 @@ def _stream_flags(req) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and options.continuous_usage_stats
 
 
-def completion_input(req: CompletionRequest) -> GenerateInput:
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one text or token-id list, or (vLLM's batch) a list of them."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"one prompt per request (got a batch of {len(prompt)}); send them as "
-                              "separate requests", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
+    if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty; give at least one token", param="prompt")
+    prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    for i, one in enumerate(prompts):
+        if not one:
+            where = f"prompt {i} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
+            raise bad_request(f"{where} is empty; give at least one token", param="prompt")
+    return prompts
+
+
+def completion_inputs(req: CompletionRequest) -> list[GenerateInput]:
+    """One GenerateInput per prompt (vLLM: each prompt of a batch is its own engine request, same params)."""
+    prompts = completion_prompts(req)
     _check_top_k_count(req.logprobs, "logprobs")
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     stream, include_usage, continuous_usage = _stream_flags(req)
     params = sampling_params(req, max_tokens, req.logprobs)
-    return GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
-                         cache_salt=_cache_salt(req))
+    salt = _cache_salt(req)
+    return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
+                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
+                          cache_salt=salt) for prompt in prompts]
 
 
 def chat_messages(req) -> list[dict]:

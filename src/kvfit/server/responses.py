@@ -106,11 +106,16 @@ class _Sent:
 
 
 class ResponseBuilder:
-    """One request's bodies: the full response, or its stream chunks, for completions or chat."""
+    """One prompt's bodies: the full response, or its stream chunks, for completions or chat.
 
-    def __init__(self, chat: bool, model: str, inp: GenerateInput, tokenizer):
+    A completions batch has one builder per prompt, sharing response_id; prompt i's choices are
+    numbered from first_index = i * n (vLLM's prompt-major order)."""
+
+    def __init__(self, chat: bool, model: str, inp: GenerateInput, tokenizer, response_id: str | None = None,
+                 first_index: int = 0):
         self.chat, self.model, self.inp = chat, model, inp
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = response_id or new_id("chatcmpl" if chat else "cmpl")
+        self.first_index = first_index
         self.created = int(time.time())
         self.text_of = TokenTexts(tokenizer)
         self._tokenizer = tokenizer
@@ -167,7 +172,7 @@ class ResponseBuilder:
         steps = sample.logprobs or [None] * len(sample.token_ids)
         logprobs = self._logprobs(prefix_ids + list(sample.token_ids), prefix_steps + list(steps))
         text = prefix_text + sample.text
-        choice = {"index": sample.index}
+        choice = {"index": self.first_index + sample.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -227,7 +232,7 @@ class ResponseBuilder:
             return None
         sent.done = finished
         body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
-        return self._chunk_body(sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason, so_far)
+        return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason, so_far)
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         return self._envelope(self._chunk_object, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
