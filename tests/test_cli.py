@@ -101,3 +101,27 @@ def test_generate_token_id_prompts(tiny_llama):
     assert row["prompt"] == [5, 6, 7] and len(row["token_ids"]) == 3
     bad = kvfit("generate", tiny_llama, "--prompt-token-ids", "5,x", "--device", "cpu")
     assert bad.returncode != 0 and bad.stderr.startswith("error: ") and "prompt-token-ids" in bad.stderr
+
+
+def test_generate_takes_sampling_defaults_from_the_generation_config(tiny_llama, tmp_path):
+    """generate's sampling flags left out: the folder's generation_config.json (a folder given by
+    --generation-config here), else vLLM's; a flag given wins."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0, "repetition_penalty": 2.0,
+                                                                 "max_new_tokens": 4}))
+    common = ("generate", tiny_llama, "--prompt-token-ids", "5,6,7", "--dtype", "float32", "--device", "cpu",
+              "--kv-cache-memory", "16MiB", "--max-model-len", "64", "--ignore-eos", "--json")
+    out = kvfit(*common, "--generation-config", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "default sampling params from" in out.stderr and "repetition_penalty=2.0" in out.stderr
+    tuned = json.loads(out.stdout)["token_ids"]
+    flags = kvfit(*common, "--temperature", "0", "--max-tokens", "4", "--generation-config", "vllm")
+    assert flags.returncode == 0, flags.stderr
+    greedy = json.loads(flags.stdout)["token_ids"]
+    from kvfit import LLM, SamplingParams
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=64)
+    try:
+        ref = [llm.generate([[5, 6, 7]], SamplingParams(ignore_eos=True, max_tokens=4, temperature=0, **penalty),
+                            use_tqdm=False)[0].outputs[0].token_ids for penalty in ({"repetition_penalty": 2.0}, {})]
+    finally:
+        llm.shutdown()
+    assert [tuned, greedy] == ref and tuned != greedy       # the file's penalty was applied

@@ -17,6 +17,7 @@ from kvfit.units import parse_bytes
 MAX_SEED = 2**64 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")     # or a folder path
 # --max-model-len auto (vLLM's auto / -1): the longest request the KV cache holds, capped by the model's
 AUTO_MAX_MODEL_LEN = "auto"
 # Share of the memory available at start-up that the CPU platform gives the KV cache by default.
@@ -45,6 +46,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     revision: str | None = None          # branch, tag or commit of a Hugging Face id (default main)
+    # vLLM's --generation-config: where default sampling params come from: auto (the model folder's
+    # generation_config.json), vllm (vLLM's own defaults) or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -59,6 +63,10 @@ class ModelConfig:
         if os.path.basename(self.model) == "config.json" and os.path.isfile(self.model):
             # a config.json names its folder: weights and tokenizer live beside it
             object.__setattr__(self, "model", os.path.dirname(os.path.abspath(self.model)))
+        gen = self.generation_config
+        if not isinstance(gen, str) or not (gen in GENERATION_CONFIG_SOURCES or os.path.isdir(gen)):
+            raise ConfigError(f"--generation-config must be auto, vllm or a folder holding a generation_config.json, "
+                              f"got {str(gen)[:200]!r}")
         if self.dtype != "auto" and str(self.dtype).lower() not in DTYPE_ALIASES:
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; use auto, float32, bfloat16 or float16")
         if self.max_model_len == -1 or (isinstance(self.max_model_len, str)

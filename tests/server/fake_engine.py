@@ -48,6 +48,9 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.tokenizer = CharTokenizer()
         self.plan = types.SimpleNamespace(token_capacity=1024, log_line=lambda: "fake plan")
+        # as --generation-config vllm: no defaults from a generation_config.json
+        self.config = types.SimpleNamespace(model=types.SimpleNamespace(generation_config="vllm"))
+        self.default_sampling_params = {}
         self.max_running, self.step_seconds = max_running, step_seconds
         self.fail_step_on, self.fail_add_on = fail_step_on, fail_add_on
         self.requests: dict[str, dict] = {}      # insertion order = arrival order

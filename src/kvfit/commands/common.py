@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -14,20 +15,25 @@ def setup_logging() -> None:
 
 
 def add_sampling_flags(p) -> None:
+    """Sampling flags; one left out takes --generation-config's default, else vLLM's (as a request does)."""
     from kvfit.commands.flags import int_flag
-    p.add_argument("--max-tokens", type=int_flag, default=16, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
-                                                             "whose probabilities add up to this")
-    p.add_argument("--top-k", type=int_flag, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    p.add_argument("--max-tokens", type=int_flag, default=None,
+                   help="tokens to generate per prompt (default: the generation config's max_new_tokens, else 16)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the generation config's, else 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens whose "
+                   "probabilities add up to this (default: the generation config's, else 1.0)")
+    p.add_argument("--top-k", type=int_flag, default=None,
+                   help="sample among the k likeliest tokens, -1: all (default: the generation config's, else -1)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
-def sampling_params(args, seed):
-    from kvfit.sampling_params import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
-                          max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+def sampling_params(args, seed, defaults):
+    """The flags' SamplingParams over `defaults` (LLM.get_default_sampling_params())."""
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "max_tokens")
+             if getattr(args, name) is not None}
+    return dataclasses.replace(defaults, seed=seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, **given)
 
 
 # --- start-up on the CPU: minutes for a large model, so say so and show it is still going ----------------

@@ -109,6 +109,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int_flag, default=None,
                    help="decode steps per scheduling round, tokens kept on the device between them "
                         "(default: 8 on CUDA with one rank, else 1)")
+    p.add_argument("--generation-config", default=None,
+                   help="default sampling params (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) "
+                        "of requests that leave them out: auto (the model folder's generation_config.json), vllm "
+                        "(vLLM's own defaults) or a folder holding a generation_config.json, whose max_new_tokens "
+                        "then also caps every request's max_tokens (default: auto)")
     p.add_argument("--plan-json", default=None, help="write the KV plan as JSON to this path (default: not written)")
 
 

@@ -64,11 +64,13 @@ def run(args) -> int:
     setup_logging()
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))   # a missing model is the first error
     prompts = read_prompts(args, config.model.model)
-    params = sampling_params(args, args.seed)
+    from kvfit.sampling_params import SamplingParams
+    sampling_params(args, args.seed, SamplingParams())       # a bad flag fails before the model loads
     from kvfit.engine.llm import LLM
     with engine_startup(config):
         llm = LLM(args.model, **engine_kwargs(args))
     try:
+        params = sampling_params(args, args.seed, llm.get_default_sampling_params())
         outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
     finally:
         llm.shutdown()

@@ -24,7 +24,7 @@ class LLM:
     Keyword arguments are the config settings (vLLM's names): dtype, device, max_model_len,
     block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override, max_num_blocks,
     kv_cache_dtype, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-    tensor_parallel_size, load_format, seed, attention_backend, enforce_eager, plan_json.
+    tensor_parallel_size, load_format, seed, attention_backend, enforce_eager, plan_json, generation_config.
     """
 
     def __init__(self, model: str | os.PathLike, **kwargs):
@@ -46,6 +46,11 @@ class LLM:
         """The model's tokenizer (kvfit.models.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the params generate and chat use when given none: SamplingParams() with the defaults
+        of --generation-config (generation_config, default auto: the model's generation_config.json)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order (vLLM's shapes).
@@ -53,7 +58,7 @@ class LLM:
         prompts: a text, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids} (either dict
         may add "cache_salt": a non-empty string; the prompt then shares prefix-cache blocks only with
         prompts of the same salt), or a list of those; sampling_params: one for every prompt or a list with one per prompt (default
-        SamplingParams()). Thread-safe: calls from several threads run one after another (one batch)."""
+        get_default_sampling_params()). Thread-safe: calls from several threads run one after another (one batch)."""
         prompts = _prompt_list(prompts)
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
@@ -86,7 +91,7 @@ class LLM:
     def _generate(self, prompts: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """prompts: (text or token ids, cache_salt or None) pairs."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each",

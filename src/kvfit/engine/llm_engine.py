@@ -19,7 +19,7 @@ from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
 from kvfit.engine.request import Request
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.startup import start_engine
-from kvfit.errors import RequestError
+from kvfit.errors import ConfigError, RequestError
 from kvfit.kv.manager import KVCacheManager
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
@@ -32,6 +32,9 @@ class LLMEngine:
     """Owns the scheduler, the KV cache manager, the output processor and the executor."""
 
     def __init__(self, config: EngineConfig):
+        # vLLM's get_diff_sampling_param: what a request (or LLM.generate without params) does not set;
+        # read before the engine starts, so a bad file fails fast
+        self.default_sampling_params = _generation_defaults(config)
         started = start_engine(config)
         self.config = config
         self.facts, self.platform, self.spec, self.limits = started.facts, started.platform, started.spec, started.limits
@@ -253,3 +256,21 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+
+
+def _generation_defaults(config: EngineConfig) -> dict:
+    """Default sampling params from --generation-config (vLLM's names), checked by SamplingParams;
+    logged once when there are any, as vLLM does."""
+    from kvfit.models.loader import generation_config_path, load_generation_defaults
+    model, source = config.model.model, config.model.generation_config
+    path = generation_config_path(model if os.path.isdir(model) else None, source)
+    defaults = load_generation_defaults(path)
+    try:
+        SamplingParams(**defaults)
+    except RequestError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if defaults:
+        logger.warning("default sampling params from %s (the model creator's; relaunch with --generation-config "
+                       "vllm for vLLM's defaults): %s", path,
+                       ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults

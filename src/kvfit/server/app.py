@@ -33,7 +33,8 @@ from kvfit.server.async_engine import AsyncEngine, RequestStream
 from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvfit.server.params import GenerateInput, chat_input, chat_messages, check_unsupported, completion_inputs
+from kvfit.server.params import (NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, chat_messages,
+                                 check_unsupported, completion_inputs)
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, parse_body, sse)
 from kvfit.server.responses import ResponseBuilder, usage
@@ -53,6 +54,7 @@ class ServerState:
     max_body_bytes: int
     created: int
     chat_template: str | None = None        # --chat-template: replaces the model's
+    defaults: RequestDefaults = NO_DEFAULTS  # --generation-config's, for what a request leaves out
     template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
 
     @property
@@ -81,7 +83,9 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
         raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
     async_engine = AsyncEngine(engine, max_waiting_requests)
     metrics = ServerMetrics(async_engine.stats, metrics_require_key, names[0], engine.max_model_len)
-    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), chat_template)
+    defaults = RequestDefaults.from_config(engine.default_sampling_params, engine.config.model.generation_config)
+    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), chat_template,
+                        defaults=defaults)
     stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None
 
     @asynccontextmanager
@@ -159,14 +163,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _request_body(request, state, CompletionRequest)
-        return await _generate(request, state, completion_inputs(body), chat=False)
+        return await _generate(request, state, completion_inputs(body, state.defaults), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _request_body(request, state, ChatCompletionRequest)
         messages = await state.engine.prepare(chat_messages, body)      # grows with the body: off the loop
         prompt_ids = await _chat_prompt_ids(state, body, messages, bool(body.add_special_tokens))
-        return await _generate(request, state, [chat_input(body, prompt_ids, messages)], chat=True)
+        return await _generate(request, state, [chat_input(body, prompt_ids, messages, state.defaults)], chat=True)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:

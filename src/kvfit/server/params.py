@@ -2,14 +2,16 @@
 
 The mapping is vLLM's OpenAI server's (to_sampling_params): field names, defaults (completions
 max_tokens 16, chat max_tokens = the rest of the context), echo asking for prompt logprobs, chat's
-logprobs + top_logprobs becoming one top-k count. A field vLLM knows but kvfit cannot honour is a
+logprobs + top_logprobs becoming one top-k count; what the request leaves out of temperature,
+top_p, top_k, min_p, repetition_penalty (and chat's max_tokens) comes from --generation-config
+(RequestDefaults). A field vLLM knows but kvfit cannot honour is a
 400 naming it, never ignored (protocol.UNSUPPORTED_FIELDS); SamplingParams checks every range.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfit.engine.admission import check_cache_salt
 from kvfit.errors import RequestError
@@ -24,6 +26,9 @@ MAX_STOP_STRINGS = 16                  # each is searched after every token
 PASSED_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                  "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                  "bad_words", "allowed_token_ids")
+# request fields whose default, when the request leaves them out, is --generation-config's (vLLM's list;
+# its max_tokens default is applied where max_tokens is worked out)
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,30 @@ class GenerateInput:
     @property
     def n(self) -> int:
         return self.params.n
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What --generation-config gives requests (vLLM's get_diff_sampling_param): params the request
+    leaves out (DEFAULTED_FIELDS, and max_tokens where the request's own default is open: chat), and
+    max_tokens_cap, vLLM's override_max_tokens (the max_new_tokens of a --generation-config folder given
+    by path) that lowers every request's max_tokens."""
+
+    params: dict = field(default_factory=dict)
+    max_tokens_cap: int | None = None
+
+    @classmethod
+    def from_config(cls, params: dict, generation_config: str) -> "RequestDefaults":
+        cap = params.get("max_tokens") if generation_config not in ("auto", "vllm") else None
+        return cls(dict(params), cap)
+
+    def max_tokens(self, requested: int | None) -> int | None:
+        if requested is None:
+            return self.params.get("max_tokens")
+        return requested if self.max_tokens_cap is None else min(requested, self.max_tokens_cap)
+
+
+NO_DEFAULTS = RequestDefaults()
 
 
 def check_unsupported(req) -> None:
@@ -104,10 +133,11 @@ def _check_top_k_count(value: int | None, param: str) -> None:
         raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
     """SamplingParams of a request; SamplingParams validates every range and names the field (a 400).
 
-    logprobs: the top-k count the engine returns per generated token (None: none)."""
+    logprobs: the top-k count the engine returns per generated token (None: none). defaults: the
+    --generation-config defaults (vLLM's get_diff_sampling_param) for the fields the request leaves out."""
     check_unsupported(req)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
@@ -118,13 +148,14 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
     if getattr(req, "echo", None) and logprobs is not None and not isinstance(req, ChatCompletionRequest):
         prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
     # the fields that carry their SamplingParams name, passed on when given (its defaults are vLLM's)
-    kwargs = {name: getattr(req, name) for name in PASSED_FIELDS if getattr(req, name) is not None}
+    kwargs = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}
+    kwargs.update({name: getattr(req, name) for name in PASSED_FIELDS if getattr(req, name) is not None})
+    kwargs.update({name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
+                   if getattr(req, name) is not None})
     extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": _structured_outputs(req)}
     kwargs.update({name: value for name, value in extra.items() if value is not None})
     try:
-        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p,
-                              top_k=-1 if req.top_k is None else req.top_k, seed=req.seed, max_tokens=max_tokens,
+        return SamplingParams(seed=req.seed, max_tokens=max_tokens,
                               stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                               ignore_eos=bool(req.ignore_eos), **kwargs)
     except RequestError as exc:
@@ -160,13 +191,14 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def completion_inputs(req: CompletionRequest) -> list[GenerateInput]:
-    """One GenerateInput per prompt (vLLM: each prompt of a batch is its own engine request, same params)."""
+def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> list[GenerateInput]:
+    """One GenerateInput per prompt (vLLM: each prompt of a batch is its own engine request, same params).
+    max_tokens: the request's, else 16 (vLLM's CompletionRequest default), lowered to defaults' cap."""
     prompts = completion_prompts(req)
     _check_top_k_count(req.logprobs, "logprobs")
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    max_tokens = defaults.max_tokens(DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
     stream, include_usage, continuous_usage = _stream_flags(req)
-    params = sampling_params(req, max_tokens, req.logprobs)
+    params = sampling_params(req, max_tokens, req.logprobs, defaults.params)
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                           prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
@@ -188,8 +220,10 @@ def chat_messages(req) -> list[dict]:
     return out
 
 
-def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: list[dict]) -> GenerateInput:
-    """prompt: the messages after the chat template (token ids, or text)."""
+def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: list[dict],
+               defaults: RequestDefaults = NO_DEFAULTS) -> GenerateInput:
+    """prompt: the messages after the chat template (token ids, or text). max_tokens: the request's
+    (lowered to defaults' cap), else defaults' max_tokens, else the rest of the context."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
@@ -199,9 +233,10 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stream, include_usage, continuous_usage = _stream_flags(req)
-    params = sampling_params(req, max_tokens, top_logprobs)
+    params = sampling_params(req, defaults.max_tokens(max_tokens), top_logprobs, defaults.params)
     # vLLM's chat echo: the last message is repeated before the reply when it is the assistant's
     echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
+    # a default max_tokens is cut at the context (vLLM's min), a requested one past it is a 400
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
