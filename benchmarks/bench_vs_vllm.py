@@ -65,16 +65,9 @@ class KvfitEngine:
 
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-                  if _kvfit_has_detokenize() else SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                  for n in outs]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in outs]
         results = self.llm.generate(prompts, params, use_tqdm=False)
         return sum(len(r.outputs[0].token_ids) for r in results)
-
-
-def _kvfit_has_detokenize() -> bool:
-    from kvfit import SamplingParams
-    return "detokenize" in getattr(SamplingParams, "__dataclass_fields__", {})
 
 
 class VllmEngine:

@@ -27,3 +27,20 @@ def apply_interpreter_fixes() -> None:
     interp._patch_lang_tensor = patched_tensor
     interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: create_dot(self, widen(a), widen(b), *rest)
     interp._kvfit_shims = True
+
+
+def run_compile_check(test_file: str, ok_line: str) -> None:
+    """Run `test_file --compile-check` (the kernels compiled for sm_90 through Triton's bundled ptxas, no GPU
+    needed) in a fresh process without TRITON_INTERPRET; skip when this Triton bundles no ptxas."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, test_file, "--compile-check"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and ok_line in done.stdout, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -331,9 +331,9 @@ def _attention_params(f: ModelFacts, cfg: dict, source: str) -> int:
     return params
 
 
-def _qwen3_moe_sparse_layers(f: ModelFacts, cfg: dict, source: str) -> tuple[int, int]:
-    """(experts, number of layers that use them) of a Qwen2-MoE / Qwen3-MoE config: every step-th layer but
-    mlp_only_layers."""
+def moe_sparse_layers(f: ModelFacts, cfg: dict, source: str = "config.json") -> tuple[int, frozenset[int]]:
+    """(experts, the layers that use them) of a Qwen2-MoE / Qwen3-MoE config: every decoder_sparse_step-th
+    layer but mlp_only_layers (none when the config has no experts)."""
     # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
     experts = read_field(cfg, "num_experts", "int", source, minimum=0)
     if experts is None:
@@ -341,10 +341,8 @@ def _qwen3_moe_sparse_layers(f: ModelFacts, cfg: dict, source: str) -> tuple[int
     step = read_field(cfg, "decoder_sparse_step", "int", source, default=1, minimum=1)
     dense_only = read_field(cfg, "mlp_only_layers", "list", source, default=[])
     if experts == 0:
-        return 0, 0
-    dense_sparse_steps = {layer for layer in dense_only if isinstance(layer, int) and 0 <= layer < f.num_layers
-                          and (layer + 1) % step == 0}
-    return experts, f.num_layers // step - len(dense_sparse_steps)
+        return 0, frozenset()
+    return experts, frozenset(i for i in range(f.num_layers) if i not in dense_only and (i + 1) % step == 0)
 
 
 def _mlp_params(f: ModelFacts, cfg: dict, source: str) -> int:
@@ -357,7 +355,8 @@ def _mlp_params(f: ModelFacts, cfg: dict, source: str) -> int:
         experts = read_field(cfg, "num_local_experts", "int", source, default=8, minimum=1)
         return f.num_layers * (h * experts + experts * dense)
     if f.family in ("qwen2_moe", "qwen3_moe"):
-        experts, num_sparse = _qwen3_moe_sparse_layers(f, cfg, source)
+        experts, sparse = moe_sparse_layers(f, cfg, source)
+        num_sparse = len(sparse)
         if not num_sparse:
             return f.num_layers * dense
         moe = h * experts + experts * 3 * h * _positive_int(cfg, "moe_intermediate_size", source)
@@ -431,4 +430,5 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
            "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
-           "read_field", "ceil_div", "RopeConfig", "rope_config_from_raw", "ROPE_TYPES", "DEFAULT_ROPE_THETA"]
+           "read_field", "ceil_div", "RopeConfig", "rope_config_from_raw", "ROPE_TYPES", "DEFAULT_ROPE_THETA",
+           "moe_sparse_layers"]

@@ -63,3 +63,12 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     """transformers' logits [L, vocab] float32 for one sequence run alone."""
     return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+@torch.inference_mode()
+def step_logits(model, cache: PagedCache, chunks) -> list[torch.Tensor]:
+    """One step of `chunks` through `model` over `cache`: the logits [len(tokens), vocab] of each chunk."""
+    input_ids, positions, meta = cache.step(chunks)
+    logits = model.compute_logits(model(input_ids, positions, cache.caches, meta))    # [T, vocab]
+    starts = meta.query_start_loc_host
+    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import PagedCache, hf_logits, random_tokens
+from paged_batch import PagedCache, hf_logits, random_tokens, step_logits
 
 from kvfit.attention.torch_ref import TorchReferenceBackend
 from kvfit.model_facts import load_model_facts
@@ -41,21 +41,12 @@ def _load(folder: str, dtype=torch.float32):
     return facts, ours, hf
 
 
-@torch.inference_mode()
-def _run(model, cache: PagedCache, chunks) -> list[torch.Tensor]:
-    """Logits [len(tokens), vocab] of each chunk of one step."""
-    input_ids, positions, meta = cache.step(chunks)
-    logits = model.compute_logits(model(input_ids, positions, cache.caches, meta))    # [T, vocab]
-    starts = meta.query_start_loc_host
-    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
-
-
 @pytest.mark.parametrize("fixture", MODELS)
 def test_prefill_of_a_flat_batch_matches_transformers(fixture, request):
     facts, ours, hf = _load(request.getfixturevalue(fixture))
     seqs = {f"s{i}": random_tokens(facts.vocab_size, n, seed=i) for i, n in enumerate((5, 23, 1, 12))}
     cache = PagedCache(facts, block_size=4, num_blocks=40)
-    got = _run(ours, cache, [(sid, 0, toks) for sid, toks in seqs.items()])
+    got = step_logits(ours, cache, [(sid, 0, toks) for sid, toks in seqs.items()])
     for (sid, toks), logits in zip(seqs.items(), got):
         expected = hf_logits(hf, toks)
         assert logits.dtype == torch.float32 and logits.shape == expected.shape
@@ -69,15 +60,15 @@ def test_chunked_prefill_then_decode_matches_full_sequence_logits(fixture, reque
     expected_a, expected_b = hf_logits(hf, a), hf_logits(hf, b)
     cache = PagedCache(facts, block_size=4, num_blocks=32, seed=5)
     # step 1: a's first chunk and all of b's prompt but 4 tokens
-    got_a, got_b = _run(ours, cache, [("a", 0, a[:9]), ("b", 0, b[:15])])
+    got_a, got_b = step_logits(ours, cache, [("a", 0, a[:9]), ("b", 0, b[:15])])
     assert torch.allclose(got_a, expected_a[:9], atol=ATOL) and torch.allclose(got_b, expected_b[:15], atol=ATOL)
     # step 2: a's second chunk over its cached prefix, b decodes one token
-    got_a, got_b = _run(ours, cache, [("a", 9, a[9:26]), ("b", 15, b[15:16])])
+    got_a, got_b = step_logits(ours, cache, [("a", 9, a[9:26]), ("b", 15, b[15:16])])
     assert torch.allclose(got_a, expected_a[9:26], atol=ATOL) and torch.allclose(got_b, expected_b[15:16], atol=ATOL)
     # decode steps: both sequences one token at a time, crossing block boundaries
     for step in range(3):
         pa, pb = 26 + step, 16 + step
-        got_a, got_b = _run(ours, cache, [("b", pb, b[pb:pb + 1]), ("a", pa, a[pa:pa + 1])])[::-1]
+        got_a, got_b = step_logits(ours, cache, [("b", pb, b[pb:pb + 1]), ("a", pa, a[pa:pa + 1])])[::-1]
         assert torch.allclose(got_a, expected_a[pa:pa + 1], atol=ATOL), f"{fixture} a@{pa}"
         assert torch.allclose(got_b, expected_b[pb:pb + 1], atol=ATOL), f"{fixture} b@{pb}"
     assert len(set(cache.tables["a"]) & set(cache.tables["b"])) == 0
@@ -120,7 +111,7 @@ def test_half_precision_is_close_to_fp32(dtype, tiny_llama):
     ours16 = load_model(tiny_llama, facts, dtype, "cpu", TorchReferenceBackend())
     assert all(p.dtype == dtype for p in ours16.parameters())
     toks = random_tokens(facts.vocab_size, 13, seed=1)
-    ref = _run(ours32, PagedCache(facts), [("s", 0, toks)])[0]
-    got = _run(ours16, PagedCache(facts, dtype=dtype), [("s", 0, toks)])[0]
+    ref = step_logits(ours32, PagedCache(facts), [("s", 0, toks)])[0]
+    got = step_logits(ours16, PagedCache(facts, dtype=dtype), [("s", 0, toks)])[0]
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from paged_batch import PagedCache, hf_logits, random_tokens
+from paged_batch import PagedCache, hf_logits, random_tokens, step_logits
 from tp_ranks import rank_main
 
 from kvfit.attention.torch_ref import TorchReferenceBackend
@@ -64,14 +64,6 @@ def _load(folder: str):
     return facts, ours, hf
 
 
-@torch.inference_mode()
-def _run(model, cache: PagedCache, chunks) -> list[torch.Tensor]:
-    input_ids, positions, meta = cache.step(chunks)
-    logits = model.compute_logits(model(input_ids, positions, cache.caches, meta))
-    starts = meta.query_start_loc_host
-    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
-
-
 def test_sparse_and_dense_layers_follow_the_config(tiny_qwen3_moe, tiny_qwen3_moe_step2, tiny_mixtral):
     kinds = {}
     for folder in (tiny_qwen3_moe, tiny_qwen3_moe_step2, tiny_mixtral):
@@ -88,12 +80,12 @@ def test_chunked_prefill_and_decode_match_transformers(fixture, request):
     a, b = random_tokens(facts.vocab_size, 21, seed=1), random_tokens(facts.vocab_size, 13, seed=2)
     expected_a, expected_b = hf_logits(hf, a), hf_logits(hf, b)
     cache = PagedCache(facts, block_size=4, num_blocks=24, seed=3)
-    got_a, got_b = _run(ours, cache, [("a", 0, a[:8]), ("b", 0, b[:12])])
+    got_a, got_b = step_logits(ours, cache, [("a", 0, a[:8]), ("b", 0, b[:12])])
     assert torch.allclose(got_a, expected_a[:8], atol=ATOL), (got_a - expected_a[:8]).abs().max()
     assert torch.allclose(got_b, expected_b[:12], atol=ATOL)
-    got_a, got_b = _run(ours, cache, [("a", 8, a[8:20]), ("b", 12, b[12:13])])
+    got_a, got_b = step_logits(ours, cache, [("a", 8, a[8:20]), ("b", 12, b[12:13])])
     assert torch.allclose(got_a, expected_a[8:20], atol=ATOL) and torch.allclose(got_b, expected_b[12:13], atol=ATOL)
-    (got_a,) = _run(ours, cache, [("a", 20, a[20:21])])
+    (got_a,) = step_logits(ours, cache, [("a", 20, a[20:21])])
     assert torch.allclose(got_a, expected_a[20:21], atol=ATOL)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.errors import ConfigError
-from kvfit.model_facts import ModelFacts, read_field
+from kvfit.model_facts import ModelFacts, moe_sparse_layers, read_field
 from kvfit.models import fused_moe
 from kvfit.models.fused_moe import moe_experts, select_experts
 from kvfit.models.gemv import linear
@@ -55,14 +55,7 @@ def moe_config(facts: ModelFacts) -> MoEConfig:
                         sparse_layers=frozenset(range(facts.num_layers)), block_name="block_sparse_moe",
                         expert_names=("w1", "w3", "w2"))
     elif facts.family in ("qwen2_moe", "qwen3_moe"):
-        # Hub configs say num_experts; transformers >= 5 saves it as num_local_experts
-        experts = read_field(raw, "num_experts", "int", source, minimum=0)
-        if experts is None:
-            experts = read_field(raw, "num_local_experts", "int", source, default=0, minimum=0)
-        step = read_field(raw, "decoder_sparse_step", "int", source, default=1, minimum=1)
-        dense = read_field(raw, "mlp_only_layers", "list", source, default=[])
-        sparse = frozenset(i for i in range(facts.num_layers)
-                           if experts > 0 and i not in dense and (i + 1) % step == 0)
+        experts, sparse = moe_sparse_layers(facts, raw, source)
         cfg = MoEConfig(num_experts=experts,
                         top_k=read_field(raw, "num_experts_per_tok", "int", source, default=8, minimum=1),
                         intermediate_size=read_field(raw, "moe_intermediate_size", "int", source, required=True,
@@ -197,14 +190,13 @@ class MoECausalLM(CausalLM):
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
                                   f"{self.moe.num_experts}; the weights do not match this config.json")
             block.load_expert(expert, part, source)
-            return self._done(layer, {(expert, part)}, "down" if part == "down" else "w13")
+            return self._done(layer, {(expert, part)})
         match = _STACKED.fullmatch(name)
         if match is not None:
             layer, part = int(match.group(1)), match.group(2)
             self._sparse_block(layer, name).load_stacked("down" if part == "down_proj" else "gate_up", source)
             wanted = ("down",) if part == "down_proj" else ("gate", "up")
-            pieces = {(e, p) for e in range(self.moe.num_experts) for p in wanted}
-            return self._done(layer, pieces, "down" if part == "down_proj" else "w13")
+            return self._done(layer, {(e, p) for e in range(self.moe.num_experts) for p in wanted})
         return None
 
     def _sparse_block(self, layer: int, name: str) -> SparseMoE:
@@ -213,11 +205,16 @@ class MoECausalLM(CausalLM):
                               "a dense layer (decoder_sparse_step / mlp_only_layers); the weights do not match it")
         return self.model.layers[layer].mlp
 
-    def _done(self, layer: int, pieces: set, which: str) -> list[str]:
-        tensor = f"model.layers.{layer}.mlp.experts.{'down_proj' if which == 'down' else 'gate_up_proj'}"
-        pending = self._pending[tensor]
-        pending -= pieces
-        return [tensor] if not pending else []
+    def _done(self, layer: int, pieces: set[tuple[int, str]]) -> list[str]:
+        """Mark (expert, part) pieces of one layer loaded; the stacked parameters now complete."""
+        done = []
+        for tensor in (f"model.layers.{layer}.mlp.experts.gate_up_proj", f"model.layers.{layer}.mlp.experts.down_proj"):
+            pending = self._pending[tensor]
+            if pending & pieces:
+                pending -= pieces
+                if not pending:
+                    done.append(tensor)
+        return done
 
     def missing_name(self, param_name: str) -> str:
         pending = self._pending.get(param_name)
