@@ -44,7 +44,7 @@ CPU_LOAD_BYTES_PER_S = 1e9
 CPU_SLOW_START_S = 30.0          # a start-up estimated past this gets the warning and progress lines
 PROGRESS_EVERY_S = 30.0          # seconds between "still starting" lines
 _MATMUL_SIZE = 512               # the matmul timed to measure this CPU's rate in the run's dtype
-_FASTEST_CPU_FLOPS = 5e12        # no CPU is faster: below the threshold even at this rate, nothing is timed
+_FASTEST_CPU_FLOPS = 5e11        # no CPU profiles faster (a 2-core VM: ~0.06 TFLOP/s in bf16); below it, nothing is timed
 
 
 def _duration(seconds: float) -> str:
@@ -83,7 +83,7 @@ def cpu_startup_estimate(facts, config) -> tuple[float, str] | None:
     from kvfit.platforms.cpu import read_meminfo
     load_bytes, flops = cpu_startup_work(facts, config)
     if load_bytes / CPU_LOAD_BYTES_PER_S + flops / _FASTEST_CPU_FLOPS < CPU_SLOW_START_S:
-        return None
+        return None     # fast even on the fastest CPU: nothing to time
     if load_bytes > read_meminfo()[1]:     # the load fails at once ("the weights do not fit"): no wait to announce
         return None
     from kvfit.model_facts import DTYPE_ALIASES
