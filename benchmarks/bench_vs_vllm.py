@@ -59,9 +59,11 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], list[int]]:
 class KvfitEngine:
     def __init__(self, model: str, group: dict):
         from kvfit import LLM
+        # KVFIT_BENCH_ARGS: JSON of extra LLM(...) arguments for an experiment (e.g. max_num_batched_tokens)
+        extra = json.loads(os.environ.get("KVFIT_BENCH_ARGS", "{}"))
         self.llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
-                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION)
+                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
 
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
@@ -126,6 +128,19 @@ def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
         _emit(engine_name, model, name, values, "ms/token" if name == "latency" else "tok/s")
 
 
+def run_worker(cmd: list[str], name: str, timeout: int, env: dict | None = None) -> list[dict]:
+    """Run one engine's worker process; return its RESULT rows (a timeout or a failure is printed)."""
+    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        print(f"{name}: timed out after {timeout} s", flush=True)
+        return []
+    if proc.returncode != 0:
+        print(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
 def _emit(engine: str, model: str, workload_name: str, values: list[float], unit: str) -> None:
     print("RESULT " + json.dumps({"engine": engine, "model": model, "workload": workload_name, "unit": unit,
                                   "values": values}), flush=True)
@@ -172,18 +187,10 @@ def main() -> int:
             for engine in args.engines:
                 cmd = [sys.executable, __file__, "--worker", engine, model, group, "--reps", str(args.reps)]
                 print(f"=== {engine} {model} {group}", flush=True)
-                env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
-                try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-                except subprocess.TimeoutExpired:
-                    print(f"{engine} {model} {group}: timed out after {args.timeout} s", flush=True)
-                    continue
-                found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                found = run_worker(cmd, f"{engine} {model} {group}", args.timeout)
                 rows += found
                 for r in found:
                     print(f"  {r['workload']}: {', '.join(f'{v:.4g}' for v in r['values'])} {r['unit']}", flush=True)
-                if proc.returncode != 0:
-                    print(f"{engine} {model} {group}: exit {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
     table = summarize(rows)
     print("\n| model | workload | kvfit (median, spread) | vLLM (median, spread) | ratio (>1: kvfit faster) |")
     print("| --- | --- | --- | --- | --- |")

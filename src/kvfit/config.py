@@ -115,11 +115,16 @@ class SchedulerConfig:
     # decode steps run back to back on the device per scheduling round (tokens stay on the device
     # between them); None = auto: 8 on CUDA with one rank, else 1
     num_scheduler_steps: int | None = None
+    # vLLM's --async-scheduling: the next decode round is launched before the current one's tokens are
+    # read; None = auto: on with one rank
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("num_scheduler_steps", self.num_scheduler_steps, allow_none=True)
+        if self.async_scheduling is not None:
+            _check_bool("async_scheduling", self.async_scheduling)
 
 
 # stages at which test_rank_fail can make a rank fail

@@ -12,7 +12,10 @@ Invariants:
 - the runner computes tokens num_computed..num_computed + num_scheduled_tokens of a request's
   token ids (prompt + output), where num_computed starts at NewRequest.num_computed_tokens and
   grows by what each step computed; it samples when that reaches the end of its known tokens;
-- removed_ids are applied before new_requests, so an id can end and start again in one delta.
+- removed_ids are applied before new_requests, so an id can end and start again in one delta;
+- a delta with `continues` (async scheduling) is scheduled while the previous all-decode delta is still
+  on the device: each of its requests was in that delta, decodes one token per step, and takes as
+  its first input the token the device sampled at its last step there (the host has not seen it yet).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class StepDelta:
     # (bit t of word t // 32; kvfit.structured.bitmask)}, for scheduled requests with a grammar (such a
     # request always runs single steps)
     token_bitmasks: dict[str, bytes] | None = None
+    # async scheduling: this all-decode delta continues the previous one on the device (see the invariants)
+    continues: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -158,3 +158,34 @@ def test_decode_in_a_cuda_graph_replays_with_new_lengths():
                                         1, max(lens), meta.query_start_loc_host, lens)
         expected = TorchReferenceBackend().attend(query, k_cache, v_cache, replay_meta, 0.088)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_step_dependent_ints_compile_no_new_kernel_variant():
+    """The block-table width and the split count change from step to step; Triton would specialize an
+    int that is 1 or a multiple of 16 into a new kernel, compiled in the middle of serving (it cost the
+    first throughput repetition 30%). After one call per kernel, no other width compiles more, nor a
+    split count of the same power-of-two bucket (S_PAD, a real constant of the reduce kernel)."""
+    from kvfit.attention.triton_decode import _decode_reduce_kernel, _decode_split_kernel
+    from kvfit.attention.triton_prefill import _prefill_kernel
+    kernels = (_prefill_kernel, _decode_split_kernel, _decode_reduce_kernel)
+
+    def compiled() -> list[int]:
+        return [len(k.device_caches[DEVICE.index or 0][0]) for k in kernels]
+
+    gen = torch.Generator().manual_seed(41)
+    backend = TritonBackend()
+    for q_lens in ([5, 1], [1, 1]):                       # a mixed (prefill kernel) step, then decode
+        k_cache, v_cache, meta = make_step(q_lens, [20, 3], 16, 8, 128, torch.bfloat16, gen)
+        query = torch.randn(sum(q_lens), 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+        counts = []
+        for width, num_splits in ((2, 3), (3, 4), (16, 3), (17, 4), (32, 3), (1 + 32, 4)):
+            table = torch.zeros((2, width), dtype=torch.int32, device=DEVICE)
+            table[:, :2] = meta.block_tables[:, :2]
+            step = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, table,
+                                     meta.max_query_len, meta.max_seq_len, meta.query_start_loc_host,
+                                     meta.seq_lens_host)
+            backend.num_splits = num_splits
+            got = backend.attend(query, k_cache, v_cache, step, 0.088)
+            assert not got.isnan().any()
+            counts.append(compiled())
+        assert counts == [counts[0]] * len(counts), (q_lens, counts)

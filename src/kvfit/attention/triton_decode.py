@@ -39,7 +39,9 @@ def heads_per_program(group: int) -> int:
     return max(16, min(next_pow2(group), 64))
 
 
-@triton.jit
+# step-dependent ints are not specialized (== 1, divisible by 16): a variant first met in a long run
+# would compile there, in the timed region (the first throughput repetition lost 30% to two compiles)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -97,7 +99,7 @@ def _decode_split_kernel(
         tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=head_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, query_start_loc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     num_splits, stride_ot, stride_oh,

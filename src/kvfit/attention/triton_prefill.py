@@ -21,7 +21,9 @@ from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operand
                                              kv_tile_tokens, on_gpu, padded_head_dim)
 
 
-@triton.jit
+# stride_bt is the step's block-table width: not specialized, so a long step never compiles a new
+# variant (== 1, divisible by 16) in the middle of serving (see _decode_split_kernel)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,

@@ -109,6 +109,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int_flag, default=None,
                    help="decode steps per scheduling round, tokens kept on the device between them "
                         "(default: 8 on CUDA with one rank, else 1)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch the next decode round before reading the tokens of the one on "
+                        "the device, so the device does not wait while the host applies them (default: on "
+                        "with one rank; tensor parallelism runs without)")
     p.add_argument("--generation-config", default=None,
                    help="default sampling params (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) "
                         "of requests that leave them out: auto (the model folder's generation_config.json), vllm "

@@ -41,6 +41,8 @@ class LLMEngine:
         self.workers = started.executor
         self.readings, self.plan = started.readings, started.plan
         self.num_scheduler_steps = started.num_scheduler_steps
+        self.async_scheduling = started.async_scheduling
+        self._inflight = None       # (delta, its token reader): launched, not yet applied (async scheduling)
         self.pool = BlockPool(self.plan.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.spec.block_size)
         self.scheduler = Scheduler(self.kv, self.limits.max_model_len, config.scheduler.max_num_seqs,
@@ -160,15 +162,26 @@ class LLMEngine:
         applied one at a time, in order, so stops and stop strings end a request at the same
         token as single steps would (tokens sampled past the end are dropped).
         """
-        delta = self.scheduler.schedule(self.num_scheduler_steps)
-        if delta.empty:
-            # with requests waiting, only possible when the head request cannot get blocks with
-            # nothing running, which admission rules out: fail loudly rather than spin
-            assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
-            if delta.removed_ids:       # ended requests: the runner still drops their rows
-                self.workers.execute(delta)
-            return []
-        tokens = self.workers.execute(self._with_bitmasks(delta))
+        if self._inflight is not None:          # async scheduling: launched by the previous step
+            delta, pending = self._inflight
+            self._inflight = None
+        else:
+            delta = self.scheduler.schedule(self.num_scheduler_steps)
+            if delta.empty:
+                # with requests waiting, only possible when the head request cannot get blocks with
+                # nothing running, which admission rules out: fail loudly rather than spin
+                assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
+                if delta.removed_ids:       # ended requests: the runner still drops their rows
+                    self.workers.execute(delta)
+                return []
+            pending = self._launch(self._with_bitmasks(delta))
+        if self.async_scheduling:
+            # the next decode round goes on the device before this one's tokens are read, so the
+            # device does not wait while the host applies them
+            after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
+            if after is not None:
+                self._inflight = (after, self._launch(after))
+        tokens = pending()
         for request_id, (first, entries) in tokens.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None:
@@ -177,6 +190,13 @@ class LLMEngine:
         for k in range(delta.max_num_steps):
             self._apply(delta, tokens, k, stream, outputs)
         return self._fold_samples(outputs, stream)
+
+    def _launch(self, delta: StepDelta):
+        """Put the delta on the device; return what reads its tokens."""
+        if self.async_scheduling:
+            return self.workers.launch(delta)
+        tokens = self.workers.execute(delta)
+        return lambda: tokens
 
     def _with_bitmasks(self, delta: StepDelta) -> StepDelta:
         """Structured outputs: each scheduled grammar request's allowed tokens, filled on the host now."""

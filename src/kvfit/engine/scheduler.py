@@ -14,6 +14,7 @@ engine's output processor decides and calls finish().
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from kvfit.engine.request import Request, RequestStatus
 from kvfit.kv.manager import KVCacheManager
@@ -114,6 +115,40 @@ class Scheduler:
             assert grown is not None, "blocks counted free above"
             s.new_blocks.extend(grown)
             s.num_steps = n
+
+    def schedule_continuation(self, prev: StepDelta, num_steps: int = 1) -> StepDelta | None:
+        """Async scheduling: the next all-decode round, scheduled while `prev` (not yet applied) is still
+        on the device, as if every request of it goes on. None when the next step must wait for prev's
+        tokens: prev was not all-decode, a request waits for admission, a running request was not in
+        prev, one asks for logprobs or needs the host each token, or the blocks are not all free (nothing
+        is preempted for it). A request that ends by length in prev is left out; one that stops within
+        prev (a stop token or string) ends when prev is applied, and its continued tokens are dropped."""
+        if prev.empty or prev.num_tokens != len(prev.request_ids):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        index = {rid: i for i, rid in enumerate(prev.request_ids)}
+        plan: list[tuple[Request, int, int]] = []          # (request, tokens computed after prev, steps)
+        for req in self.running:
+            i = index.get(req.request_id)
+            if (i is None or req.single_step or req.params.logprobs is not None
+                    or req.num_computed_tokens + 1 != req.num_tokens):    # prev must have been its decode
+                return None
+            computed = req.num_computed_tokens + prev.steps_of(i)
+            left = req.max_total_tokens - (req.num_tokens + prev.steps_of(i))
+            if left > 0:
+                plan.append((req, computed, min(num_steps, left)))
+        need = sum(self.kv.num_blocks_short(req.request_id, computed + n) for req, computed, n in plan)
+        if not plan or need > self.pool.num_allocatable_blocks:
+            return None
+        scheduled = []
+        for req, computed, n in plan:
+            grown = self.kv.grow(req.request_id, computed + n)
+            assert grown is not None, "blocks counted free above"
+            s = _Scheduled(req, 1, grown, is_new=False)
+            s.num_steps = n
+            scheduled.append(s)
+        return replace(self._delta(scheduled, []), continues=True)
 
     def _admit(self, scheduled: list[_Scheduled], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

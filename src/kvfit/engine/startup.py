@@ -35,6 +35,18 @@ class StartedEngine:
     readings: list[MemoryReading]
     plan: KVPlan
     num_scheduler_steps: int
+    async_scheduling: bool
+
+
+def async_scheduling(config: EngineConfig) -> bool:
+    """--async-scheduling, or auto: on with one rank (the Worker launches a step and reads it later;
+    the tensor-parallel ranks exchange each step's tokens, so they run without)."""
+    wanted = config.scheduler.async_scheduling
+    can = config.parallel.tensor_parallel_size == 1
+    if wanted and not can:
+        raise ConfigError(f"--async-scheduling needs --tensor-parallel-size 1 (got "
+                          f"{config.parallel.tensor_parallel_size}); use --no-async-scheduling with tensor parallelism")
+    return can if wanted is None else wanted
 
 
 def scheduler_steps(config: EngineConfig, platform) -> int:
@@ -65,6 +77,7 @@ def start_engine(config: EngineConfig) -> StartedEngine:
     backend = get_backend(backend_name)         # an unknown name is its own error, before "not on this device"
     platform.check_backend(backend_name)
     num_steps = scheduler_steps(config, platform)
+    use_async = async_scheduling(config)
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)
     executor = _make_executor(config, facts, platform, backend, spec)
     try:
@@ -82,4 +95,5 @@ def start_engine(config: EngineConfig) -> StartedEngine:
         executor.shutdown()
         raise
     return StartedEngine(config=config, facts=facts, platform=platform, spec=spec, limits=limits,
-                         executor=executor, readings=readings, plan=plan, num_scheduler_steps=num_steps)
+                         executor=executor, readings=readings, plan=plan, num_scheduler_steps=num_steps,
+                         async_scheduling=use_async)

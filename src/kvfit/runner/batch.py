@@ -54,8 +54,10 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelI
     width = max(r.num_blocks for r in reqs)
     ids: list[int] = []
     for r, n in zip(reqs, q_lens):
-        ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n])
-    sample_seqs = [i for i, (r, n) in enumerate(zip(reqs, seq_lens)) if n == len(r.token_ids)]
+        chunk = r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
+        assert len(chunk) == n or delta.continues, "inputs beyond the request's known tokens"
+        ids.extend(chunk if len(chunk) == n else [0] * n)     # continues: the runner puts the device's tokens in
+    sample_seqs = [i for i, (r, n) in enumerate(zip(reqs, seq_lens)) if n == r.num_tokens]
     rows = [r.row for r in reqs]
     sampled = [reqs[i] for i in sample_seqs]
     host = torch.tensor(ids + [r.num_computed_tokens - st for r, st in zip(reqs, starts)] + rows

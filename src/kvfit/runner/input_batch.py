@@ -22,7 +22,7 @@ class CachedRequest:
     """The runner's view of one request."""
 
     __slots__ = ("request_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_blocks",
-                 "num_prompt_logprobs")
+                 "num_prompt_logprobs", "num_pending")
 
     def __init__(self, new: NewRequest, row: int):
         self.request_id = new.request_id
@@ -32,10 +32,17 @@ class CachedRequest:
         self.num_computed_tokens = new.num_computed_tokens
         self.num_blocks = len(new.block_ids)
         self.num_prompt_logprobs = new.params.prompt_logprobs     # None: not asked
+        # tokens sampled by launched steps but not yet recorded (async scheduling: still on the device)
+        self.num_pending = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus those sampled on the device and not yet recorded."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
 
 class InputBatch:
@@ -119,6 +126,12 @@ class InputBatch:
             req = self.requests.get(request_id)
             if req is not None:
                 req.token_ids.extend(tokens)
+                req.num_pending = max(0, req.num_pending - len(tokens))
+
+    def mark_pending(self, delta: StepDelta, sample_seqs: Sequence[int]) -> None:
+        """The delta is launched: its sampling requests will have steps_of(i) more tokens once recorded."""
+        for i in sample_seqs:
+            self.requests[delta.request_ids[i]].num_pending += delta.steps_of(i)
 
     def advance(self, delta: StepDelta) -> None:
         """After the step ran: the tokens each scheduled request computed are in the cache."""

@@ -7,6 +7,7 @@ and returns the sampled tokens.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -56,6 +57,8 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         self.graphs = None
         self._capture_stream = None
+        # the last decode round's final tokens on the device: ({request_id: column}, [B] int64)
+        self._carry: tuple[dict[str, int], torch.Tensor] | None = None
         # --seed: dummy weights and unseeded sampling repeat from run to run
         torch.manual_seed(config.model.seed)
 
@@ -93,7 +96,7 @@ class ModelRunner:
         scratch = allocate_kv_caches(self.spec, num_blocks, self.device)
         try:
             for delta in deltas:
-                self._execute(delta, scratch)
+                self._execute(delta, scratch)()
                 self.batch.apply(StepDelta(finished_ids=delta.request_ids))
         finally:
             del scratch
@@ -154,26 +157,46 @@ class ModelRunner:
         previous step (tensor parallelism), recorded first."""
         if sampled_before:
             self.batch.record_sampled(sampled_before)
-        sampled = self._execute(delta, self.kv_caches)
-        self.batch.record_sampled(sampled)
-        return sampled
+        return self.launch(delta)()
 
-    def _execute(self, delta: StepDelta, kv_caches: KVCaches) -> SampledTokens:
+    @torch.inference_mode()
+    def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]:
+        """Apply the delta and put its work on the device; return what reads its tokens (the one host
+        sync) and records them. Async scheduling launches the next all-decode delta (`continues`)
+        before reading this one's tokens, so the device never waits for the host in between."""
+        finish = self._execute(delta, self.kv_caches)
+
+        def result() -> SampledTokens:
+            with torch.inference_mode():
+                sampled = finish()
+            self.batch.record_sampled(sampled)
+            return sampled
+        return result
+
+    def _execute(self, delta: StepDelta, kv_caches: KVCaches) -> Callable[[], SampledTokens]:
         self.batch.apply(delta)
         if delta.empty:
-            return SampledTokens()
+            return SampledTokens
         inputs = build_inputs(self.batch, delta, self.spec.block_size)
-        if delta.max_num_steps > 1 or (self.graphs is not None and kv_caches is self.kv_caches
-                                       and self._is_graph_step(delta, inputs)):
-            sampled = self._execute_steps(delta, inputs)     # a one-step graph decode is a round of one
+        if delta.continues:                 # the first inputs are the previous delta's last tokens, on the device
+            index, last = self._carry
+            picks = torch.tensor([index[rid] for rid in delta.request_ids], dtype=torch.int64)
+            inputs = replace(inputs, input_ids=last[picks.to(self.device, non_blocking=True)])
+        self.batch.mark_pending(delta, inputs.sample_seqs)
+        self._carry = None
+        if kv_caches is self.kv_caches and self._is_decode(delta, inputs):
+            finish = self._execute_steps(delta, inputs)     # a one-step decode is a round of one
         else:
             sampled = self._execute_one(delta, inputs, kv_caches)
+            finish = lambda: sampled                        # noqa: E731 (already read: it synced)
         self.batch.advance(delta)
-        return sampled
+        return finish
 
-    def _is_graph_step(self, delta: StepDelta, inputs: ModelInputs) -> bool:
-        return (len(delta.request_ids) <= self.graphs.buckets[-1] and delta.num_tokens == len(delta.request_ids)
-                and len(inputs.sample_seqs) == len(delta.request_ids))
+    @staticmethod
+    def _is_decode(delta: StepDelta, inputs: ModelInputs) -> bool:
+        """One token for every request, each sampled: the step runs as a decode round (graphs where
+        they cover the batch) and leaves its last tokens on the device for a `continues` delta."""
+        return delta.num_tokens == len(delta.request_ids) and len(inputs.sample_seqs) == len(delta.request_ids)
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, delta: StepDelta, step: int = 0,
                 counted: torch.Tensor | None = None) -> SampleResult:
@@ -226,9 +249,9 @@ class ModelRunner:
             return {}
         return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0)
 
-    def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> SampledTokens:
-        """Run an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled
-        tokens feeding the next on the device; one host sync at the end.
+    def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> Callable[[], SampledTokens]:
+        """Launch an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled
+        tokens feeding the next on the device; what it returns reads them (one host sync, at the end).
 
         A sequence past its last step keeps running with the batch (its row writes to
         PADDING_SLOT_ID and its samples are dropped).
@@ -264,20 +287,49 @@ class ModelRunner:
             positions = positions + active
             seq_lens = seq_lens + active.to(seq_lens.dtype)
             slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)
+        last = tokens[torch.tensor(steps, dtype=torch.int64).to(self.device, non_blocking=True) - 1,
+                      torch.arange(len(steps), device=self.device)].clamp(min=0)                  # [B]
+        self._carry = ({rid: i for i, rid in enumerate(delta.request_ids)}, last)
         if self.tp_rank != 0:
-            return SampledTokens()
-        sampled = tokens.t().tolist()
-        out = SampledTokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)})
-        if packed:      # the same rows ask at every step: one copy of [K, L, 3 + 2k]
-            per_step = torch.stack(packed).tolist()
-            for j, pos in enumerate(result.logprob_positions):
-                k = result.num_logprobs[j]
-                out.logprobs[delta.request_ids[pos]] = unpack_logprobs(
-                    [per_step[s][j] for s in range(steps[pos])], [k] * steps[pos])
-        return out
+            return SampledTokens
+        host_tokens = _to_host(tokens)
+        host_packed = _to_host(torch.stack(packed)) if packed else None      # [K, L, 3 + 2k]
+        done = _device_event(self.device)
+
+        def finish() -> SampledTokens:
+            if done is not None:
+                done.synchronize()          # this delta's copies only, not work launched after it
+            sampled = host_tokens.t().tolist()
+            out = SampledTokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)})
+            if host_packed is not None:     # the same rows ask at every step
+                per_step = host_packed.tolist()
+                for j, pos in enumerate(result.logprob_positions):
+                    k = result.num_logprobs[j]
+                    out.logprobs[delta.request_ids[pos]] = unpack_logprobs(
+                        [per_step[s][j] for s in range(steps[pos])], [k] * steps[pos])
+            return out
+        return finish
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
         if self.graphs is not None and ids.shape[0] <= self.graphs.buckets[-1]:
             return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t that lands without blocking the host (pinned memory); t itself off a GPU."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _device_event(device: torch.device):
+    """An event recorded after everything queued so far on the device's stream (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -6,6 +6,7 @@ tensor-parallel processes (runner/tp_executor.py) look the same to it:
     measure() -> list[MemoryReading]      load weights, profile, measure: one reading per rank
     initialize_cache(num_blocks) -> None  allocate the KV cache (every rank the same count), capture graphs
     execute(delta) -> SampledTokens       apply one StepDelta and run it; rank 0's sampled tokens
+    launch(delta) -> () -> SampledTokens  (optional: async scheduling) the same, its tokens read later
     shutdown() -> None
 """
 
@@ -75,6 +76,12 @@ class Worker:
         sampled = self.runner.execute(delta, sampled_before)
         self.platform.keep_within(self.reading)
         return sampled
+
+    def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]:
+        """Async scheduling (one rank): put the delta on the device; the callable reads its tokens."""
+        result = self.runner.launch(delta)
+        self.platform.keep_within(self.reading)
+        return result
 
     def shutdown(self) -> None:
         pass

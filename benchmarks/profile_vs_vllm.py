@@ -1,0 +1,175 @@
+"""Where kvfit's and vLLM's device time goes on the same workload: kernel time by kind, GPU idle, steps.
+
+python3 benchmarks/profile_vs_vllm.py --models llama-3.1-8b [--engines kvfit vllm] [--workload throughput]
+        [--out benchmarks/results/x.json]
+
+Each engine in its own process, built as bench_vs_vllm.py builds it (same settings; vLLM's engine core in
+this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees its kernels and its scheduler can be
+watched). After a warm-up, the workload runs once unprofiled (wall time) and once under torch.profiler
+(CUDA activity only): kernel time summed by kind (GEMM, attention, MoE, norm, ...) and the top kernels,
+the device's busy time against the wall time (the rest is the GPU waiting on the host), and the
+scheduler's steps (how many, how many tokens each, how many were decode-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_vs_vllm import GROUPS, KvfitEngine, VllmEngine, run_worker, workload  # noqa: E402
+
+# first match wins; names are lower-cased kernel names
+KINDS = [
+    ("moe", r"moe|expert|align_block"),
+    ("attention", r"flash|fmha|attn|attention|_prefill_kernel|_decode_kernel|paged|reduce_splits|combine"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|matmul|splitk|_gemv|sm90_"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|act_and_mul|gelu|swiglu"),
+    ("sampling", r"softmax|argmax|topk|top_k|sort|sample|logit|penalt"),
+    ("kv-write", r"reshape_and_cache|write_kv|cache_kernel"),
+    ("copy/index", r"copy|memcpy|memset|cat|index|gather|scatter|fill|arange"),
+    ("elementwise", r"elementwise|vectorized|reduce|triton_"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "other"
+
+
+def kernel_summary(prof, top: int) -> dict:
+    import torch
+    per_name = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[evt.name][0] += evt.device_time_total
+            per_name[evt.name][1] += 1
+    kinds = defaultdict(float)
+    for name, (us, _) in per_name.items():
+        kinds[kind_of(name)] += us
+    return {"busy_s": sum(t for t, _ in per_name.values()) / 1e6,
+            "kinds_s": {k: v / 1e6 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:120], "s": t / 1e6, "count": c, "kind": kind_of(n)}
+                    for n, (t, c) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def watch_steps(engine_name: str, engine) -> list[tuple[int, int, int]]:
+    """(tokens, requests, model steps) of every scheduled step, appended as the engine schedules."""
+    steps: list[tuple[int, int, int]] = []
+    if engine_name == "kvfit":
+        scheduler = engine.llm.engine.scheduler
+        inner = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            delta = inner(*args, **kwargs)
+            if not delta.empty:
+                steps.append((delta.num_tokens, len(delta.request_ids), delta.max_num_steps))
+            return delta
+    else:
+        scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+        inner = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            if out.total_num_scheduled_tokens:
+                steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), 1))
+            return out
+    scheduler.schedule = schedule
+    return steps
+
+
+def step_summary(steps: list[tuple[int, int, int]]) -> dict:
+    decode = [s for s in steps if s[0] == s[1]]
+    mixed = [s for s in steps if s[0] != s[1]]
+    return {"rounds": len(steps), "model_steps": sum(s[2] for s in steps),
+            "decode_rounds": len(decode), "decode_model_steps": sum(s[2] for s in decode),
+            "mean_decode_batch": sum(s[1] for s in decode) / max(len(decode), 1),
+            "mixed_steps": len(mixed), "mixed_tokens": sum(s[0] for s in mixed),
+            "mean_mixed_tokens": sum(s[0] for s in mixed) / max(len(mixed), 1),
+            "mean_mixed_requests": sum(s[1] for s in mixed) / max(len(mixed), 1)}
+
+
+def worker(engine_name: str, model: str, name: str, top: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvfit.model_facts import load_model_facts
+    vocab = load_model_facts(model).vocab_size
+    group = next(g for g in GROUPS.values() if name in g["workloads"])
+    engine = (KvfitEngine if engine_name == "kvfit" else VllmEngine)(model, group)
+    prompts, outs = workload(name, vocab)
+    engine.generate(prompts[:8], outs[:8])
+    steps = watch_steps(engine_name, engine)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = engine.generate(prompts, outs)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    result = {"engine": engine_name, "model": model, "workload": name, "tokens": n, "wall_s": wall,
+              "tok_s": n / wall, "steps": step_summary(steps)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, outs)
+        torch.cuda.synchronize()
+        result["profiled_wall_s"] = time.perf_counter() - t0
+    result.update(kernel_summary(prof, top))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def report(r: dict) -> str:
+    lines = [f"== {r['engine']} {r['model']} {r['workload']}: {r['tok_s']:.0f} tok/s unprofiled ({r['wall_s']:.2f} s); "
+             f"profiled {r['profiled_wall_s']:.2f} s, device busy {r['busy_s']:.2f} s "
+             f"({100 * r['busy_s'] / r['profiled_wall_s']:.0f}%)",
+             "  steps: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in r["steps"].items())]
+    lines += [f"  {kind:12s} {s:7.3f} s {100 * s / r['busy_s']:5.1f}%" for kind, s in r["kinds_s"].items()]
+    lines += [f"    {k['s']:7.3f} s x{k['count']:<7d} [{k['kind']}] {k['name']}" for k in r["top"]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llama-3.1-8b"])
+    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm"])
+    ap.add_argument("--workload", default="throughput",
+                    choices=sorted({w for g in GROUPS.values() for w in g["workloads"]} - {"latency"}))
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=3, metavar=("ENGINE", "MODEL", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(*args.worker, top=args.top)
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("profile_vs_vllm: no CUDA device; this benchmark runs on a GPU only")
+        return 0
+    results = []
+    for model in args.models:
+        for engine in args.engines:
+            cmd = [sys.executable, __file__, "--worker", engine, model, args.workload, "--top", str(args.top)]
+            found = run_worker(cmd, f"{engine} {model}", args.timeout, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+            for r in found:
+                print(report(r), flush=True)
+            results += found
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
