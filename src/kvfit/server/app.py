@@ -7,9 +7,10 @@ request to the engine thread and either stream its outputs as server-sent events
 last one. A client that goes away (disconnect, cancel) has its request aborted, which frees its
 blocks at once.
 
-Work that grows with a client's input (parsing the body, rendering the chat template,
-tokenizing) runs on the AsyncEngine's prepare threads, so one large body never stalls the event
-loop (/health, other streams) or the engine thread.
+Work that grows with a client's input (parsing the body, building a chat's message list, rendering
+its template, tokenizing: prepare.prepare_request) runs on the AsyncEngine's prepare threads, and for
+a body over large_body_bytes in prepare worker processes (prepare_pool.py), so one large body never
+stalls the event loop (/health, other streams) or the engine thread, not even through the GIL.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,15 +30,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfit.errors import ConfigError, RequestError
+from kvfit.errors import ConfigError
 from kvfit.server.async_engine import AsyncEngine, RequestStream
 from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvfit.server.params import (NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, chat_messages,
-                                 check_unsupported, completion_inputs)
+from kvfit.server.params import NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, completion_inputs
+from kvfit.server.prepare import PrepareContext, Prepared, check_model, no_tokenizer_error, prepare_request
+from kvfit.server.prepare_pool import LARGE_BODY_BYTES, PreparePool, default_num_processes
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, bad_request, error_body, new_id, parse_body, sse)
+                                   TokenizeRequest, bad_request, error_body, new_id, sse)
 from kvfit.server.responses import ResponseBuilder, usage
 from kvfit.version import __version__
 
@@ -53,7 +56,9 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     created: int
-    chat_template: str | None = None        # --chat-template: replaces the model's
+    prepare_context: PrepareContext
+    prepare_pool: PreparePool | None = None  # bodies over large_body_bytes are prepared there (None: threads)
+    large_body_bytes: int = LARGE_BODY_BYTES
     defaults: RequestDefaults = NO_DEFAULTS  # --generation-config's, for what a request leaves out
     template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
 
@@ -72,20 +77,27 @@ def _model_names(served_model_name: str | Sequence[str]) -> tuple[str, ...]:
 def create_app(engine, served_model_name: str | Sequence[str], api_key: str | None = None,
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
-               chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS) -> FastAPI:
+               chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS,
+               prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES) -> FastAPI:
     """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown.
 
     served_model_name: one name or several (the first is reported); chat_template: a template text
     (see models.chat_template.load_chat_template) used instead of the model's; stats_interval_s:
-    seconds between stats lines (0: none)."""
+    seconds between stats lines (0: none); prepare_processes: worker processes for bodies over
+    large_body_bytes (None: prepare_pool.default_num_processes(); 0: none, every body on the threads)."""
     names = _model_names(served_model_name)
     if chat_template is not None and engine.tokenizer is None:
         raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
+    if prepare_processes is not None and prepare_processes < 0:
+        raise ConfigError(f"prepare_processes must be >= 0, got {prepare_processes}")
     async_engine = AsyncEngine(engine, max_waiting_requests)
     metrics = ServerMetrics(async_engine.stats, metrics_require_key, names[0], engine.max_model_len)
     defaults = RequestDefaults.from_config(engine.default_sampling_params, engine.config.model.generation_config)
-    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), chat_template,
-                        defaults=defaults)
+    context = PrepareContext(names, chat_template, async_engine.max_prompt_chars, engine.max_model_len)
+    num_processes = default_num_processes() if prepare_processes is None else prepare_processes
+    pool = _prepare_pool(engine, context, num_processes) if num_processes > 0 else None
+    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
+                        large_body_bytes, defaults=defaults)
     stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None
 
     @asynccontextmanager
@@ -99,7 +111,11 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await asyncio.to_thread(async_engine.stop)
+            try:
+                await asyncio.to_thread(async_engine.stop)
+            finally:
+                if pool is not None:          # its workers must not outlive the server
+                    await asyncio.to_thread(pool.shutdown)
 
     app = FastAPI(title="kvfit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfit = state
@@ -157,20 +173,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request):
         _check_auth(request, state)
-        _check_model(model, state)
+        check_model(model, state.model_names)
         return _model_card(state, model)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _request_body(request, state, CompletionRequest)
+        body = (await _prepare(request, state, CompletionRequest)).body
         return await _generate(request, state, completion_inputs(body, state.defaults), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _request_body(request, state, ChatCompletionRequest)
-        messages = await state.engine.prepare(chat_messages, body)      # grows with the body: off the loop
-        prompt_ids = await _chat_prompt_ids(state, body, messages, bool(body.add_special_tokens))
-        return await _generate(request, state, [chat_input(body, prompt_ids, messages, state.defaults)], chat=True)
+        prepared = await _prepare(request, state, ChatCompletionRequest)
+        # chat_input reads only the last message (chat echo); the rest are in prompt_ids
+        inp = chat_input(prepared.body, prepared.prompt_ids, [prepared.last_message], state.defaults)
+        return await _generate(request, state, [inp], chat=True)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:
@@ -178,17 +194,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _request_body(request, state, TokenizeRequest)
-        check_unsupported(body)
-        tokenizer = _tokenizer(state, "tokenize")
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give either prompt (a text) or messages (a chat), not both or neither",
-                              param="prompt")
-        if body.messages is not None:
-            messages = await state.engine.prepare(chat_messages, body)
-            special = bool(body.add_special_tokens)           # vLLM: false for chats (the template has them)
-            ids = await _chat_prompt_ids(state, body, messages, special)
-        else:
+        prepared = await _prepare(request, state, TokenizeRequest)     # checks the fields, renders messages
+        body, tokenizer, ids = prepared.body, _tokenizer(state, "tokenize"), prepared.prompt_ids
+        if ids is None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await state.engine.encode(body.prompt, add_special_tokens=special)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -197,7 +205,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _request_body(request, state, DetokenizeRequest)
+        body = (await _prepare(request, state, DetokenizeRequest)).body
         tokenizer = _tokenizer(state, "detokenize")
         vocab_size = tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
@@ -222,30 +230,34 @@ def _check_auth(request: Request, state: ServerState) -> None:
                             "key given to --api-key", "invalid_request_error", None, "invalid_api_key")
 
 
-def _check_model(name: str | None, state: ServerState) -> None:
-    """None (vLLM: model is optional) or one of the served names; else vLLM's 404."""
-    if name is None or name in state.model_names:
-        return
-    served = ", ".join(f"'{n}'" for n in state.model_names)
-    raise APIError(404, f"The model `{name[:200]}` does not exist. This server serves {served} (see /v1/models)",
-                   "NotFoundError", "model", 404)
-
-
 def _tokenizer(state: ServerState, what: str):
     tokenizer = state.engine.engine.tokenizer
     if tokenizer is None:
-        raise bad_request(f"this model has no tokenizer (tokenizer.json), so {what} is not available",
-                          code="no_tokenizer")
+        raise no_tokenizer_error(what)
     return tokenizer
 
 
-async def _request_body(request: Request, state: ServerState, model_class):
-    """The validated body of a POST that names a model: key checked, size capped, parsed off the loop."""
+async def _prepare(request: Request, state: ServerState, model_class) -> Prepared:
+    """The validated body of a POST that names a model (a chat's prompt ids too): key checked, size
+    capped, prepared off the loop, in a worker process when the body is over large_body_bytes."""
     _check_auth(request, state)
     raw = await _read_body(request, state.max_body_bytes)
-    body = await state.engine.prepare(parse_body, raw, model_class)
-    _check_model(body.model, state)
-    return body
+    if state.prepare_pool is not None and len(raw) > state.large_body_bytes:
+        return await state.prepare_pool.prepare(raw, model_class)
+    return await state.engine.prepare(prepare_request, raw, model_class, state.prepare_context,
+                                      state.engine.engine.tokenizer, state.template_variables)
+
+
+def _prepare_pool(engine, context: PrepareContext, num_processes: int) -> PreparePool | None:
+    """Worker processes that read the engine's tokenizer from its model folder; None (every body on
+    the threads) when a worker could not rebuild it (an engine stand-in's own tokenizer)."""
+    from kvfit.models.tokenizer import Tokenizer
+    if engine.tokenizer is None:
+        return PreparePool(None, context, num_processes)
+    folder = getattr(getattr(getattr(engine, "config", None), "model", None), "model", None)
+    if isinstance(engine.tokenizer, Tokenizer) and isinstance(folder, str) and os.path.isdir(folder):
+        return PreparePool(folder, context, num_processes)
+    return None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -262,47 +274,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-# chat prompts -----------------------------------------------------------------------------------
-async def _chat_prompt_ids(state: ServerState, body, messages: list[dict], add_special_tokens: bool) -> list[int]:
-    """The chat's prompt token ids as transformers' apply_chat_template(tokenize=True) makes them:
-    the template rendered, then encoded without special tokens (the template writes them) unless
-    the request sets add_special_tokens."""
-    check_unsupported(body)
-    tokenizer = state.engine.engine.tokenizer
-    text = await state.engine.prepare(_render_chat, state, tokenizer, body, messages)
-    return await state.engine.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _render_chat(state: ServerState, tokenizer, body, messages: list[dict]) -> str:
-    if tokenizer is None:
-        raise bad_request("this model has no tokenizer, so chat is not available; use /v1/completions "
-                          "with a prompt of token ids", param="messages", code="no_chat_template")
-    source = state.chat_template if state.chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if body.chat_template_kwargs and source is not None:
-        _warn_unread_kwargs(state, source, body.chat_template_kwargs)
-    try:
-        return tokenizer.apply_chat_template(messages, body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message,
-                                             chat_template=state.chat_template,
-                                             template_kwargs=body.chat_template_kwargs)
-    except ConfigError as exc:
-        raise bad_request(f"this model has no chat template ({exc}); start the server with --chat-template, or "
-                          "use /v1/completions", param="messages", code="no_chat_template") from None
-    except RequestError as exc:      # the template refused the messages (say, a role it does not know)
-        raise bad_request(str(exc), param=exc.param or "messages") from None
-
-
-def _warn_unread_kwargs(state: ServerState, source: str, kwargs: dict) -> None:
-    """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
-    from kvfit.models.chat_template import template_variables
-    if source not in state.template_variables:
-        state.template_variables[source] = template_variables(source)
-    unread = [k for k in kwargs if k not in state.template_variables[source]]
-    if unread:
-        logger.warning("chat_template_kwargs names variables the chat template does not read, so they do "
-                       "nothing: %s", ", ".join(repr(k[:64]) for k in unread[:16]))
 
 
 # generation -------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ engine thread. Handlers put commands on a queue (FIFO: an abort sent after an ad
 and get outputs back on per-request asyncio queues through loop.call_soon_threadsafe. The thread
 batches every client's requests: it drains all pending commands, then runs one step.
 
-Prompts are tokenized before the add command is sent, on a small thread pool (`prepare`), so the
-engine thread never waits on a client's input; a text too long to fit in any tokenization is
-refused without tokenizing it (see max_prompt_chars).
+Prompts are tokenized before the add command is sent, on a small thread pool (`prepare`; the app
+sends large bodies to worker processes instead, see prepare_pool.py), so the engine thread never
+waits on a client's input; a text too long to fit in any tokenization is refused without
+tokenizing it (see max_prompt_chars).
 
 Invariant: a request id is in `_streams` exactly while the engine holds the request, so when a
 client goes away, aborting its id frees its blocks at once.
@@ -30,8 +31,9 @@ from typing import Callable
 
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
-from kvfit.errors import KvfitError, RequestError
-from kvfit.server.protocol import APIError, bad_request
+from kvfit.errors import KvfitError
+from kvfit.server.prepare import as_api_error, check_prompt_chars
+from kvfit.server.protocol import APIError
 
 logger = logging.getLogger("kvfit")
 
@@ -63,13 +65,6 @@ def shutting_down_error() -> APIError:
 def engine_dead_error(reason: str) -> APIError:
     return APIError(503, f"the engine has stopped and this server cannot serve requests until it is restarted "
                          f"({reason})", "service_unavailable", None, "engine_dead")
-
-
-def _as_api_error(exc: KvfitError) -> APIError:
-    """A request the engine refused as the client's 400 (a RequestError carries its param and code)."""
-    if isinstance(exc, RequestError):
-        return bad_request(str(exc), exc.param, exc.code)
-    return bad_request(str(exc))
 
 
 def _tp_ranks(engine):
@@ -237,17 +232,14 @@ class AsyncEngine:
         with more characters than could ever fit is refused (400) without tokenizing it.
 
         add_special_tokens=False: as the text is (a rendered chat template holds its own bos)."""
-        if len(text) > self.max_prompt_chars:
-            raise bad_request(f"the prompt has {len(text)} characters, more than {self.max_prompt_chars} (what "
-                              f"--max-model-len {self.engine.max_model_len} tokens can hold at most); shorten the "
-                              "prompt or raise --max-model-len", "prompt", "context_length_exceeded")
+        check_prompt_chars(text, self.max_prompt_chars, self.engine.max_model_len)
         tokenizer = self.engine.tokenizer
         try:
             if add_special_tokens or tokenizer is None:
                 return await self.prepare(self.engine.encode, text)
             return await self.prepare(tokenizer.encode, text, False)
         except KvfitError as exc:
-            raise _as_api_error(exc) from None
+            raise as_api_error(exc) from None
 
     def stats(self) -> dict:
         """The engine's stats as of the end of its last step or command (a snapshot, never torn)."""
@@ -379,7 +371,7 @@ class AsyncEngine:
         except APIError as exc:
             self._resolve(command.future, error=exc)
         except KvfitError as exc:
-            self._resolve(command.future, error=_as_api_error(exc))
+            self._resolve(command.future, error=as_api_error(exc))
         except Exception:             # one bad request must not take the loop down
             logger.exception("adding request %s failed", command.request_id)
             self._resolve(command.future, error=APIError(

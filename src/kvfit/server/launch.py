@@ -131,7 +131,10 @@ class ConnectionLimits:
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket; port 0 picks a free one (read it back with getsockname)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP.
+    # Without it, Nagle held each response's body (uvicorn writes head and body apart) until the
+    # client's delayed ACK of the head, ~40 ms on every keep-alive request and stream chunk.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -26,6 +26,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def __reduce__(self):
+        # a prepare worker process sends it back pickled; Exception's own pickling keeps only the message
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
+
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 

@@ -1,0 +1,138 @@
+"""From a request's raw body to what its handler needs, in one synchronous call: parse and validate
+the JSON, check the model name, and for a chat build the message list, render the chat template and
+tokenize it.
+
+Everything here grows with the client's input, so it never runs on the event loop or the engine
+thread: prepare_request runs on the AsyncEngine's prepare threads, or, for a large body, in a
+prepare worker process (prepare_pool.py), with the same code, so both give the same result and the
+same APIError. What it returns is small and cheap to hand back from a process: the validated body
+with a chat's message list emptied (25,000 pydantic messages would cost the server as much to
+unpickle as to validate), the chat's prompt token ids and its last message (chat echo reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvfit.errors import ConfigError, KvfitError, RequestError
+from kvfit.server.params import chat_messages, check_unsupported
+from kvfit.server.protocol import APIError, TokenizeRequest, bad_request, parse_body
+
+logger = logging.getLogger("kvfit")
+
+
+@dataclass(frozen=True)
+class PrepareContext:
+    """What preparing a body needs besides the tokenizer; plain data, so a worker process gets a copy.
+
+    chat_template: --chat-template's text (None: the model's own); max_prompt_chars: see
+    async_engine.max_prompt_chars."""
+
+    model_names: tuple[str, ...]
+    chat_template: str | None
+    max_prompt_chars: int
+    max_model_len: int
+
+
+@dataclass
+class Prepared:
+    """A validated body; for a chat (or /tokenize with messages) its messages are emptied and
+    prompt_ids holds them rendered and tokenized, last_message the last of them as the template got it."""
+
+    body: object
+    prompt_ids: list[int] | None = None
+    last_message: dict | None = None
+
+
+def prepare_request(raw: bytes, model_class, context: PrepareContext, tokenizer,
+                    template_variables: dict) -> Prepared:
+    """Raw body bytes -> Prepared, or an APIError (400/404) in the order the handlers check.
+
+    tokenizer: the model's (None: no tokenizer); template_variables: a cache, template text -> the
+    variables it reads (the caller's, shared across requests)."""
+    body = parse_body(raw, model_class)
+    check_model(body.model, context.model_names)
+    if model_class is TokenizeRequest:
+        _check_tokenize_request(body, tokenizer)
+    if getattr(body, "messages", None) is None:         # completions, /detokenize, a /tokenize prompt
+        return Prepared(body)
+    messages = chat_messages(body)
+    check_unsupported(body)
+    text = _render_chat(context, tokenizer, body, messages, template_variables)
+    check_prompt_chars(text, context.max_prompt_chars, context.max_model_len)
+    try:
+        # as transformers' apply_chat_template(tokenize=True): the template writes its own special
+        # tokens, so none are added unless the request asks (add_special_tokens)
+        ids = tokenizer.encode(text, bool(body.add_special_tokens))
+    except KvfitError as exc:
+        raise as_api_error(exc) from None
+    return Prepared(body.model_copy(update={"messages": []}), ids, messages[-1])
+
+
+def check_model(name: str | None, model_names: tuple[str, ...]) -> None:
+    """None (vLLM: model is optional) or one of the served names; else vLLM's 404."""
+    if name is None or name in model_names:
+        return
+    served = ", ".join(f"'{n}'" for n in model_names)
+    raise APIError(404, f"The model `{name[:200]}` does not exist. This server serves {served} (see /v1/models)",
+                   "NotFoundError", "model", 404)
+
+
+def no_tokenizer_error(what: str) -> APIError:
+    return bad_request(f"this model has no tokenizer (tokenizer.json), so {what} is not available",
+                       code="no_tokenizer")
+
+
+def check_prompt_chars(text: str, max_prompt_chars: int, max_model_len: int) -> None:
+    """A 400 for a text with more characters than --max-model-len tokens can ever hold (it is not
+    tokenized, however long it is)."""
+    if len(text) > max_prompt_chars:
+        raise bad_request(f"the prompt has {len(text)} characters, more than {max_prompt_chars} (what "
+                          f"--max-model-len {max_model_len} tokens can hold at most); shorten the "
+                          "prompt or raise --max-model-len", "prompt", "context_length_exceeded")
+
+
+def as_api_error(exc: KvfitError) -> APIError:
+    """A request the engine or tokenizer refused as the client's 400 (a RequestError carries its param and code)."""
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), exc.param, exc.code)
+    return bad_request(str(exc))
+
+
+def _check_tokenize_request(body: TokenizeRequest, tokenizer) -> None:
+    check_unsupported(body)
+    if tokenizer is None:
+        raise no_tokenizer_error("tokenize")
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either prompt (a text) or messages (a chat), not both or neither", param="prompt")
+
+
+def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict], template_variables: dict) -> str:
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so chat is not available; use /v1/completions "
+                          "with a prompt of token ids", param="messages", code="no_chat_template")
+    override = context.chat_template
+    source = override if override is not None else getattr(tokenizer, "chat_template", None)
+    if body.chat_template_kwargs and source is not None:
+        _warn_unread_kwargs(source, body.chat_template_kwargs, template_variables)
+    try:
+        return tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message,
+                                             chat_template=override, template_kwargs=body.chat_template_kwargs)
+    except ConfigError as exc:
+        raise bad_request(f"this model has no chat template ({exc}); start the server with --chat-template, or "
+                          "use /v1/completions", param="messages", code="no_chat_template") from None
+    except RequestError as exc:      # the template refused the messages (say, a role it does not know)
+        raise bad_request(str(exc), param=exc.param or "messages") from None
+
+
+def _warn_unread_kwargs(source: str, kwargs: dict, template_variables: dict) -> None:
+    """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
+    from kvfit.models.chat_template import template_variables as read_variables
+    if source not in template_variables:
+        template_variables[source] = read_variables(source)
+    unread = [k for k in kwargs if k not in template_variables[source]]
+    if unread:
+        logger.warning("chat_template_kwargs names variables the chat template does not read, so they do "
+                       "nothing: %s", ", ".join(repr(k[:64]) for k in unread[:16]))
