@@ -10,11 +10,18 @@ vLLM's fused_experts where vLLM is importable. Prints a table, then the best con
 paste into fused_moe.TUNED_CONFIGS. Stops sweeping (keeping the default config) once --budget-s is spent,
 so one device call of < 8 minutes always ends with a result. --tp N sweeps one rank's slice (I / N), the
 shape a tensor-parallel rank runs (TUNED_CONFIGS is keyed by the per-rank I).
+
+python benchmarks/bench_fused_moe.py --align [--shapes ...] [--m ...]
+times moe_align alone instead (no sweep): the one-program kernel, the two-launch parallel path and what
+moe_align picks (fused_moe.align_num_programs), each as a CUDA graph and eagerly, beside vLLM's
+moe_align_block_size where vLLM is importable; the two paths are checked to group the pairs alike. The
+largest M where one program wins is the crossover for fused_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import time
@@ -25,6 +32,7 @@ from common import gpu_only
 # name -> (E, top_k, H, I): one layer's experts at tensor parallel 1
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 M_VALUES = (1, 8, 32, 128, 512, 2048, 8192)
+ALIGN_M_VALUES = (1, 16, 64, 128, 192, 256, 384, 512, 1024, 2048, 8192, 16384)
 DEVICE = "cuda"
 
 
@@ -84,14 +92,13 @@ def kernel_breakdown(fn, calls: int = 5) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def vllm_experts():
-    """vLLM's fused_experts(x, w13, w2, topk_weights, topk_ids) when vLLM is importable, else None."""
+def vllm_function(module: str, name: str):
+    """vLLM's module.name (fused_experts, moe_align_block_size) when vLLM is importable, else None."""
     try:
-        from vllm.model_executor.layers.fused_moe import fused_experts
+        return getattr(importlib.import_module(module), name)
     except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM column
-        print(f"vLLM not importable ({type(e).__name__}: {e}); no vLLM column")
+        print(f"vLLM's {name} not importable ({type(e).__name__}: {e}); no vLLM column")
         return None
-    return fused_experts
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -180,21 +187,74 @@ def print_row(row, num_timed: int) -> None:
           f"  err {row['error']:.1e}  [{num_timed} configs] best {row['best']}", flush=True)
 
 
+def align_key(sorted_ids, block_experts, block_m: int, num_pairs: int) -> torch.Tensor:
+    """(expert, pair id) of every row as one sorted key: equal for two aligns that group the pairs alike,
+    whatever order the atomics gave inside a group."""
+    experts = block_experts.long().repeat_interleave(block_m)
+    return torch.sort(experts * (num_pairs + 1) + sorted_ids.long()).values
+
+
+def time_align(shapes, m_values, dtype, tp: int) -> list[dict]:
+    """moe_align at each M, with the block_m get_config picks there: one program vs the parallel path."""
+    from kvfit.models import fused_moe as fm
+    vllm = vllm_function("vllm.model_executor.layers.fused_moe.moe_align_block_size", "moe_align_block_size")
+    us = lambda s: f"{s * 1e6:7.1f}" if s else "      -"   # noqa: E731
+    rows = []
+    for name in shapes:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        for m in m_values:
+            _, ids = fm.select_experts(torch.randn(m, num_experts, device=DEVICE, generator=gen), top_k, True)
+            block_m = fm.get_config(m, num_experts, hidden, inter // tp, top_k, dtype)["BLOCK_SIZE_M"]
+            num_pairs, programs = ids.numel(), fm.parallel_align_programs(ids.numel(), num_experts, block_m)
+            one = lambda: fm.moe_align(ids, num_experts, block_m, num_programs=1)   # noqa: E731
+            parallel = lambda: fm.moe_align(ids, num_experts, block_m, num_programs=programs)   # noqa: E731
+            assert torch.equal(align_key(*one(), block_m, num_pairs), align_key(*parallel(), block_m, num_pairs)), \
+                f"{name} M={m}: the parallel align groups the pairs differently from the one-program kernel"
+            row = {"shape": name, "m": m, "pairs": num_pairs, "block_m": block_m, "programs": programs,
+                   "picked_programs": fm.align_num_programs(num_pairs, num_experts, block_m),
+                   "one_program_graph_s": graph_seconds(one), "parallel_graph_s": graph_seconds(parallel),
+                   "one_program_eager_s": eager_seconds(one), "parallel_eager_s": eager_seconds(parallel)}
+            if vllm is not None:
+                ids32 = ids.to(torch.int32)                                 # vLLM's routing dtype
+                row["vllm_graph_s"] = graph_seconds(lambda: vllm(ids32, block_m, num_experts))
+            row["parallel_kernels_s"] = kernel_breakdown(parallel)
+            rows.append(row)
+            print(f"{name:14s} M={m:5d} pairs {num_pairs:6d} block_m {block_m:3d}  graph: one program "
+                  f"{us(row['one_program_graph_s'])} us, {programs:3d} programs {us(row['parallel_graph_s'])} us, "
+                  f"vLLM {us(row.get('vllm_graph_s'))} us  eager: {us(row['one_program_eager_s'])} / "
+                  f"{us(row['parallel_eager_s'])} us  picked {row['picked_programs']} program(s)", flush=True)
+            kernels = row["parallel_kernels_s"].items()
+            print("    parallel kernels: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in kernels))
+        wins = [r["pairs"] for r in rows if r["shape"] == name and r["one_program_graph_s"] <= r["parallel_graph_s"]]
+        print(f"{name}: one program wins (graph) up to {max(wins, default=0)} pairs; "
+              f"ALIGN_ONE_PROGRAM_MAX_PAIRS = {fm.ALIGN_ONE_PROGRAM_MAX_PAIRS}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES))
+    ap.add_argument("--m", nargs="+", type=int, default=None,
+                    help=f"token counts (default {M_VALUES}; with --align {ALIGN_M_VALUES})")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--budget-s", type=float, default=360.0,
                     help="stop sweeping after this many seconds (each later M still times its default config)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each rank holds I / tp channels")
+    ap.add_argument("--align", action="store_true",
+                    help="time moe_align alone (one program vs the parallel path, and vLLM's); no config sweep")
     args = ap.parse_args()
     if not gpu_only("bench_fused_moe"):
         return 0
+    if args.align:
+        rows = time_align(args.shapes, args.m or ALIGN_M_VALUES, getattr(torch, args.dtype), args.tp)
+        print("RESULT " + json.dumps({"device": torch.cuda.get_device_name(), "align": rows}))
+        return 0
+    args.m = args.m or list(M_VALUES)
     start = time.monotonic()
     deadline = start + args.budget_s
     dtype = getattr(torch, args.dtype)
-    vllm = vllm_experts()
+    vllm = vllm_function("vllm.model_executor.layers.fused_moe", "fused_experts")
     rows, best = [], {}
     for name in args.shapes:
         num_experts, top_k, hidden, inter = SHAPES[name]

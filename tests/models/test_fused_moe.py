@@ -146,24 +146,96 @@ def test_moe_align_groups_pairs_by_expert_and_pads_each_group():
     assert len(sorted_ids) == 4 * len(block_experts) >= fm.max_padded_pairs(6, 5, 4)
 
 
-def test_moe_align_matches_sorting_for_many_pairs_and_experts():
-    # several CHUNKs of pairs and several passes over blocks: every pair once, in its expert's group
-    pytest.importorskip("triton")
-    num_experts, block_m = 40, 16
-    ids = torch.randint(0, num_experts, (700, 3), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = 7                                                  # one big group spanning many blocks
-    sorted_ids, block_experts = [t.cpu().long() for t in fm.moe_align(ids.to(DEVICE), num_experts, block_m)]
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
-    blocks_per_expert = (counts + block_m - 1) // block_m
-    expected_experts = torch.repeat_interleave(torch.arange(num_experts), blocks_per_expert)
+def align_reference(flat_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The grouping moe_align must give, in torch: each expert's sorted pair ids, its group's first row and
+    padded size, and the expert of each block in use."""
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    members = [torch.nonzero(flat_ids == e).flatten().tolist() for e in range(num_experts)]
+    block_experts = torch.repeat_interleave(torch.arange(num_experts), padded // block_m)
+    return members, starts.tolist(), padded.tolist(), block_experts
+
+
+def assert_aligned(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, block_experts) -> None:
+    """moe_align's outputs against align_reference: shapes fixed by the input shapes, every group holds
+    exactly its expert's pairs then padding (num_pairs), blocks past the last group name an expert >= E."""
+    flat = ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    assert sorted_ids.dtype == block_experts.dtype == torch.int32
+    num_blocks = -(-fm.max_padded_pairs(num_pairs, num_experts, block_m) // block_m)
+    assert sorted_ids.shape == (num_blocks * block_m,) and block_experts.shape == (num_blocks,)
+    sorted_ids, block_experts = sorted_ids.cpu().long(), block_experts.cpu().long()
+    members, starts, padded, expected_experts = align_reference(flat, num_experts, block_m)
     used = len(expected_experts)
-    assert torch.equal(block_experts[:used], expected_experts) and bool((block_experts[used:] >= num_experts).all())
-    rows = sorted_ids[:used * block_m].view(used, block_m)
-    real = rows < flat.numel()
-    assert sorted(rows[real].tolist()) == list(range(flat.numel()))   # each pair exactly once
-    assert torch.equal(flat[rows[real]], expected_experts[:, None].expand(-1, block_m)[real])
-    assert bool((sorted_ids[used * block_m:] == flat.numel()).all())
+    assert torch.equal(block_experts[:used], expected_experts)
+    assert bool((block_experts[used:] >= num_experts).all())
+    for e in range(num_experts):
+        group = sorted_ids[starts[e]:starts[e] + padded[e]].tolist()
+        assert group == group[:len(members[e])] + [num_pairs] * (padded[e] - len(members[e])), e  # pairs first
+        assert sorted(group[:len(members[e])]) == members[e], e
+    assert bool((sorted_ids[used * block_m:] == num_pairs).all())
+
+
+# (T, k, E, block_m, ids): Mixtral's 8 and Qwen2-MoE's 60 experts (not a power of two), 128 and 1000;
+# pair counts of no round size; experts nobody picks; every pair on one expert; more programs than pairs
+ALIGN_CASES = [
+    (1, 1, 8, 16, None),
+    (333, 2, 8, 16, None),
+    (257, 4, 60, 32, None),
+    (300, 8, 128, 16, None),
+    (301, 8, 128, 64, "few"),
+    (131, 1, 60, 16, "one"),
+    (50, 8, 1000, 16, None),
+    (3, 1, 5, 4, None),
+]
+
+
+def align_ids(num_tokens, top_k, num_experts, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return torch.full((num_tokens, top_k), num_experts - 1)
+    high = 3 if kind == "few" else num_experts
+    if top_k == 1 or kind == "few":
+        return torch.randint(0, high, (num_tokens, top_k), generator=g)
+    return torch.argsort(torch.rand(num_tokens, num_experts, generator=g), dim=1)[:, :top_k]   # distinct per token
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty filled with -7: an output row or a scratch entry (counts, cursors) the align kernels read
+    or return without writing shows up, instead of whatever a reused allocation held."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(-7))
+
+
+@pytest.mark.parametrize("num_programs", [1, 2, 7, None])
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: "T{}-k{}-E{}-bm{}-{}".format(*c))
+def test_moe_align_matches_the_torch_grouping(case, num_programs, poisoned_empty):
+    # 1: the one-program kernel; 2 and 7: the two-launch path (2: over 1024 pairs per program, several tiles);
+    # None: what moe_align picks (the two-launch path for the 2,400 pairs of T300-k8)
+    pytest.importorskip("triton")
+    num_tokens, top_k, num_experts, block_m, kind = case
+    ids = align_ids(num_tokens, top_k, num_experts, kind)
+    got = fm.moe_align(ids.to(DEVICE), num_experts, block_m, num_programs=num_programs)
+    assert_aligned(ids, num_experts, block_m, *got)
+
+
+def test_moe_align_takes_int32_ids_and_rejects_bad_program_counts(poisoned_empty):
+    pytest.importorskip("triton")
+    ids = align_ids(40, 2, 8, None).to(torch.int32)
+    assert_aligned(ids, 8, 16, *fm.moe_align(ids.to(DEVICE), 8, 16, num_programs=3))
+    with pytest.raises(ValueError, match="moe_align num_programs=0 must be >= 1"):
+        fm.moe_align(ids.to(DEVICE), 8, 16, num_programs=0)
+
+
+def test_align_num_programs_one_launch_for_decode_then_one_program_per_1024_rows():
+    # rows = pairs + E * (block_m - 1) at most; 128 experts: at most 8192 // 128 = 64 programs
+    assert [fm.align_num_programs(n, 128, 16) for n in (1, 2048, 2049, 16384, 65536, 262144)] == [1, 1, 4, 18, 64, 64]
+    assert fm.align_num_programs(65536, 1024, 16) == 8       # 8 programs * 1024 counts each scatter program reads
+    assert fm.align_num_programs(16384, 8, 128) == 17        # Mixtral, 8192 tokens of top-2: 17,400 rows
+    assert fm.parallel_align_programs(100, 60, 16) == 2
+    assert [fm.expert_pad(e) for e in (1, 8, 16, 17, 60, 128, 1000)] == [16, 16, 16, 32, 64, 128, 1024]
 
 
 # (T, E, H, I, k, forced ids): tails of every tile, T=1, k=1, an expert nobody picks, all on one expert
@@ -189,6 +261,16 @@ def test_fused_moe_matches_reference(case, dtype):
     else:   # against fp32 math on the same bf16 weights: one bf16 rounding of the activation and output
         expected = fm.moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
         torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_moe_matches_reference_through_the_parallel_align(monkeypatch, poisoned_empty):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(fm, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
+    monkeypatch.setattr(fm, "ALIGN_ROWS_PER_PROGRAM", 32)       # 111 pairs, up to 201 rows -> 7 programs
+    x, w13, w2, weights, ids = random_moe(37, 6, 32, 24, 3, seed=5)
+    assert fm.align_num_programs(ids.numel(), 6, TINY["BLOCK_SIZE_M"]) == 7
+    got = fm.fused_moe(x, w13, w2, weights, ids, config=TINY)
+    torch.testing.assert_close(got, fm.moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_moe_default_config_strided_inputs_int32_ids_bf16_weights():
@@ -300,8 +382,9 @@ def test_offsets_past_2_to_the_31_in_the_interpreter():
 def _compile_check() -> None:
     """Compile both kernels for sm_90 as a real launch specialises them (16-divisible pointers and strides,
     unit strides along H and I) with get_config's bf16 defaults for decode and the widest prefill, and the
-    align kernel; ptxas -v must report no register spills, shared memory must fit Hopper's 227 KiB, and
-    the GEMMs' loads must be software-pipelined (they are not when a stride is unknown)."""
+    align kernels (one program; counts and scatter) for 8, 128 and 1024 experts; ptxas -v must report no
+    register spills, shared memory must fit Hopper's 227 KiB, and the GEMMs' loads must be software-pipelined
+    (they are not when a stride is unknown)."""
     import re
     import tempfile
 
@@ -340,9 +423,16 @@ def _compile_check() -> None:
                       PRECISION="tf32")
         build(fm._gate_up_kernel, "bf16", {**consts, "TOP_K": top_k}, cfg)
         build(fm._down_kernel, "bf16", consts, cfg)
-    index_ptrs.update(ids_ptr="*i32", sorted_pair_ids_ptr="*i32", block_experts_ptr="*i32", cursor_ptr="*i32")
-    build(fm._align_kernel, "i32", dict(E_PAD=128, BLOCK_M=16, CHUNK=1024, BLOCKS_PER_ITER=64),
-          dict(num_warps=8, num_stages=1), pipelined=False)
+    index_ptrs.update(ids_ptr="*i64", sorted_pair_ids_ptr="*i32", block_experts_ptr="*i32", cursor_ptr="*i32",
+                      counts_ptr="*i32")
+    for e_pad in (16, 128, 1024):           # the align kernels as moe_align launches them
+        tiles = dict(E_PAD=e_pad, TILE=fm.ALIGN_TILE)
+        blocks = max(16, 8192 // e_pad)
+        build(fm._align_kernel, "i32", dict(BLOCKS_PER_ITER=blocks, **tiles), dict(num_warps=8, num_stages=1),
+              pipelined=False)
+        build(fm._align_count_kernel, "i32", tiles, dict(num_warps=4, num_stages=1), pipelined=False)
+        build(fm._align_scatter_kernel, "i32", dict(PROGRAMS_PER_ITER=min(32, 4096 // e_pad), BLOCKS_PER_ITER=blocks,
+                                                    **tiles), dict(num_warps=4, num_stages=1), pipelined=False)
     print("ok: the kernels compile for sm_90 without spills")
 
 
