@@ -306,8 +306,10 @@ def test_bad_shapes_and_configs_raise_one_line_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("one_program_max_pairs", [2048, 0], ids=["one-program-align", "parallel-align"])
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(monkeypatch, one_program_max_pairs):
     # decode captures the whole path (align included): no host sync, shapes fixed by T alone
+    monkeypatch.setattr(fm, "ALIGN_ONE_PROGRAM_MAX_PAIRS", one_program_max_pairs)
     x, w13, w2, weights, ids = random_moe(8, 16, 256, 128, 4, torch.bfloat16, seed=3)
     fm.fused_moe(x, w13, w2, weights, ids)
     torch.cuda.synchronize()
