@@ -13,7 +13,7 @@ shape a tensor-parallel rank runs (TUNED_CONFIGS is keyed by the per-rank I).
 
 python benchmarks/bench_fused_moe.py --align [--shapes ...] [--m ...]
 times moe_align alone instead (no sweep): the one-program kernel, the two-launch parallel path and what
-moe_align picks (fused_moe.align_num_programs), each as a CUDA graph and eagerly, beside vLLM's
+moe_align picks (moe_align.align_num_programs), each as a CUDA graph and eagerly, beside vLLM's
 moe_align_block_size where vLLM is importable; the two paths are checked to group the pairs alike. The
 largest M where one program wins is the crossover for fused_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS.
 """
@@ -197,6 +197,7 @@ def align_key(sorted_ids, block_experts, block_m: int, num_pairs: int) -> torch.
 def time_align(shapes, m_values, dtype, tp: int) -> list[dict]:
     """moe_align at each M, with the block_m get_config picks there: one program vs the parallel path."""
     from kvfit.models import fused_moe as fm
+    from kvfit.models import moe_align as ma
     vllm = vllm_function("vllm.model_executor.layers.fused_moe.moe_align_block_size", "moe_align_block_size")
     us = lambda s: f"{s * 1e6:7.1f}" if s else "      -"   # noqa: E731
     rows = []
@@ -206,13 +207,13 @@ def time_align(shapes, m_values, dtype, tp: int) -> list[dict]:
         for m in m_values:
             _, ids = fm.select_experts(torch.randn(m, num_experts, device=DEVICE, generator=gen), top_k, True)
             block_m = fm.get_config(m, num_experts, hidden, inter // tp, top_k, dtype)["BLOCK_SIZE_M"]
-            num_pairs, programs = ids.numel(), fm.parallel_align_programs(ids.numel(), num_experts, block_m)
-            one = lambda: fm.moe_align(ids, num_experts, block_m, num_programs=1)   # noqa: E731
-            parallel = lambda: fm.moe_align(ids, num_experts, block_m, num_programs=programs)   # noqa: E731
+            num_pairs, programs = ids.numel(), ma.parallel_align_programs(ids.numel(), num_experts, block_m)
+            one = lambda: ma.moe_align(ids, num_experts, block_m, num_programs=1)   # noqa: E731
+            parallel = lambda: ma.moe_align(ids, num_experts, block_m, num_programs=programs)   # noqa: E731
             assert torch.equal(align_key(*one(), block_m, num_pairs), align_key(*parallel(), block_m, num_pairs)), \
                 f"{name} M={m}: the parallel align groups the pairs differently from the one-program kernel"
             row = {"shape": name, "m": m, "pairs": num_pairs, "block_m": block_m, "programs": programs,
-                   "picked_programs": fm.align_num_programs(num_pairs, num_experts, block_m),
+                   "picked_programs": ma.align_num_programs(num_pairs, num_experts, block_m),
                    "one_program_graph_s": graph_seconds(one), "parallel_graph_s": graph_seconds(parallel),
                    "one_program_eager_s": eager_seconds(one), "parallel_eager_s": eager_seconds(parallel)}
             if vllm is not None:
@@ -228,7 +229,7 @@ def time_align(shapes, m_values, dtype, tp: int) -> list[dict]:
             print("    parallel kernels: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in kernels))
         wins = [r["pairs"] for r in rows if r["shape"] == name and r["one_program_graph_s"] <= r["parallel_graph_s"]]
         print(f"{name}: one program wins (graph) up to {max(wins, default=0)} pairs; "
-              f"ALIGN_ONE_PROGRAM_MAX_PAIRS = {fm.ALIGN_ONE_PROGRAM_MAX_PAIRS}")
+              f"ALIGN_ONE_PROGRAM_MAX_PAIRS = {ma.ALIGN_ONE_PROGRAM_MAX_PAIRS}")
     return rows
 
 

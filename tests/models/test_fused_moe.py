@@ -20,6 +20,7 @@ if not torch.cuda.is_available() and not COMPILE_CHECK:
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 from kvfit.models import fused_moe as fm  # noqa: E402
+from kvfit.models import moe_align as ma  # noqa: E402
 
 
 def _interpreter_fixes() -> None:
@@ -136,14 +137,14 @@ def test_select_experts_rejects_bad_arguments():
 def test_moe_align_groups_pairs_by_expert_and_pads_each_group():
     pytest.importorskip("triton")
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]])                  # pairs 0..5 -> experts 2 0 2 3 0 2
-    sorted_ids, block_experts = fm.moe_align(ids.to(DEVICE), num_experts=5, block_m=4)
+    sorted_ids, block_experts = ma.moe_align(ids.to(DEVICE), num_experts=5, block_m=4)
     pad = 6
     # expert 0: pairs 1 4; expert 1: none; expert 2: pairs 0 2 5; expert 3: pair 3; then unused blocks
     assert block_experts.tolist()[:3] == [0, 2, 3] and min(block_experts.tolist()[3:]) >= 5
     groups = sorted_ids.view(-1, 4).tolist()                      # order inside a group is the atomics'
     assert [sorted(g) for g in groups[:3]] == [[1, 4, pad, pad], [0, 2, 5, pad], [3, pad, pad, pad]]
     assert all(g == [pad] * 4 for g in groups[3:])
-    assert len(sorted_ids) == 4 * len(block_experts) >= fm.max_padded_pairs(6, 5, 4)
+    assert len(sorted_ids) == 4 * len(block_experts) >= ma.max_padded_pairs(6, 5, 4)
 
 
 def align_reference(flat_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -163,7 +164,7 @@ def assert_aligned(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids
     flat = ids.reshape(-1).long()
     num_pairs = flat.numel()
     assert sorted_ids.dtype == block_experts.dtype == torch.int32
-    num_blocks = -(-fm.max_padded_pairs(num_pairs, num_experts, block_m) // block_m)
+    num_blocks = -(-ma.max_padded_pairs(num_pairs, num_experts, block_m) // block_m)
     assert sorted_ids.shape == (num_blocks * block_m,) and block_experts.shape == (num_blocks,)
     sorted_ids, block_experts = sorted_ids.cpu().long(), block_experts.cpu().long()
     members, starts, padded, expected_experts = align_reference(flat, num_experts, block_m)
@@ -217,25 +218,25 @@ def test_moe_align_matches_the_torch_grouping(case, num_programs, poisoned_empty
     pytest.importorskip("triton")
     num_tokens, top_k, num_experts, block_m, kind = case
     ids = align_ids(num_tokens, top_k, num_experts, kind)
-    got = fm.moe_align(ids.to(DEVICE), num_experts, block_m, num_programs=num_programs)
+    got = ma.moe_align(ids.to(DEVICE), num_experts, block_m, num_programs=num_programs)
     assert_aligned(ids, num_experts, block_m, *got)
 
 
 def test_moe_align_takes_int32_ids_and_rejects_bad_program_counts(poisoned_empty):
     pytest.importorskip("triton")
     ids = align_ids(40, 2, 8, None).to(torch.int32)
-    assert_aligned(ids, 8, 16, *fm.moe_align(ids.to(DEVICE), 8, 16, num_programs=3))
+    assert_aligned(ids, 8, 16, *ma.moe_align(ids.to(DEVICE), 8, 16, num_programs=3))
     with pytest.raises(ValueError, match="moe_align num_programs=0 must be >= 1"):
-        fm.moe_align(ids.to(DEVICE), 8, 16, num_programs=0)
+        ma.moe_align(ids.to(DEVICE), 8, 16, num_programs=0)
 
 
 def test_align_num_programs_one_launch_for_decode_then_one_program_per_1024_rows():
     # rows = pairs + E * (block_m - 1) at most; 128 experts: at most 8192 // 128 = 64 programs
-    assert [fm.align_num_programs(n, 128, 16) for n in (1, 2048, 2049, 16384, 65536, 262144)] == [1, 1, 4, 18, 64, 64]
-    assert fm.align_num_programs(65536, 1024, 16) == 8       # 8 programs * 1024 counts each scatter program reads
-    assert fm.align_num_programs(16384, 8, 128) == 17        # Mixtral, 8192 tokens of top-2: 17,400 rows
-    assert fm.parallel_align_programs(100, 60, 16) == 2
-    assert [fm.expert_pad(e) for e in (1, 8, 16, 17, 60, 128, 1000)] == [16, 16, 16, 32, 64, 128, 1024]
+    assert [ma.align_num_programs(n, 128, 16) for n in (1, 2048, 2049, 16384, 65536, 262144)] == [1, 1, 4, 18, 64, 64]
+    assert ma.align_num_programs(65536, 1024, 16) == 8       # 8 programs * 1024 counts each scatter program reads
+    assert ma.align_num_programs(16384, 8, 128) == 17        # Mixtral, 8192 tokens of top-2: 17,400 rows
+    assert ma.parallel_align_programs(100, 60, 16) == 2
+    assert [ma.expert_pad(e) for e in (1, 8, 16, 17, 60, 128, 1000)] == [16, 16, 16, 32, 64, 128, 1024]
 
 
 # (T, E, H, I, k, forced ids): tails of every tile, T=1, k=1, an expert nobody picks, all on one expert
@@ -265,10 +266,10 @@ def test_fused_moe_matches_reference(case, dtype):
 
 def test_fused_moe_matches_reference_through_the_parallel_align(monkeypatch, poisoned_empty):
     pytest.importorskip("triton")
-    monkeypatch.setattr(fm, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
-    monkeypatch.setattr(fm, "ALIGN_ROWS_PER_PROGRAM", 32)       # 111 pairs, up to 201 rows -> 7 programs
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
+    monkeypatch.setattr(ma, "ALIGN_ROWS_PER_PROGRAM", 32)       # 111 pairs, up to 201 rows -> 7 programs
     x, w13, w2, weights, ids = random_moe(37, 6, 32, 24, 3, seed=5)
-    assert fm.align_num_programs(ids.numel(), 6, TINY["BLOCK_SIZE_M"]) == 7
+    assert ma.align_num_programs(ids.numel(), 6, TINY["BLOCK_SIZE_M"]) == 7
     got = fm.fused_moe(x, w13, w2, weights, ids, config=TINY)
     torch.testing.assert_close(got, fm.moe_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
@@ -309,7 +310,7 @@ def test_bad_shapes_and_configs_raise_one_line_errors():
 @pytest.mark.parametrize("one_program_max_pairs", [2048, 0], ids=["one-program-align", "parallel-align"])
 def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(monkeypatch, one_program_max_pairs):
     # decode captures the whole path (align included): no host sync, shapes fixed by T alone
-    monkeypatch.setattr(fm, "ALIGN_ONE_PROGRAM_MAX_PAIRS", one_program_max_pairs)
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", one_program_max_pairs)
     x, w13, w2, weights, ids = random_moe(8, 16, 256, 128, 4, torch.bfloat16, seed=3)
     fm.fused_moe(x, w13, w2, weights, ids)
     torch.cuda.synchronize()
@@ -428,12 +429,12 @@ def _compile_check() -> None:
     index_ptrs.update(ids_ptr="*i64", sorted_pair_ids_ptr="*i32", block_experts_ptr="*i32", cursor_ptr="*i32",
                       counts_ptr="*i32")
     for e_pad in (16, 128, 1024):           # the align kernels as moe_align launches them
-        tiles = dict(E_PAD=e_pad, TILE=fm.ALIGN_TILE)
+        tiles = dict(E_PAD=e_pad, TILE=ma.ALIGN_TILE)
         blocks = max(16, 8192 // e_pad)
-        build(fm._align_kernel, "i32", dict(BLOCKS_PER_ITER=blocks, **tiles), dict(num_warps=8, num_stages=1),
+        build(ma._align_kernel, "i32", dict(BLOCKS_PER_ITER=blocks, **tiles), dict(num_warps=8, num_stages=1),
               pipelined=False)
-        build(fm._align_count_kernel, "i32", tiles, dict(num_warps=4, num_stages=1), pipelined=False)
-        build(fm._align_scatter_kernel, "i32", dict(PROGRAMS_PER_ITER=min(32, 4096 // e_pad), BLOCKS_PER_ITER=blocks,
+        build(ma._align_count_kernel, "i32", tiles, dict(num_warps=4, num_stages=1), pipelined=False)
+        build(ma._align_scatter_kernel, "i32", dict(PROGRAMS_PER_ITER=min(32, 4096 // e_pad), BLOCKS_PER_ITER=blocks,
                                                     **tiles), dict(num_warps=4, num_stages=1), pipelined=False)
     print("ok: the kernels compile for sm_90 without spills")
 
