@@ -41,16 +41,6 @@ def _environment():
     return env
 
 
-def compile_chat_template(source: str):
-    """A compiled template; a template that does not parse is a ConfigError."""
-    import jinja2
-    try:
-        return _environment().from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"the model's chat_template does not parse (line {exc.lineno}: {exc.message}); "
-                          "fix tokenizer_config.json or chat_template.jinja") from None
-
-
 # template variables the renderer sets itself: chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 # transformers marks the end of the message to continue with this, renders, then cuts there
