@@ -15,7 +15,7 @@ python benchmarks/bench_fused_moe.py --align [--shapes ...] [--m ...]
 times moe_align alone instead (no sweep): the one-program kernel, the two-launch parallel path and what
 moe_align picks (moe_align.align_num_programs), each as a CUDA graph and eagerly, beside vLLM's
 moe_align_block_size where vLLM is importable; the two paths are checked to group the pairs alike. The
-largest M where one program wins is the crossover for fused_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS.
+largest M where one program wins is the crossover for moe_align.ALIGN_ONE_PROGRAM_MAX_PAIRS.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def test_moe_align_takes_int32_ids_and_rejects_bad_program_counts(poisoned_empty
 
 def test_align_num_programs_one_launch_for_decode_then_one_program_per_1024_rows():
     # rows = pairs + E * (block_m - 1) at most; 128 experts: at most 8192 // 128 = 64 programs
-    assert [ma.align_num_programs(n, 128, 16) for n in (1, 2048, 2049, 16384, 65536, 262144)] == [1, 1, 4, 18, 64, 64]
+    assert [ma.align_num_programs(n, 128, 16) for n in (1, 1024, 1025, 16384, 65536, 262144)] == [1, 1, 3, 18, 64, 64]
     assert ma.align_num_programs(65536, 1024, 16) == 8       # 8 programs * 1024 counts each scatter program reads
     assert ma.align_num_programs(16384, 8, 128) == 17        # Mixtral, 8192 tokens of top-2: 17,400 rows
     assert ma.parallel_align_programs(100, 60, 16) == 2

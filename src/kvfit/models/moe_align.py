@@ -17,11 +17,12 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_FUSED_EXPERTS = 1024     # the align kernels hold one counter per expert in registers
-# moe_align: up to ALIGN_ONE_PROGRAM_MAX_PAIRS (decode: 256 tokens of top-8) one program does it all in one
-# launch (a few us; a second launch would cost about what it saves); above, two launches of one program per
-# ALIGN_ROWS_PER_PROGRAM output rows, as many as keep the counts each scatter program reads (programs * E_PAD)
-# within ALIGN_MAX_COUNTS. The one program cost 246 us at 65,536 pairs on the H200 (9.7% of a prefill step).
-ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048
+# moe_align: up to ALIGN_ONE_PROGRAM_MAX_PAIRS one program does it all in one launch; above, two launches of
+# one program per ALIGN_ROWS_PER_PROGRAM output rows, as many as keep the counts each scatter program reads
+# (programs * E_PAD) within ALIGN_MAX_COUNTS. H200, as CUDA graphs (bench_fused_moe.py --align): one program
+# 3-4 us at 512 pairs, 7.2 (128 experts) / 3.8 us (8) at 1,024, 10.6 / 5.5 us at 2,048, 162 us at 65,536;
+# two launches 5.5-6.8 us up to 2,048 pairs, 10.2 us at 65,536. 1,024 is where they cross (E = 128 first).
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 1024
 ALIGN_ROWS_PER_PROGRAM = 1024
 ALIGN_MAX_COUNTS = 8192
 ALIGN_TILE = 1024            # pairs or rows a program handles per loop step
