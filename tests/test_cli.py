@@ -125,3 +125,23 @@ def test_generate_takes_sampling_defaults_from_the_generation_config(tiny_llama,
     finally:
         llm.shutdown()
     assert [tuned, greedy] == ref and tuned != greedy       # the file's penalty was applied
+
+
+@pytest.mark.parametrize("flag", ["--async-scheduling", "--no-async-scheduling"])
+def test_generate_takes_the_async_scheduling_flags_with_the_same_tokens(tiny_llama, flag):
+    out = kvfit("generate", tiny_llama, "--prompt", "the quick brown fox", "--max-tokens", "6", "--temperature", "0",
+                "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "16MiB", "--max-model-len", "128",
+                "--num-scheduler-steps", "2", flag, "--json")
+    assert out.returncode == 0, out.stderr
+    from kvfit import LLM, SamplingParams
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+              async_scheduling=False)
+    ref = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert json.loads(out.stdout.splitlines()[0])["token_ids"] == ref[0].outputs[0].token_ids
+
+
+def test_async_scheduling_with_tensor_parallelism_is_a_one_line_error(tiny_llama):
+    out = kvfit("generate", tiny_llama, "--prompt", "hi", "--device", "cpu", "--tensor-parallel-size", "2",
+                "--num-scheduler-steps", "1", "--async-scheduling")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "--async-scheduling needs --tensor-parallel-size 1" in out.stderr
