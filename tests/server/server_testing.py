@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import threading
 import time
@@ -108,3 +110,22 @@ def completion_text(client, stream: bool, **kwargs) -> tuple[str, str]:
         return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
     choice = client.completions.create(**kwargs).choices[0]
     return choice.text, choice.finish_reason
+
+
+def spawned_children(parent_pid: int) -> list[int]:
+    """Children of parent_pid started by multiprocessing's spawn (tensor-parallel ranks, prepare workers;
+    not its resource tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent_pid and "spawn_main" in cmdline:
+            pids.append(int(entry))
+    return pids

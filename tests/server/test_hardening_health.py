@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from fake_engine import FakeEngine
-from server_testing import openai_error, running_server, wait_healthy
+from server_testing import openai_error, running_server, spawned_children, wait_healthy
 from test_server_cli import read_until, serving
 
 from kvfit.errors import KvfitError
@@ -167,24 +167,6 @@ def test_a_server_watching_a_healthy_engine_keeps_serving():
         assert thread.is_alive() and httpx.get(f"{url}/health").status_code == 200
 
 
-def _rank_pids(parent_pid: int) -> list[int]:
-    """Children of parent_pid started by multiprocessing's spawn (the ranks, not its resource tracker)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent_pid and "spawn_main" in cmdline:
-            pids.append(int(entry))
-    return pids
-
-
 def test_serve_with_a_killed_rank_reports_503_then_exits_1_by_itself(tiny_llama, tmp_path):
     """No signal: once the engine is dead the server answers 503 for DEAD_ENGINE_GRACE_SECONDS, then
     stops on its own and exits 1 with the one-line error (a healthy server's SIGTERM exit 0 is in
@@ -194,7 +176,7 @@ def test_serve_with_a_killed_rank_reports_503_then_exits_1_by_itself(tiny_llama,
         match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
         url = match.group(1)
         wait_healthy(url)
-        ranks = _rank_pids(proc.pid)
+        ranks = spawned_children(proc.pid)
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -15,8 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_testing import make_engine, openai_error, running_server, wait_healthy
-from test_hardening_health import _rank_pids
+from server_testing import make_engine, openai_error, running_server, spawned_children, wait_healthy
 from test_server_cli import read_until, serving
 
 from kvfit.models.tokenizer import load_tokenizer
@@ -233,7 +232,7 @@ def test_a_worker_that_dies_fails_its_request_with_500_and_the_next_is_served(en
 
 def worker_pids_of(server_pid: int) -> list[int]:
     """The pids of the server's prepare workers: its children started by multiprocessing's spawn."""
-    return _rank_pids(server_pid)
+    return spawned_children(server_pid)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
