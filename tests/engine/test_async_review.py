@@ -390,3 +390,44 @@ def test_carry_is_each_rows_last_token_when_rows_end_early_in_a_round(tiny_llama
     assert _tokens(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == _tokens(sync)
     assert any(len(steps) > 1 for steps in checked), checked       # some round had rows of fewer steps
     _all_blocks_back(llm)
+
+
+def test_nonfinite_token_of_a_stale_round_ends_a_reused_id(tiny_llama):
+    """A round read late names an id that stopped and was re-added since; a non-finite token sampled for
+    the old request's row must not end the new request (found in review; fixed in LLMEngine._apply)."""
+    from kvfit.step import NONFINITE_TOKEN, SampledTokens
+    stop = _stop_inside_a_round(tiny_llama, PROMPTS[1])
+    other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = _llm(tiny_llama, True, 3)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], GREEDY, request_id="keep")
+    engine.add_request(PROMPTS[1], stop, request_id="x")
+    _run_until_finished(engine, "x")
+    assert engine._inflight is not None and "x" in engine._inflight[0].request_ids
+    delta, read = engine._inflight
+
+    def poisoned():
+        tokens = read()
+        out = SampledTokens({rid: list(t) for rid, t in tokens.items()}, tokens.logprobs, tokens.prompt_logprobs)
+        out["x"] = [NONFINITE_TOKEN] * len(out["x"])
+        return out
+    engine._inflight = (delta, poisoned)
+    engine.add_request(PROMPTS[3], other, request_id="x")
+    outputs = _drain(engine)
+    assert outputs["x"].outputs[0].finish_reason == "length"
+
+
+def test_a_round_whose_requests_all_ended_is_read_before_the_next_schedule(tiny_llama):
+    """With every request of the round in flight ended (a stop inside the round), the next step reads that
+    round and schedules in the same call: a new request's prefill is not one step late."""
+    stop = _stop_inside_a_round(tiny_llama, PROMPTS[1])
+    llm = _llm(tiny_llama, True, 3)
+    engine = llm.engine
+    engine.add_request(PROMPTS[1], stop, request_id="x")
+    _run_until_finished(engine, "x")
+    assert not engine.has_unfinished() and engine._inflight is not None
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="y")
+    first = engine.step()
+    assert [o.request_id for o in first] == ["y"] and len(first[0].outputs[0].token_ids) == 1
+    _drain(engine)
+    _all_blocks_back(llm)

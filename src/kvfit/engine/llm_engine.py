@@ -16,7 +16,7 @@ from kvfit.engine.admission import bad_words_token_ids, check_cache_salt, check_
 from kvfit.engine.output import RequestOutput
 from kvfit.engine.output_processor import OutputProcessor
 from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
-from kvfit.engine.request import Request
+from kvfit.engine.request import Request, RequestStatus
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.startup import start_engine
 from kvfit.errors import ConfigError, RequestError
@@ -162,6 +162,9 @@ class LLMEngine:
         applied one at a time, in order, so stops and stop strings end a request at the same
         token as single steps would (tokens sampled past the end are dropped).
         """
+        if self._inflight is not None and not self._still_running(self._inflight[0]):
+            self._inflight[1]()         # every request of the round in flight has ended: read it, drop it
+            self._inflight = None
         if self._inflight is not None:          # async scheduling: launched by the previous step
             delta, pending = self._inflight
             self._inflight = None
@@ -190,6 +193,10 @@ class LLMEngine:
         for k in range(delta.max_num_steps):
             self._apply(delta, tokens, k, stream, outputs)
         return self._fold_samples(outputs, stream)
+
+    def _still_running(self, delta: StepDelta) -> bool:
+        requests = self.scheduler.requests
+        return any(rid in requests and requests[rid].status is RequestStatus.RUNNING for rid in delta.request_ids)
 
     def _launch(self, delta: StepDelta):
         """Put the delta on the device; return what reads its tokens."""
@@ -244,7 +251,9 @@ class LLMEngine:
         for request_id in [rid for rid, token in sampled.items() if token == NONFINITE_TOKEN]:
             del sampled[request_id]
             req = self.scheduler.requests.get(request_id)
-            if req is not None and not req.finished:        # this request fails alone
+            # this request fails alone; a round read late (async scheduling) may name an id that ended and
+            # was re-added since: only the running request is its
+            if req is not None and req.status is RequestStatus.RUNNING:
                 logger.warning("request %s: the model's logits were not finite; ending it (finish reason "
                                "'error')", request_id)
                 self.scheduler.finish(request_id, "error")
