@@ -15,6 +15,7 @@ warm-up, then every workload of the group `--reps` times. Groups (one engine con
   long:   max_model_len 8448, max_num_seqs 256, prefix caching on
           shared-prefix: 256 requests sharing a 2,000-token system prompt + 128-512 own tokens, 128 out
           long-context:  32 requests of 8,000 in / 256 out
+KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment.
 Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
 kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
 """
