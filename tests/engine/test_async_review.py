@@ -326,8 +326,8 @@ def test_server_engine_thread_abort_between_launch_and_read(tiny_llama):
 
 def test_grammar_and_logprobs_requests_join_while_rounds_continue(tiny_llama):
     """PASSES: with the batch full, rounds continue while a grammar request and a logprobs request wait; once
-    admitted, no round is continued while either runs (their tokens need the host), and every output (and
-    the logprobs) equals the synchronous engine's."""
+    admitted, no round is continued while the grammar request runs (its tokens need the host; logprobs ride
+    continued rounds), and every output (and the logprobs) equals the synchronous engine's."""
     pytest.importorskip("llguidance")
     from kvfit.structured_params import StructuredOutputsParams
     plain = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
@@ -343,7 +343,7 @@ def test_grammar_and_logprobs_requests_join_while_rounds_continue(tiny_llama):
 
         def watched(prev, n):
             after = inner(prev, n)
-            host_bound = [r for r in engine.scheduler.running if r.matcher is not None or r.params.logprobs]
+            host_bound = [r for r in engine.scheduler.running if r.matcher is not None]
             log.append((bool(host_bound), after is not None))
             return after
         engine.scheduler.schedule_continuation = watched
@@ -360,7 +360,8 @@ def test_grammar_and_logprobs_requests_join_while_rounds_continue(tiny_llama):
     got, log, llm = run(True)
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
                                                                      for o in sync]
-    assert [[e.keys() for e in o.logprobs] for o in got[3:]] == [[e.keys() for e in o.logprobs] for o in sync[3:]]
+    for g, w in zip(got[3].logprobs, sync[3].logprobs):
+        assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in g)
     assert any(taken for _, taken in log) and not any(bound and taken for bound, taken in log), log
     _all_blocks_back(llm)
 

@@ -120,7 +120,7 @@ class Scheduler:
         """Async scheduling: the next all-decode round, scheduled while `prev` (not yet applied) is still
         on the device, as if every request of it goes on. None when the next step must wait for prev's
         tokens: prev was not all-decode, a request waits for admission, a running request was not in
-        prev, one asks for logprobs or needs the host each token, or the blocks are not all free (nothing
+        prev, one needs the host each token (a grammar), or the blocks are not all free (nothing
         is preempted for it). A request that ends by length in prev is left out; one that stops within
         prev (a stop token or string) ends when prev is applied, and its continued tokens are dropped."""
         if prev.empty or prev.num_tokens != len(prev.request_ids):
@@ -131,7 +131,7 @@ class Scheduler:
         plan: list[tuple[Request, int, int]] = []          # (request, tokens computed after prev, steps)
         for req in self.running:
             i = index.get(req.request_id)
-            if (i is None or req.single_step or req.params.logprobs is not None
+            if (i is None or req.single_step
                     or req.num_computed_tokens + 1 != req.num_tokens):    # prev must have been its decode
                 return None
             computed = req.num_computed_tokens + prev.steps_of(i)
