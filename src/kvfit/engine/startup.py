@@ -91,6 +91,8 @@ def start_engine(config: EngineConfig) -> StartedEngine:
         if config.cache.plan_json:
             write_plan_json(plan, config.cache.plan_json, {"model": config.model.model})
         executor.initialize_cache(plan.num_blocks)
+        logger.info("scheduling: %d decode step(s) per round, async scheduling %s", num_steps,
+                    "on" if use_async else "off")
     except BaseException:
         executor.shutdown()
         raise
