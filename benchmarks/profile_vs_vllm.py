@@ -8,7 +8,9 @@ this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees its kernels
 watched). After a warm-up, the workload runs once unprofiled (wall time) and once under torch.profiler
 (CUDA activity only): kernel time summed by kind (GEMM, attention, MoE, norm, ...) and the top kernels,
 the device's busy time against the wall time (the rest is the GPU waiting on the host), and the
-scheduler's steps (how many, how many tokens each, how many were decode-only).
+scheduler's steps (how many, how many tokens each, how many were decode-only). kvfit also runs the
+workload a second time unprofiled, timing every engine step of both runs, and prints the steps where the
+first run lost the most time against the second (the "first run is slow" question of issue 15).
 """
 
 from __future__ import annotations
@@ -90,6 +92,28 @@ def watch_steps(engine_name: str, engine) -> list[tuple[int, int, int]]:
     return steps
 
 
+def time_engine_steps(engine) -> list[float]:
+    """kvfit: the wall time of every LLMEngine.step call, appended as the engine steps."""
+    times: list[float] = []
+    inner = engine.llm.engine.step
+
+    def step(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t0)
+    engine.llm.engine.step = step
+    return times
+
+
+def first_run_report(first: list[float], second: list[float], top: int = 8) -> dict:
+    """Where the first full run lost time against the second: the steps with the largest difference."""
+    pairs = sorted(((a - b, i, a, b) for i, (a, b) in enumerate(zip(first, second))), reverse=True)[:top]
+    return {"first_s": sum(first), "second_s": sum(second), "steps": [len(first), len(second)],
+            "worst": [{"step": i, "first_ms": a * 1e3, "second_ms": b * 1e3} for _, i, a, b in pairs]}
+
+
 def step_summary(steps: list[tuple[int, int, int]]) -> dict:
     decode = [s for s in steps if s[0] == s[1]]
     mixed = [s for s in steps if s[0] != s[1]]
@@ -112,6 +136,7 @@ def worker(engine_name: str, model: str, name: str, top: int) -> None:
     prompts, outs = workload(name, vocab)
     engine.generate(prompts[:8], outs[:8])
     steps = watch_steps(engine_name, engine)
+    step_times = time_engine_steps(engine) if engine_name == "kvfit" else []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     n = engine.generate(prompts, outs)
@@ -119,6 +144,15 @@ def worker(engine_name: str, model: str, name: str, top: int) -> None:
     wall = time.perf_counter() - t0
     result = {"engine": engine_name, "model": model, "workload": name, "tokens": n, "wall_s": wall,
               "tok_s": n / wall, "steps": step_summary(steps)}
+    if step_times:          # the same workload again, unprofiled: where did the first run lose time?
+        first = list(step_times)
+        step_times.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, outs)
+        torch.cuda.synchronize()
+        result["second_wall_s"] = time.perf_counter() - t0
+        result["first_run"] = first_run_report(first, step_times)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         engine.generate(prompts, outs)
@@ -134,6 +168,11 @@ def report(r: dict) -> str:
              f"({100 * r['busy_s'] / r['profiled_wall_s']:.0f}%)",
              "  steps: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in r["steps"].items())]
+    if "first_run" in r:
+        fr = r["first_run"]
+        lines.append(f"  second unprofiled run {r['second_wall_s']:.2f} s; engine steps {fr['first_s']:.2f} s vs "
+                     f"{fr['second_s']:.2f} s over {fr['steps']} steps; largest gaps (ms, first/second): "
+                     + ", ".join(f"#{w['step']} {w['first_ms']:.1f}/{w['second_ms']:.1f}" for w in fr["worst"]))
     lines += [f"  {kind:12s} {s:7.3f} s {100 * s / r['busy_s']:5.1f}%" for kind, s in r["kinds_s"].items()]
     lines += [f"    {k['s']:7.3f} s x{k['count']:<7d} [{k['kind']}] {k['name']}" for k in r["top"]]
     return "\n".join(lines)
