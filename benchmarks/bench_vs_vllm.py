@@ -129,6 +129,14 @@ def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
         _emit(engine_name, model, name, values, "ms/token" if name == "latency" else "tok/s")
 
 
+def add_run_args(ap: argparse.ArgumentParser, worker_fields: tuple[str, str, str]) -> None:
+    """The flags every engine-against-engine benchmark takes: engines, a timeout, --out, the worker's."""
+    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm"])
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=3, metavar=worker_fields, help=argparse.SUPPRESS)
+
+
 def run_worker(cmd: list[str], name: str, timeout: int, env: dict | None = None) -> list[dict]:
     """Run one engine's worker process; return its RESULT rows (a timeout or a failure is printed)."""
     env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -168,19 +176,16 @@ def summarize(rows: list[dict]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
-    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm"])
     ap.add_argument("--groups", nargs="+", default=["base"], choices=list(GROUPS))
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine process")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=3, metavar=("ENGINE", "MODEL", "GROUP"), help=argparse.SUPPRESS)
+    add_run_args(ap, ("ENGINE", "MODEL", "GROUP"))
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, reps=args.reps)
         return 0
-    import torch
-    if not torch.cuda.is_available():
-        print("bench_vs_vllm: no CUDA device; this benchmark runs on a GPU only")
+    sys.path.insert(0, HERE)
+    from common import gpu_only
+    if not gpu_only("bench_vs_vllm"):
         return 0
     rows = []
     for model in args.models:

@@ -5,7 +5,15 @@ Runs with an empty TRITON_CACHE_DIR; lists the kernels compiled by start-up + th
 those first compiled inside the timed throughput run (the cause of a slow first repetition), and times two
 runs. Each compiled kernel is a folder in the cache with <name>.json (its constants and specialization).
 """
-import argparse, glob, json, os, sys, tempfile, time
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
 
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -26,7 +26,8 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_vs_vllm import GROUPS, KvfitEngine, VllmEngine, run_worker, workload  # noqa: E402
+from bench_vs_vllm import GROUPS, KvfitEngine, VllmEngine, add_run_args, run_worker, workload  # noqa: E402
+from common import gpu_only  # noqa: E402
 
 # first match wins; names are lower-cased kernel names
 KINDS = [
@@ -181,20 +182,15 @@ def report(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b"])
-    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm"])
     ap.add_argument("--workload", default="throughput",
                     choices=sorted({w for g in GROUPS.values() for w in g["workloads"]} - {"latency"}))
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine process")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=3, metavar=("ENGINE", "MODEL", "WORKLOAD"), help=argparse.SUPPRESS)
+    add_run_args(ap, ("ENGINE", "MODEL", "WORKLOAD"))
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, top=args.top)
         return 0
-    import torch
-    if not torch.cuda.is_available():
-        print("profile_vs_vllm: no CUDA device; this benchmark runs on a GPU only")
+    if not gpu_only("profile_vs_vllm"):
         return 0
     results = []
     for model in args.models:

@@ -162,12 +162,12 @@ class LLMEngine:
         applied one at a time, in order, so stops and stop strings end a request at the same
         token as single steps would (tokens sampled past the end are dropped).
         """
-        if self._inflight is not None and not self._still_running(self._inflight[0]):
-            self._inflight[1]()         # every request of the round in flight has ended: read it, drop it
-            self._inflight = None
-        if self._inflight is not None:          # async scheduling: launched by the previous step
-            delta, pending = self._inflight
-            self._inflight = None
+        inflight, self._inflight = self._inflight, None     # async scheduling: launched by the previous step
+        if inflight is not None and not self._still_running(inflight[0]):
+            inflight[1]()               # every request of the round in flight has ended: read it, drop it
+            inflight = None
+        if inflight is not None:
+            delta, pending = inflight
         else:
             delta = self.scheduler.schedule(self.num_scheduler_steps)
             if delta.empty:

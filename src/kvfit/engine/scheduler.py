@@ -106,15 +106,22 @@ class Scheduler:
                  for s in scheduled]
         if max(steps) == 1:
             return
-        need = sum(self.kv.num_blocks_short(s.req.request_id, s.req.num_computed_tokens + n)
-                   for s, n in zip(scheduled, steps))
-        if need > self.pool.num_allocatable_blocks:
+        grown = self._grow_all([(s.req, s.req.num_computed_tokens + n) for s, n in zip(scheduled, steps)])
+        if grown is None:
             return
-        for s, n in zip(scheduled, steps):
-            grown = self.kv.grow(s.req.request_id, s.req.num_computed_tokens + n)
-            assert grown is not None, "blocks counted free above"
-            s.new_blocks.extend(grown)
+        for s, n, blocks in zip(scheduled, steps, grown):
+            s.new_blocks.extend(blocks)
             s.num_steps = n
+
+    def _grow_all(self, targets: list[tuple[Request, int]]) -> list[list[int]] | None:
+        """Tables grown to cover each (request, tokens) target, all or none: the new block ids of each,
+        or None (nothing allocated) when the pool cannot give them all without preempting."""
+        need = sum(self.kv.num_blocks_short(req.request_id, num_tokens) for req, num_tokens in targets)
+        if need > self.pool.num_allocatable_blocks:
+            return None
+        grown = [self.kv.grow(req.request_id, num_tokens) for req, num_tokens in targets]
+        assert all(blocks is not None for blocks in grown), "blocks counted free above"
+        return grown
 
     def schedule_continuation(self, prev: StepDelta, num_steps: int = 1) -> StepDelta | None:
         """Async scheduling: the next all-decode round, scheduled while `prev` (not yet applied) is still
@@ -138,14 +145,12 @@ class Scheduler:
             left = req.max_total_tokens - (req.num_tokens + prev.steps_of(i))
             if left > 0:
                 plan.append((req, computed, min(num_steps, left)))
-        need = sum(self.kv.num_blocks_short(req.request_id, computed + n) for req, computed, n in plan)
-        if not plan or need > self.pool.num_allocatable_blocks:
+        grown = self._grow_all([(req, computed + n) for req, computed, n in plan]) if plan else None
+        if grown is None:
             return None
         scheduled = []
-        for req, computed, n in plan:
-            grown = self.kv.grow(req.request_id, computed + n)
-            assert grown is not None, "blocks counted free above"
-            s = _Scheduled(req, 1, grown, is_new=False)
+        for (req, _, n), blocks in zip(plan, grown):
+            s = _Scheduled(req, 1, blocks, is_new=False)
             s.num_steps = n
             scheduled.append(s)
         return replace(self._delta(scheduled, []), continues=True)

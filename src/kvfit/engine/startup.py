@@ -4,10 +4,8 @@ allocate the KV cache -> capture graphs. The engine gets the result; its constru
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfit.attention.registry import get_backend
 from kvfit.config import EngineConfig
@@ -84,7 +82,7 @@ def start_engine(config: EngineConfig) -> StartedEngine:
         readings = executor.measure()
         plan = plan_kv_cache(readings, spec, limits, config.parallel.tensor_parallel_size)
         # --max-model-len auto: the planner chose the length; the scheduler and admission use it
-        limits = dataclasses.replace(limits, max_model_len=plan.max_model_len)
+        limits = replace(limits, max_model_len=plan.max_model_len)
         logger.info(plan.log_line())
         for warning in plan.warnings:
             logger.warning(warning)

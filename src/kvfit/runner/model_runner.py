@@ -265,9 +265,8 @@ class ModelRunner:
         tokens = torch.empty((num_steps, len(steps)), dtype=torch.int64, device=self.device)     # [K, B]
         packed: list[torch.Tensor] = []     # per step: packed logprobs of the rows that asked [L, 3 + 2k]
         result = None
-        if num_steps > 1:       # only a round of several steps needs these (not a one-step decode)
-            remaining = torch.tensor(steps, dtype=torch.int32).to(self.device, non_blocking=True)   # [B]
-            rows = torch.arange(len(steps), device=self.device)                                     # [B]
+        remaining = torch.tensor(steps, dtype=torch.int64).to(self.device, non_blocking=True)       # [B]
+        rows = torch.arange(len(steps), device=self.device)                                         # [B]
         active = None           # [B] bool: rows still within their steps (None: all of them)
         for k in range(num_steps):
             step_meta = replace(meta, slot_mapping=slots, seq_lens=seq_lens, max_seq_len=meta.max_seq_len + k,
@@ -287,11 +286,10 @@ class ModelRunner:
             positions = positions + active
             seq_lens = seq_lens + active.to(seq_lens.dtype)
             slots = torch.where(active, slot_mapping(tables, rows, positions, bs), PADDING_SLOT_ID)
-        last = tokens[torch.tensor(steps, dtype=torch.int64).to(self.device, non_blocking=True) - 1,
-                      torch.arange(len(steps), device=self.device)].clamp(min=0)                  # [B]
-        self._carry = ({rid: i for i, rid in enumerate(delta.request_ids)}, last)
         if self.tp_rank != 0:
             return SampledTokens
+        last = tokens[remaining - 1, rows].clamp(min=0)         # [B]: each row's token of its own last step
+        self._carry = ({rid: i for i, rid in enumerate(delta.request_ids)}, last)
         host_tokens = _to_host(tokens)
         host_packed = _to_host(torch.stack(packed)) if packed else None      # [K, L, 3 + 2k]
         done = _device_event(self.device)
