@@ -8,14 +8,18 @@ says). Both engines get the same settings: dummy bf16 weights (`--load-format du
 greedy, ignore_eos, gpu_memory_utilization 0.9, the same max_model_len / max_num_seqs / prefix-caching
 setting; each engine's own defaults otherwise (vLLM: torch.compile, FlashAttention-3, CUDA graphs).
 One process per (model, engine, group): start-up is timed (engine created, graphs captured), then a
-warm-up, then every workload of the group `--reps` times. Groups (one engine configuration each):
+warm-up (8 requests, then one untimed run of each throughput-style workload: the first full run on a fresh
+process is slower for both engines), then every workload of the group `--reps` times; with prefix caching
+on, the cache is reset before every repetition (vLLM's LLM.reset_prefix_cache on both engines), so a
+repetition never hits the previous one's prompts. Groups (one engine configuration each):
   base:   max_model_len 2048, max_num_seqs 256, no prefix caching
           throughput: 256 requests, 128-1024 in, 128-512 out (benchmarks/common.request_set, seed 0)
           latency:    batch-1 decode, 128-token prompt: (t(16 + 256 tokens) - t(16)) / 256 per token
   long:   max_model_len 8448, max_num_seqs 256, prefix caching on
           shared-prefix: 256 requests sharing a 2,000-token system prompt + 128-512 own tokens, 128 out
           long-context:  32 requests of 8,000 in / 256 out
-KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment.
+KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment;
+KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (triton_prefill.PREFILL_CONFIG).
 Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
 kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
 """
@@ -62,9 +66,16 @@ class KvfitEngine:
         from kvfit import LLM
         # KVFIT_BENCH_ARGS: JSON of extra LLM(...) arguments for an experiment (e.g. max_num_batched_tokens)
         extra = json.loads(os.environ.get("KVFIT_BENCH_ARGS", "{}"))
+        if os.environ.get("KVFIT_BENCH_PREFILL"):
+            # JSON [BLOCK_M, BLOCK_N, num_warps, num_stages]: the prefill attention tiles, for an experiment
+            from kvfit.attention import triton_prefill
+            triton_prefill.PREFILL_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_PREFILL"]))
         self.llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
+
+    def reset_prefix_cache(self) -> None:
+        assert self.llm.reset_prefix_cache()
 
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
@@ -84,6 +95,9 @@ class VllmEngine:
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
+
+    def reset_prefix_cache(self) -> None:
+        assert self.llm.reset_prefix_cache()
 
     def generate(self, prompts, outs) -> int:
         from vllm import SamplingParams
@@ -106,8 +120,12 @@ def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
     warm_prompts, warm_outs = workload("throughput", vocab)
     engine.generate(warm_prompts[:8], warm_outs[:8])
     for name in group["workloads"]:
+        if name != "latency":               # one untimed run of the whole workload first (steady state)
+            engine.generate(*workload(name, vocab))
         values = []
         for _ in range(reps):
+            if group["prefix_caching"]:     # every repetition computes its prompts (no hits on the last run's)
+                engine.reset_prefix_cache()
             if name == "latency":
                 prompt = [[100 + i % 1000 for i in range(128)]]
                 torch.cuda.synchronize()

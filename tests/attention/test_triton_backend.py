@@ -222,6 +222,22 @@ def test_prefill_head_layouts(heads, head_dim):
                  seed=31)
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_prefill_unmasked_tiles_below_the_diagonal_match_the_reference(split):
+    # long prefixes and row tiles starting mid-tile: several whole key tiles below the causal diagonal go
+    # through the unmasked loop (split), the rest through the masked one; both walks give the reference
+    from kvfit.attention.triton_prefill import paged_prefill_attention
+    gen = torch.Generator().manual_seed(34)
+    q_lens, seq_lens = [19, 3, 40], [70, 50, 40]
+    k_cache, v_cache, table = filled_caches(seq_lens, 8, 2, 16, torch.float32, gen)
+    meta = make_meta(q_lens, seq_lens, table)
+    query = torch.randn(sum(q_lens), 4, 16, generator=gen).to(DEVICE)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, 0.25)
+    got = paged_prefill_attention(query, k_cache, v_cache, table, meta.seq_lens, meta.query_start_loc,
+                                  max(q_lens), 0.25, split=split)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
 def test_sequences_without_queries_are_skipped():
     # q_len 0 rows occur in padded batches: their seq writes nothing, the others are unaffected
     check_attend(TritonBackend(num_splits=2), [1, 0, 1], [9, 4, 17], 4, 2, 16, 8, torch.float32, seed=32)
@@ -357,7 +373,7 @@ def _compile_check() -> None:
             PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32))
         build(pre._prefill_kernel, qd, cache, dict(
             GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
-            BLOCK_N=tile, IEEE=qd == f32))
+            BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))
     build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64))
     print("ok: all kernels compile for sm_90 without spills")
 

@@ -92,6 +92,26 @@ def test_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(tiny_llama):
     llm.shutdown()
 
 
+def test_reset_prefix_cache_forgets_cached_prefixes_and_refuses_while_requests_hold_blocks(tiny_llama):
+    llm = LLM(tiny_llama, **KW)       # its own cache: no other test's blocks
+    first = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0]
+    assert _cached_tokens(llm, SALT_PROMPT) == 28
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0                        # computed afresh, with the same tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert _cached_tokens(llm, SALT_PROMPT) == 28              # and cached again
+    request_id = llm.engine.add_request(SALT_PROMPT, GREEDY)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False                   # vLLM's: not while blocks are held
+    llm.engine.abort(request_id)
+    assert llm.reset_prefix_cache() is True
+    with pytest.raises(ValueError, match="reset_running_requests and reset_connector are not supported"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("salt", ["", 5, ["a"], b"a"])
 def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_request_error(llm, salt):
     with pytest.raises(RequestError, match="cache_salt must be a non-empty string") as info:

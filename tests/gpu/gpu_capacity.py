@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 def estimated_blocks(model: str, settings: dict, llm) -> int:
     """The block count `kvfit plan` estimates for `model` under `settings` on this device (the measured
@@ -16,6 +18,10 @@ def estimated_blocks(model: str, settings: dict, llm) -> int:
     spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
     measured = llm.engine.readings[0]
     estimate = estimate_reading(facts, measured.total_bytes, config.cache, config.scheduler, 1, 2)
+    # what the device held before the engine started is the machine's state, not the plan's to predict:
+    # earlier tests of the same pytest process leave loaded kernels and driver reservations behind
+    estimate = replace(estimate, in_use_at_start_bytes=max(estimate.in_use_at_start_bytes,
+                                                           measured.in_use_at_start_bytes))
     predicted = plan_kv_cache(estimate, spec, limits).num_blocks
     print(f"\nestimated reading {estimate}\nmeasured reading {measured}\n"
           f"predicted {predicted} vs profiled {llm.capacity.num_blocks}")

@@ -426,6 +426,12 @@ def _compile_check() -> None:
                       PRECISION="tf32")
         build(fm._gate_up_kernel, "bf16", {**consts, "TOP_K": top_k}, cfg)
         build(fm._down_kernel, "bf16", consts, cfg)
+    for m in (256, 8192):                   # fp32's own tiles (IEEE dots spill in the 16-bit wide ones)
+        cfg = fm.get_config(m, 8, 4096, 14336, 2, torch.float32)
+        consts = dict(HIDDEN=4096, INTER=14336, NUM_EXPERTS=8, BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"],
+                      BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"], PRECISION="ieee")
+        build(fm._gate_up_kernel, "fp32", {**consts, "TOP_K": 2}, cfg)
+        build(fm._down_kernel, "fp32", consts, cfg)
     index_ptrs.update(ids_ptr="*i64", sorted_pair_ids_ptr="*i32", block_experts_ptr="*i32", cursor_ptr="*i32",
                       counts_ptr="*i32")
     for e_pad in (16, 128, 1024):           # the align kernels as moe_align launches them

@@ -86,7 +86,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_paged_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
             kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE)
+            PAGE, D_PAD, IEEE, False)
 
     if DIRECT_OUT:
         out = acc / l_i[:, None]

@@ -118,19 +118,28 @@ def attend_paged_tile(
     offs_n, n_mask, visible, d_mask,       # [BLOCK_N] context positions, in range; [M or 1, BLOCK_N]; [D_PAD]
     kv_head, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    PAGE: tl.constexpr, D_PAD: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, D_PAD: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr,
 ):
     """One online-softmax step (log2 domain) of q over the paged K/V tile at offs_n -> (m_i, l_i, acc).
 
     The caller owns the mask: `visible` says which (row, key) scores count (decode: the key is in the
-    split; prefill: also causal). Block ids and in-block positions are int64 before any stride.
+    split; prefill: also causal). FULL says every key of the tile is in range and visible to every row
+    (prefill tiles below the causal diagonal): no mask is applied, so loads vectorise and no scores are
+    selected. Block ids and in-block positions are int64 before any stride.
     """
-    blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     within = (offs_n % PAGE).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
+    if FULL:
+        blk = tl.load(table_row + offs_n // PAGE).to(tl.int64)
+        kv_mask = tl.full(offs_n.shape, 1, tl.int1)[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
     k = load_paged_tile(k_cache_ptr, blk, within, kv_head, stride_kb, stride_ks, stride_kh, kv_mask, D_PAD, q.dtype)
     s = tile_dot(q, tl.trans(k), IEEE)
-    s = tl.where(visible, s * scale_log2, float("-inf"))                     # [M, BLOCK_N]
+    if FULL:
+        s = s * scale_log2
+    else:
+        s = tl.where(visible, s * scale_log2, float("-inf"))                 # [M, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

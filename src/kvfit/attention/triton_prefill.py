@@ -32,7 +32,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_start = tl.program_id(1) * BLOCK_M
@@ -63,7 +63,16 @@ def _prefill_kernel(
     last_tok = tl.minimum((row_start + BLOCK_M - 1) // GROUP, q_len - 1)
     kv_hi = prefix_len + last_tok + 1                     # keys any row of this tile may see
     table_row = block_tables_ptr + seq * stride_bt
-    for start in range(0, kv_hi, BLOCK_N):
+    # SPLIT: the whole tiles every row of this tile sees (keys < the first row's position + 1) go
+    # first, without masks; only the tiles on the causal diagonal pay for them
+    kv_full = (prefix_len + row_start // GROUP + 1) // BLOCK_N * BLOCK_N if SPLIT else 0
+    for start in range(0, kv_full, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, offs_n < kv_hi, None, d_mask,
+            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, D_PAD, IEEE, True)
+    for start in range(kv_full, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
         # key 0 is in the first tile and visible to every row, so the running max is finite from the start
@@ -71,7 +80,7 @@ def _prefill_kernel(
         m_i, l_i, acc = attend_paged_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, causal, d_mask,
             kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE)
+            PAGE, D_PAD, IEEE, False)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -85,15 +94,26 @@ def prefill_tile_rows(elem_bytes: int, gpu: bool) -> int:
     return 64 if elem_bytes <= 2 else 32
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit queries on a GPU; None keeps the defaults
+# (prefill_tile_rows, kv_tile_tokens, 4 warps, Triton's stages). benchmarks/bench_prefill_attention.py
+# --sweep times the candidates: on the H200 (2026-12-03) 128 x 128, 8 warps, 3 stages was 5-10% faster
+# on 8,000-token prompts and 3-7% slower on 1,024-token ones, and no faster end to end on the
+# long-context workload (qwen3-0.6b shape; docs/benchmarks.md), so the defaults stay.
+PREFILL_CONFIG: tuple[int, int, int, int] | None = None
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             max_query_len: int, scale: float, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, num_stages: int | None = None,
+                            split: bool | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32; query_start_loc: [B + 1] int32 -> out [T, Hq, D] in query's dtype.
+    split: walk the tiles below the causal diagonal without masks (default: on, except fp32, whose IEEE
+    dots spill with the second loop on Hopper).
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -103,9 +123,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len == 0:
         return out
     d_pad = padded_head_dim(head_dim)
+    if PREFILL_CONFIG is not None and query.element_size() <= 2 and d_pad <= 128 and on_gpu(query):
+        tuned_m, tuned_n, tuned_warps, tuned_stages = PREFILL_CONFIG
+        block_m, block_n = block_m or tuned_m, block_n or tuned_n
+        num_warps, num_stages = num_warps or tuned_warps, num_stages or tuned_stages
     block_m = block_m or prefill_tile_rows(query.element_size(), on_gpu(query))
     block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
     num_warps = num_warps or 4
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    split = not dot_ieee(query.dtype) if split is None else split
     grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E,
@@ -113,6 +139,6 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=dot_ieee(query.dtype), num_warps=num_warps,
+        IEEE=dot_ieee(query.dtype), SPLIT=split, num_warps=num_warps, **stages,
     )
     return out

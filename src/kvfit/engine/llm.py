@@ -122,6 +122,16 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget every cached prefix, so later prompts compute all their tokens. Returns False (and
+        logs a warning) while requests hold blocks. Preempting running requests to force the reset, and KV
+        connectors, are not supported (a ValueError)."""
+        if reset_running_requests or reset_connector:
+            raise ValueError("reset_prefix_cache: reset_running_requests and reset_connector are not supported; "
+                             "call it with no arguments when no request is running")
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         with self._lock:
             self.engine.shutdown()

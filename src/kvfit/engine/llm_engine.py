@@ -153,6 +153,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: after a weight update, or between
+        benchmark runs). False, with a warning, while unfinished requests hold blocks."""
+        if self.has_unfinished() or self.pool.num_used_blocks:
+            logger.warning("cannot reset the prefix cache: %d blocks are held by unfinished requests",
+                           self.pool.num_used_blocks)
+            return False
+        self.pool.reset_prefix_cache()
+        logger.info("prefix cache reset")
+        return True
+
     # the loop -----------------------------------------------------------------------------------
     def step(self, stream: bool = True) -> list[RequestOutput]:
         """Schedule, execute, apply; return an output for every request that got tokens
