@@ -75,7 +75,8 @@ class KvfitEngine:
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
 
     def reset_prefix_cache(self) -> None:
-        assert self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
 
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
@@ -97,7 +98,8 @@ class VllmEngine:
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
 
     def reset_prefix_cache(self) -> None:
-        assert self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
 
     def generate(self, prompts, outs) -> int:
         from vllm import SamplingParams

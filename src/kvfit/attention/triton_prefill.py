@@ -75,7 +75,8 @@ def _prefill_kernel(
     for start in range(kv_full, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
-        # key 0 is in the first tile and visible to every row, so the running max is finite from the start
+        # every row saw a whole unmasked tile already, or this tile holds key 0, which every row sees:
+        # the running max is finite from the first tile on
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]      # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = attend_paged_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, causal, d_mask,

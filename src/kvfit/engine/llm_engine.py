@@ -155,8 +155,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache: after a weight update, or between
-        benchmark runs). False, with a warning, while unfinished requests hold blocks."""
-        if self.has_unfinished() or self.pool.num_used_blocks:
+        benchmark runs). False, with a warning, while requests hold blocks (a waiting request that holds
+        none does not stop it: it matches against the emptied cache when admitted)."""
+        if self.pool.num_used_blocks:
             logger.warning("cannot reset the prefix cache: %d blocks are held by unfinished requests",
                            self.pool.num_used_blocks)
             return False

@@ -74,9 +74,10 @@ def stage_bytes(block_m: int, block_n: int, block_k: int, elem_bytes: int) -> in
 def default_config(M: int, E: int, top_k: int, dtype: torch.dtype) -> dict[str, int]:
     """Hopper defaults by tokens per expert (M * top_k / E): small tiles when each expert sees a few rows
     (decode: bound by reading the weights), wide ones when the grouped GEMMs are compute bound; as many
-    pipeline stages as fit in shared memory, up to 4 (3 for the wide tiles). fp32 (IEEE dots, no tensor
-    cores) keeps its tiles at 64 x 64 x 32: the 16-bit wide tiles spill kilobytes per thread there, and
-    the driver's local-memory reservation for them stays with the process (GiBs on the H200)."""
+    pipeline stages as fit in shared memory, up to 4 (3 for the wide tiles). Past 16 rows per expert fp32
+    (IEEE dots, no tensor cores) takes 32 x 64 x 32, then 64 x 64 x 32 tiles: the 16-bit wide tiles spill
+    kilobytes per thread there, and the driver's local-memory reservation for them stays with the process
+    (GiBs on the H200)."""
     rows_per_expert = M * top_k / E
     elem_bytes = torch.finfo(dtype).bits // 8
     small_k = 64 if elem_bytes == 4 else 128            # an fp32 K tile is twice the bytes
