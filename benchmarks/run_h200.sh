@@ -25,5 +25,9 @@ for s in "$@"; do case $s in
   fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;
   moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/models/test_fused_moe.py -q -s -p no:cacheprovider ;;
   vs-vllm-moe) step vs-vllm-moe 1200 python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b mixtral-8x7b ;;
+  vs-vllm-base) step vs-vllm-base 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --out "$OUT/vs-base.json" ;;
+  vs-vllm-long) step vs-vllm-long 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --out "$OUT/vs-long.json" ;;
+  profile-long) step profile-long 400 python3 benchmarks/profile_vs_vllm.py --models qwen3-0.6b --workload long-context --out "$OUT/profile-long.json" ;;
+  prefill-attn) step prefill-attn 300 bash -c "python3 benchmarks/bench_prefill_attention.py --sweep && python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32" ;;
   *) echo "unknown step $s" ;;
 esac; done
