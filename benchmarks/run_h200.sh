@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU steps named on the command line, each under its own timeout, logs to $OUT.
 # usage: bash benchmarks/run_h200.sh profile capacity throughput-small ...
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+# vLLM steps need its bundle on PYTHONPATH already (../shared/peers/vllm: /root/vllm/site:/root/vllm/deps)
+export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/kvfit-out}; mkdir -p "$OUT"
 kvfit() { python3 -m kvfit.cli "$@"; }
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date -u +%FT%TZ))"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -${TAIL:-25}; echo "=== $name rc=${PIPESTATUS[0]}"; }
