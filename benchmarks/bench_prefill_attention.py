@@ -53,7 +53,8 @@ def build_case(seqs, args, gen):
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1], args.q_heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
     seq_lens = torch.tensor([q + p for q, p in seqs], dtype=torch.int32, device="cuda")
-    return query, k_cache, v_cache, table.cuda(), seq_lens, torch.tensor(starts, dtype=torch.int32, device="cuda"), max(q_lens)
+    starts = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    return query, k_cache, v_cache, table.cuda(), seq_lens, starts, max(q_lens)
 
 
 def flops(seqs, args) -> float:
@@ -141,8 +142,8 @@ def main() -> int:
     if args.out:
         chosen = next(kw for n, kw in configs if n == best)
         with open(args.out, "w") as fh:
-            json.dump(dict(rows=rows, totals=totals, best=best, best_kwargs=chosen, heads=[args.q_heads, args.kv_heads]),
-                      fh, indent=1)
+            json.dump(dict(rows=rows, totals=totals, best=best, best_kwargs=chosen,
+                           heads=[args.q_heads, args.kv_heads]), fh, indent=1)
     return 0
 
 

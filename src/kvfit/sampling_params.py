@@ -156,7 +156,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top log probabilities "
-                                   f"per token; at most --max-logprobs {MAX_LOGPROBS}), got {value!r}", name)
+                                   f"per token; {MAX_LOGPROBS} is vLLM's default max_logprobs, fixed here), "
+                                   f"got {value!r}", name)
 
     def _check_token_edits(self) -> None:
         if self.logit_bias is not None:
