@@ -61,7 +61,15 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], list[int]]:
     raise ValueError(name)
 
 
-class KvfitEngine:
+class _Engine:
+    """What both engines' wrappers share: self.llm has vLLM's LLM.reset_prefix_cache."""
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
+
+
+class KvfitEngine(_Engine):
     def __init__(self, model: str, group: dict):
         from kvfit import LLM
         # KVFIT_BENCH_ARGS: JSON of extra LLM(...) arguments for an experiment (e.g. max_num_batched_tokens)
@@ -74,10 +82,6 @@ class KvfitEngine:
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
 
-    def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
-
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in outs]
@@ -85,7 +89,7 @@ class KvfitEngine:
         return sum(len(r.outputs[0].token_ids) for r in results)
 
 
-class VllmEngine:
+class VllmEngine(_Engine):
     def __init__(self, model: str, group: dict):
         from kvfit.catalog import model_config
         from vllm import LLM
@@ -96,10 +100,6 @@ class VllmEngine:
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
-
-    def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
 
     def generate(self, prompts, outs) -> int:
         from vllm import SamplingParams

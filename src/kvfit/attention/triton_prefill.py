@@ -132,7 +132,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
     num_warps = num_warps or 4
     stages = {} if num_stages is None else {"num_stages": num_stages}
-    split = not dot_ieee(query.dtype) if split is None else split
+    ieee = dot_ieee(query.dtype)
+    split = not ieee if split is None else split
     grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E,
@@ -140,6 +141,6 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=dot_ieee(query.dtype), SPLIT=split, num_warps=num_warps, **stages,
+        IEEE=ieee, SPLIT=split, num_warps=num_warps, **stages,
     )
     return out
