@@ -55,9 +55,11 @@ def spot_check(backend, query, k_cache, v_cache, meta, scale):
 
 
 def sweep(query, k_cache, v_cache, meta, scale, do_bench):
-    """Best (seconds, config) over split counts, K/V tile tokens and warps, calling the kernel directly."""
+    """Best (seconds, config) over split counts, K/V tile tokens and warps, calling the kernel directly, and
+    the best seconds for each split count."""
     from kvfit.attention.triton_decode import paged_decode_attention
     best = (float("inf"), None)
+    by_splits: dict[int, float] = {}
     out = torch.empty_like(query)
     for splits, block_n, warps in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128), (4, 8)):
         def run():
@@ -69,7 +71,8 @@ def sweep(query, k_cache, v_cache, meta, scale, do_bench):
             print(f"    splits={splits} block_n={block_n} warps={warps}: {type(exc).__name__}")
             continue
         best = min(best, (t, f"splits={splits} block_n={block_n} warps={warps}"), key=lambda x: x[0])
-    return best
+        by_splits[splits] = min(by_splits.get(splits, t), t)
+    return (*best, by_splits)
 
 
 def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, str]:
@@ -86,8 +89,9 @@ def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, 
     ratio = read_bytes / t / copy_bps
     line = f"{batch:>5} {context:>7} {page:>4} {splits:>6} {t * 1e6:>9.1f} {read_bytes / t / 1e9:>7.0f} {ratio:>6.2f}"
     if args.sweep:
-        best_t, config = sweep(query, k_cache, v_cache, meta, scale, triton.testing.do_bench)
-        line += f"   {config} ({read_bytes / best_t / copy_bps:.2f})"
+        best_t, config, by_splits = sweep(query, k_cache, v_cache, meta, scale, triton.testing.do_bench)
+        line += f"   {config} ({read_bytes / best_t / copy_bps:.2f}); best by splits " + " ".join(
+            f"{n}:{read_bytes / t / copy_bps:.2f}" for n, t in sorted(by_splits.items()))
     return ratio, line
 
 

@@ -14,8 +14,10 @@ import json
 import torch
 from common import gpu_only
 
-CONFIGS = [(8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3),
-           (32, 256, 8, 3), (4, 512, 4, 4), (2, 2048, 4, 3), (8, 256, 4, 4)]
+# (BLOCK_N, BLOCK_K, warps, stages); the loop's loads are plain (not software-pipelined), so stages do not
+# matter. The 2026-12-03 sweep's losers (wide BLOCK_N, short BLOCK_K) are gone; one-row programs added.
+CONFIGS = [(2, 2048, 4, 3), (1, 4096, 4, 1), (2, 4096, 4, 1), (2, 4096, 8, 1), (1, 2048, 4, 1), (4, 2048, 8, 1),
+           (2, 1024, 4, 1), (1, 4096, 8, 1), (4, 4096, 8, 1), (1, 8192, 8, 1), (1, 1024, 2, 1), (2, 2048, 2, 1)]
 
 
 def shapes(model: str) -> dict[str, tuple[int, int, int]]:

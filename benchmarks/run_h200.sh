@@ -16,12 +16,18 @@ for s in "$@"; do case $s in
   throughput-small) step throughput-small 420 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --hf-batch 256 ;;
   throughput-8b) step throughput-8b 540 python3 benchmarks/bench_throughput.py --model llama-3.1-8b --hf-batch 64 --hf-requests 64 --hf-static ;;
   latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
+  latency-8b-nopdl) step latency-8b-nopdl 300 env KVFIT_PDL=0 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
+  first-run-small) step first-run-small 300 python3 benchmarks/first_run_compiles.py --model qwen3-0.6b ;;
+  pdl-tests) step pdl-tests 300 python3 -m pytest tests/models/test_fused_ops.py tests/models/test_gemv.py tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
+  decode-long-8b) step decode-long-8b 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 32 --kv-heads 8 --sweep ;;
+  profile-long-kvfit) step profile-long-kvfit 400 python3 benchmarks/profile_vs_vllm.py --models qwen3-0.6b --workload long-context --engines kvfit --out "$OUT/profile-long-kvfit.json" ;;
   latency-8b-k16) step latency-8b-k16 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b --num-scheduler-steps 16 ;;
   profile-step) step profile-step 300 python3 benchmarks/profile_step.py --model qwen3-0.6b ;;
   engine-gpu) step engine-gpu 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
   kernels-small) step kernels-small 240 python3 benchmarks/profile_kernels.py --model qwen3-0.6b ;;
   kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
   gemv) step gemv 240 python3 benchmarks/bench_gemv.py --model llama-3.1-8b ;;
+  decode-grid) step decode-grid 300 python3 benchmarks/bench_decode_attention.py --sweep ;;
   fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;
   moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/models/test_fused_moe.py -q -s -p no:cacheprovider ;;

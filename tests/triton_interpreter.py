@@ -44,3 +44,21 @@ def run_compile_check(test_file: str, ok_line: str) -> None:
     done = subprocess.run([sys.executable, test_file, "--compile-check"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and ok_line in done.stdout, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def ptxas_spills(compiled) -> tuple[int, str]:
+    """Assemble a kernel compiled for sm_90 with Triton's bundled ptxas -v -> (bytes of register spill
+    stores, ptxas's report)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report)), report

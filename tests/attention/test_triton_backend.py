@@ -203,7 +203,10 @@ def test_choose_num_splits():
     choose = triton_decode.choose_num_splits
     assert choose(max_seq_len=100, num_seqs=1, num_kv_head_programs=8, num_sms=132) == 1     # short
     assert choose(max_seq_len=32768, num_seqs=1, num_kv_head_programs=8, num_sms=132) == 64  # capped
-    assert choose(max_seq_len=32768, num_seqs=64, num_kv_head_programs=8, num_sms=132) == 2  # full GPU
+    assert choose(max_seq_len=32768, num_seqs=64, num_kv_head_programs=8, num_sms=132) == 1  # one wave already
+    assert choose(max_seq_len=32768, num_seqs=32, num_kv_head_programs=8, num_sms=132) == 2  # 512 of 528 slots
+    assert choose(max_seq_len=32768, num_seqs=48, num_kv_head_programs=8, num_sms=132) == 1  # 2 would be 1.45 waves
+    assert choose(max_seq_len=32768, num_seqs=512, num_kv_head_programs=8, num_sms=132) == 1  # several waves
     assert choose(max_seq_len=1024, num_seqs=2, num_kv_head_programs=8, num_sms=132) == 4    # by length
 
 
@@ -335,12 +338,11 @@ def _compile_check() -> None:
     """Compile each kernel for sm_90 ahead of time, as a real launch would specialise it (pointers and
     strides 16-divisible), and assemble with ptxas -v: catches GPU-only compile errors the interpreter
     cannot see, and register spills. Needs no GPU. Runs without TRITON_INTERPRET (a subprocess)."""
-    import re
-    import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
+    from triton_interpreter import ptxas_spills
     from kvfit.attention import triton_decode as dec, triton_kernels as ker, triton_prefill as pre
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
     def build(kernel, qd, cd, consts, warps=4):
@@ -352,29 +354,24 @@ def _compile_check() -> None:
                  if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_bt")}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(compiled.asm["ptx"])
-            f.flush()
-            report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                                    capture_output=True, text=True, check=True).stderr
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
+        spills, report = ptxas_spills(compiled)
         print(f"{kernel.__name__} q={qd} cache={cd}: shared {compiled.metadata.shared} B, spills {spills} B")
         assert spills == 0, report
 
     bf, f32 = types[torch.bfloat16], types[torch.float32]
     for cache in (bf, types[torch.float8_e4m3fn]):
         build(ker._write_kv_kernel, bf, cache, dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, PAGE=16,
-                                                    PAD_SLOT=PADDING_SLOT_ID))
+                                                    PAD_SLOT=PADDING_SLOT_ID, PDL=True))
     for qd, cache, head_dim, page in ((bf, bf, 128, 16), (bf, types[torch.float8_e4m3fn], 128, 64), (f32, f32, 48, 16)):
         elem, d_pad = (2 if qd == bf else 4), ker.padded_head_dim(head_dim)
         tile = ker.kv_tile_tokens(elem, d_pad, gpu=True)
         build(dec._decode_split_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim, D_PAD=d_pad,
-            PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32))
+            PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, PDL=True))
         build(pre._prefill_kernel, qd, cache, dict(
             GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
             BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))
-    build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64))
+    build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64, PDL=True))
     print("ok: all kernels compile for sm_90 without spills")
 
 

@@ -1,13 +1,16 @@
-"""The fused decoder kernels against their plain-torch definitions (Triton's interpreter on CPU)."""
+"""The fused decoder kernels against their plain-torch definitions (Triton's interpreter on CPU), and these
+kernels and the GEMV compiled for sm_90 with programmatic dependent launch (no GPU needed)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+COMPILE_CHECK = __name__ == "__main__" and sys.argv[1:] == ["--compile-check"]
+if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
@@ -131,3 +134,44 @@ def test_one_token_views_of_fused_qkv_are_adjacent():
     q, k = q.view(1, 4, 16), k.view(1, 2, 16)
     assert fused_ops._adjacent_heads(q, k)
     assert not fused_ops._adjacent_heads(q, k.clone())
+
+
+def _compile_check() -> None:
+    """Compile the fused kernels and the GEMV for sm_90 with PDL on (griddepcontrol in the PTX) as a
+    launch specialises them, assemble with ptxas -v: no errors, no register spills."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
+    from triton_interpreter import ptxas_spills
+
+    from kvfit.models import gemv
+    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32"}
+
+    def build(kernel, consts, warps=4, stages=3):
+        sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
+               else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
+        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if sig[n].startswith("*") or n.startswith("stride_")}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        assert "griddepcontrol.wait" in compiled.asm["ptx"], kernel.__name__
+        spills, report = ptxas_spills(compiled)
+        print(f"{kernel.__name__} {consts}: spills {spills} B")
+        assert spills == 0, report
+
+    build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096, PDL=True))
+    build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, PDL=True))
+    build(fused_ops._silu_mul_kernel, dict(BLOCK=1024, PDL=True))
+    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 1024)):     # each of config_for's choices
+        block_n, block_k, warps, stages = gemv.config_for(n, k)
+        build(gemv._gemv_kernel, dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PDL=True), warps, stages)
+    print("ok: fused kernels and GEMV compile for sm_90 with PDL")
+
+
+def test_kernels_compile_for_sm90_with_pdl():
+    from triton_interpreter import run_compile_check
+    run_compile_check(__file__, "ok: fused kernels and GEMV compile")
+
+
+if COMPILE_CHECK:
+    _compile_check()

@@ -17,7 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("n,k,config", [(37, 100, (8, 64, 4, 1)), (64, 512, (8, 512, 4, 3)),
-                                        (5, 1030, (16, 256, 4, 2)), (130, 96, (4, 1024, 4, 3))])
+                                        (5, 1030, (16, 256, 4, 2)), (130, 96, (4, 1024, 4, 3)),
+                                        (3, 100, (1, 64, 4, 1)), (7, 300, None), (9, 8200, None)])
 def test_gemv_matches_linear(n, k, config):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=g).to(DEVICE)
@@ -25,6 +26,14 @@ def test_gemv_matches_linear(n, k, config):
     torch.testing.assert_close(gemv.gemv(x, w, config=config), x @ w.T, rtol=1e-4, atol=1e-4)
     b = torch.randn(n, generator=g).to(DEVICE)
     torch.testing.assert_close(gemv.gemv(x, w, b, config=config), x @ w.T + b, rtol=1e-4, atol=1e-4)
+
+
+def test_config_by_weight_shape():
+    # long rows: one row per program; many rows: 2 x 4096; else 2 x 1024; BLOCK_K no wider than K needs
+    assert gemv.config_for(4096, 14336) == gemv.LONG_ROW_CONFIG
+    assert gemv.config_for(128256, 4096) == gemv.MANY_ROWS_CONFIG
+    assert gemv.config_for(6144, 4096) == gemv.DEFAULT_CONFIG
+    assert gemv.config_for(32000, 1000)[1] == 1024 and gemv.config_for(64, 100)[1] == 128
 
 
 def test_gemv_reads_rows_of_a_strided_weight():

@@ -14,22 +14,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvfit.attention import pdl
 from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
                                              kv_tile_tokens, next_pow2, on_gpu, padded_head_dim)
 
 LOG2_E = 1.4426950408889634
-# Split-K tuning (H200 guesses; benchmarks/bench_decode_attention.py sweeps them): aim for about
-# this many programs per SM, never split a context into pieces shorter than this many tokens.
+# Split-K tuning (H200, benchmarks/bench_decode_attention.py --sweep): about this many programs fit on an SM at
+# once; never split a context into pieces shorter than this many tokens.
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 
 
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_head_programs: int, num_sms: int) -> int:
-    """Splits per context: enough programs to fill the GPU, none shorter than MIN_SPLIT_TOKENS."""
+    """Splits per context: as many as still fit the GPU in one wave of programs, none shorter than
+    MIN_SPLIT_TOKENS.
+
+    Rounded down: a second, partly filled wave costs more than the splits gain (the 2026-12-03 sweep at
+    batch 32 x 8 KV heads on 132 SMs: 3 splits, 768 programs, reached 0.70-0.91 of copy bandwidth, 2 splits
+    0.92-1.05, 4 splits 0.84-1.05; at batch 64, 1 split was best).
+    """
     programs = max(1, num_seqs * num_kv_head_programs)
-    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    wanted = PROGRAMS_PER_SM * num_sms // programs
     by_length = max(1, -(-max_seq_len // MIN_SPLIT_TOKENS))
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -52,8 +60,10 @@ def _decode_split_kernel(
     stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:     # before any load (attention/pdl.py)
+        gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_CHUNKS).to(tl.int64)
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -87,6 +97,8 @@ def _decode_split_kernel(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
             kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             PAGE, D_PAD, IEEE, False)
+    if PDL:
+        gdc_launch_dependents()
 
     if DIRECT_OUT:
         out = acc / l_i[:, None]
@@ -104,8 +116,12 @@ def _decode_reduce_kernel(
     out_ptr, query_start_loc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     num_splits, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (seq, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    if PDL:     # before any load and before the early return (attention/pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -159,13 +175,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=dot_ieee(query.dtype), num_warps=num_warps,
+        DIRECT_OUT=direct, IEEE=dot_ieee(query.dtype), num_warps=num_warps, **pdl.launch_args(query),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             out, query_start_loc, part_m, part_l, part_acc, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(num_splits),
-            num_warps=4,
+            num_warps=4, **pdl.launch_args(query),
         )
     return out
 

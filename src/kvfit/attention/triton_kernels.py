@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvfit.attention import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID
 
 
@@ -158,9 +160,12 @@ def _write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr, PDL: tl.constexpr,
 ):
     # one program per token: copies its [Hkv, D] key and value into the slot's row
+    if PDL:     # before any load and before the early return (attention/pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot == PAD_SLOT:
@@ -204,5 +209,5 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         H_PAD=next_pow2(num_kv_heads), D_PAD=next_pow2(head_dim),
         PAGE=k_cache.shape[1], PAD_SLOT=PADDING_SLOT_ID,
-        num_warps=4 if num_kv_heads * head_dim <= 2048 else 8,
+        num_warps=4 if num_kv_heads * head_dim <= 2048 else 8, **pdl.launch_args(key),
     )

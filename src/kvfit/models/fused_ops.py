@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from kvfit.attention import pdl
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -25,10 +28,14 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                             stride_res_out, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             stride_res_out, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        if PDL:     # see attention/pdl.py
+            gdc_wait()
+            gdc_launch_dependents()
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RES:
             # the sum is rounded to the model dtype, as `x + residual` in torch would be
@@ -43,8 +50,11 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
                           num_first, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NORM: tl.constexpr):
+                          NORM: tl.constexpr, PDL: tl.constexpr):
         # program (token, head tile): heads [BLOCK_H] x the two halves [BLOCK_D] of each head
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         i = tl.arange(0, BLOCK_D)
@@ -73,7 +83,10 @@ if triton is not None:
         tl.store(base + HALF, (b * cos + a * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = col < n_cols
@@ -93,7 +106,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out, x.stride(0),
         (residual if residual is not None else x).stride(0), out.stride(0), res_out.stride(0), cols, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8)
+        HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8, **pdl.launch_args(x))
     return out, res_out
 
 
@@ -108,7 +121,8 @@ def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_fi
     block_h = min(triton.next_power_of_2(heads), 16)
     _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, positions, freqs, w_first, w_rest, x.stride(0), x.stride(1), heads, num_first, eps,
-        HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4)
+        HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4,
+        **pdl.launch_args(x))
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -143,5 +157,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=4, **pdl.launch_args(out))
     return out

@@ -10,31 +10,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvfit.attention import pdl
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs
     triton = None
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the best of benchmarks/bench_gemv.py's sweep on the H200 for
-# every 8B shape (2026-12-03: 3.84 ms of linears per decode step against cuBLAS's 4.02 ms)
-DEFAULT_CONFIG = (2, 2048, 4, 3)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by weight shape, from benchmarks/bench_gemv.py's sweep on the H200
+# (2026-12-03, launched with PDL, 8B shapes; read bandwidth against (2, 2048, 4) for all): long rows
+# (down, K 14336) one row per program, 4.12 vs 3.72 TB/s; many rows (gate/up, lm_head) 2 x 4096 with 8
+# warps, 4.28 vs 4.22 and 4.60 vs 4.52; the rest (q/k/v, o) 2 x 1024, 3.71 vs 3.53 and 3.57 vs 3.35.
+# The decode step's linears: 3.63 ms against 3.80 ms. The loop's loads are not software-pipelined
+# (no dot), so stages do not matter.
+LONG_ROW_CONFIG, MANY_ROWS_CONFIG, DEFAULT_CONFIG = (1, 2048, 4, 1), (2, 4096, 8, 1), (2, 1024, 4, 1)
+LONG_ROW_K, MANY_ROWS_N = 8192, 16384
+
+
+def config_for(n: int, k: int) -> tuple[int, int, int, int]:
+    """The launch config for an [n, k] weight; BLOCK_K never wider than k (padded to a power of two)."""
+    block_n, block_k, warps, stages = (LONG_ROW_CONFIG if k >= LONG_ROW_K else
+                                       MANY_ROWS_CONFIG if n >= MANY_ROWS_N else DEFAULT_CONFIG)
+    return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
+
 
 if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
         # K is a compile-time constant: one kernel per weight shape, static loop bounds
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        # the first weight tile is read-only data: with PDL it streams in while the previous kernel ends
+        w = tl.load(w_row + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+        if PDL:
+            gdc_wait()
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * x[None, :]
+        for k in range(BLOCK_K, K, BLOCK_K):
             k_mask = (k + cols) < K
             x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_row + (k + cols)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * x[None, :]
+        if PDL:
+            gdc_launch_dependents()
         y = tl.sum(acc, 1)
         if HAS_BIAS:    # added in fp32 before the one rounding, as cuBLAS's epilogue does
             y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -42,16 +65,18 @@ if triton is not None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config=DEFAULT_CONFIG) -> torch.Tensor:
-    """x: [1, K] (contiguous), weight: [N, K] with unit stride along K, bias [N] -> [1, N] in x's dtype."""
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x: [1, K] (contiguous), weight: [N, K] with unit stride along K, bias [N] -> [1, N] in x's dtype.
+
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages); None: config_for the weight's shape."""
     assert x.shape[0] == 1 and x.shape[1] == weight.shape[1] and weight.stride(1) == 1, (x.shape, weight.shape)
-    block_n, block_k, warps, stages = config
     n, k = weight.shape
+    block_n, block_k, warps, stages = config or config_for(n, k)
     x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else x, out, n, weight.stride(0),
                                              K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-                                             num_warps=warps, num_stages=stages)
+                                             num_warps=warps, num_stages=stages, **pdl.launch_args(x))
     return out
 
 
