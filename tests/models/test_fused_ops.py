@@ -109,6 +109,55 @@ def test_qk_norm_rope_matches_norm_then_rope(norm, adjacent, heads):
     assert torch.equal(qkv[:, (num_q + num_kv) * dim:], v_before)                     # v untouched
 
 
+def _qkv_views(qkv, num_q, num_kv, dim):
+    tokens = qkv.shape[0]
+    return (qkv[:, :num_q * dim].view(tokens, num_q, dim),
+            qkv[:, num_q * dim:(num_q + num_kv) * dim].view(tokens, num_kv, dim),
+            qkv[:, (num_q + num_kv) * dim:].view(tokens, num_kv, dim))
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (10, 3), (14, 3), (1, 1)], ids=["4-2", "one-tile", "straddle", "mha1"])
+@pytest.mark.parametrize("dtype,cache_dtype,norm", [(torch.float32, torch.float32, True),
+                                                    (torch.bfloat16, torch.bfloat16, False),
+                                                    (torch.bfloat16, torch.float8_e4m3fn, True)],
+                         ids=["fp32-norm", "bf16", "bf16-fp8-cache-norm"])
+def test_fused_cache_write_equals_rope_then_write_kv(heads, dtype, cache_dtype, norm):
+    # the one-launch path must leave q, k, v and both caches bit-identical to qk_norm_rope_ + write_kv_cache
+    from kvfit.attention.triton_kernels import write_kv_cache
+    from kvfit.kv.spec import PADDING_SLOT_ID
+    num_q, num_kv = heads
+    dim, tokens, page, num_blocks = 32, 6, 4, 5
+    g = torch.Generator().manual_seed(num_q * 7 + num_kv)
+    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * dim, generator=g).to(DEVICE, dtype)
+    qw = torch.randn(dim, generator=g).to(DEVICE, dtype) if norm else None
+    kw = torch.randn(dim, generator=g).to(DEVICE, dtype) if norm else None
+    pos = torch.tensor([0, 5, 17, 300, 4095, 9]).to(DEVICE)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    slots = torch.tensor([13, PADDING_SLOT_ID, 2, 19, 7, PADDING_SLOT_ID], dtype=torch.int64).to(DEVICE)
+    k_start = torch.randn(num_blocks, page, num_kv, dim, generator=g).to(DEVICE, cache_dtype)
+    v_start = torch.randn(num_blocks, page, num_kv, dim, generator=g).to(DEVICE, cache_dtype)
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_start.clone(), v_start.clone()
+    q, k, v = _qkv_views(ref_qkv, num_q, num_kv, dim)
+    fused_ops.qk_norm_rope_(q, k, pos, freqs, qw, kw, 1e-6)
+    write_kv_cache(k, v, ref_k_cache, ref_v_cache, slots)
+    k_cache, v_cache = k_start.clone(), v_start.clone()
+    assert fused_ops.qk_norm_rope_write_kv_(*_qkv_views(qkv, num_q, num_kv, dim), pos, freqs, qw, kw, 1e-6,
+                                            k_cache, v_cache, slots)
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(k_cache.view(torch.uint8), ref_k_cache.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v_cache.view(torch.uint8))
+
+
+def test_fused_cache_write_declines_views_that_are_not_one_row():
+    qkv = torch.randn(2, 4 * 16).to(DEVICE)
+    q, k, v = _qkv_views(qkv, 2, 1, 16)
+    cache = torch.zeros(2, 4, 1, 16).to(DEVICE)
+    slots = torch.tensor([0, 1]).to(DEVICE)
+    pos, freqs = torch.tensor([0, 1]).to(DEVICE), torch.ones(8).to(DEVICE)
+    assert not fused_ops.qk_norm_rope_write_kv_(q, k, v.clone(), pos, freqs, None, None, 0.0, cache, cache, slots)
+    assert not cache.any() and torch.equal(qkv.view(2, 4, 16)[:, :3], torch.stack([q[:, 0], q[:, 1], k[:, 0]], 1))
+
+
 def test_qk_norm_rope_bf16_close_to_torch():
     dim, tokens, num_q, num_kv = 64, 5, 8, 2
     g = torch.Generator().manual_seed(7)
@@ -145,7 +194,7 @@ def _compile_check() -> None:
     from triton_interpreter import ptxas_spills
 
     from kvfit.models import gemv
-    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32"}
+    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64"}
 
     def build(kernel, consts, warps=4, stages=3):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
@@ -160,7 +209,9 @@ def _compile_check() -> None:
         assert spills == 0, report
 
     build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096, PDL=True))
-    build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, PDL=True))
+    for write_kv in (False, True):
+        build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, WRITE_KV=write_kv,
+                                                PAGE=16, PAD_SLOT=-1, PDL=True))
     build(fused_ops._silu_mul_kernel, dict(BLOCK=1024, PDL=True))
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 1024)):     # each of config_for's choices
         block_n, block_k, warps, stages = gemv.config_for(n, k)

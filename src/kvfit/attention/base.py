@@ -42,6 +42,9 @@ class AttentionBackend:
 
     name: str = "abstract"
     max_element_offset: int = 2**63 - 1
+    # write_kv stores token t's key/value, cast to the cache dtype, at slot_mapping[t] and does nothing else
+    # (no scales, no layout of its own): a model may then do that write in a kernel of its own
+    plain_cache_write: bool = False
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     # all kernels cast indices to int64 before multiplying by strides (declared in registry.py)
     max_element_offset = backend_max_offset("triton")
+    plain_cache_write = True        # write_kv_cache: a cast copy to the slot (fp8 at scale 1.0)
 
     def __init__(self, num_splits: int | None = None):
         if num_splits is not None and num_splits < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.attention import pdl
+from kvfit.kv.spec import PADDING_SLOT_ID
 
 try:
     import triton
@@ -49,9 +50,14 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
-                          num_first, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NORM: tl.constexpr, PDL: tl.constexpr):
-        # program (token, head tile): heads [BLOCK_H] x the two halves [BLOCK_D] of each head
+                          num_first, eps,
+                          k_cache_ptr, v_cache_ptr, slot_ptr, num_kv, stride_kcb, stride_kcs, stride_kch,
+                          stride_vcb, stride_vcs, stride_vch,
+                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                          WRITE_KV: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr, PDL: tl.constexpr):
+        # program (token, head tile): heads [BLOCK_H] x the two halves [BLOCK_D] of each head. Heads
+        # < num_first are q's, the rest k's; with WRITE_KV the rows are q, k then v (num_kv each of k and v):
+        # k goes to its cache slot after RoPE, v unchanged to its slot, as the backend's write_kv would
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -63,6 +69,7 @@ if triton is not None:
         base = x_ptr + tok * stride_tok + heads.to(tl.int64)[:, None] * stride_head + i[None, :]
         x1 = tl.load(base, mask=mask, other=0.0)
         x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        v1, v2 = x1, x2
         if NORM:
             # RMSNorm as the torch module computes it: fp32 statistics, normed value rounded to the
             # model dtype, then times the weight (rounded again); heads < num_first use w_first
@@ -79,8 +86,28 @@ if triton is not None:
         angle = pos * tl.load(freq_ptr + i, mask=d_mask, other=0.0)
         cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base, (a * cos - b * sin).to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + HALF, (b * cos + a * sin).to(x_ptr.dtype.element_ty), mask=mask)
+        o1 = (a * cos - b * sin).to(x_ptr.dtype.element_ty)
+        o2 = (b * cos + a * sin).to(x_ptr.dtype.element_ty)
+        if WRITE_KV:
+            rotated = mask & (heads < num_first + num_kv)[:, None]
+        else:
+            rotated = mask
+        tl.store(base, o1, mask=rotated)
+        tl.store(base + HALF, o2, mask=rotated)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            blk = slot // PAGE
+            within = slot % PAGE
+            kv_head = (heads - num_first).to(tl.int64)                        # k rows: 0..num_kv-1
+            is_k = mask & ((kv_head >= 0) & (kv_head < num_kv))[:, None] & (slot != PAD_SLOT)
+            k_row = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kv_head[:, None] * stride_kch + i[None, :]
+            tl.store(k_row, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            tl.store(k_row + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            v_head = kv_head - num_kv                                            # v rows: 0..num_kv-1
+            is_v = mask & ((v_head >= 0) & (v_head < num_kv))[:, None] & (slot != PAD_SLOT)
+            v_row = v_cache_ptr + blk * stride_vcb + within * stride_vcs + v_head[:, None] * stride_vch + i[None, :]
+            tl.store(v_row, v1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+            tl.store(v_row + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -110,7 +137,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, res_out
 
 
-def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_first: int, eps: float) -> None:
+def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_first: int, eps: float,
+                      cache=None) -> None:
+    """x: [T, H, D] rows; cache: None, or (k_cache, v_cache, slot_mapping, num_kv) with x = q, k, v rows."""
     tokens, heads, dim = x.shape
     assert x.stride(2) == 1 and dim % 2 == 0, (x.shape, x.stride())
     if not tokens:
@@ -118,11 +147,18 @@ def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_fi
     norm = w_first is not None
     w_first = w_first if norm else freqs           # unread without NORM; any pointer will do
     w_rest = w_rest if w_rest is not None else w_first
+    if cache is None:
+        k_cache = v_cache = slots = x                 # unread without WRITE_KV
+        num_kv, page, kv_strides = 0, 1, (0,) * 6
+    else:
+        k_cache, v_cache, slots, num_kv = cache
+        page, kv_strides = k_cache.shape[1], (*k_cache.stride()[:3], *v_cache.stride()[:3])
     block_h = min(triton.next_power_of_2(heads), 16)
     _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, positions, freqs, w_first, w_rest, x.stride(0), x.stride(1), heads, num_first, eps,
-        HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4,
-        **pdl.launch_args(x))
+        k_cache, v_cache, slots, num_kv, *kv_strides,
+        HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm,
+        WRITE_KV=cache is not None, PAGE=page, PAD_SLOT=PADDING_SLOT_ID, num_warps=4, **pdl.launch_args(x))
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -147,6 +183,29 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, fre
         _norm_rope_launch(q, positions, freqs, q_weight, None, q.shape[1], eps)
         _norm_rope_launch(k, positions, freqs, k_weight, None, k.shape[1], eps)
     return q, k
+
+
+def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           freqs: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                           eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> bool:
+    """qk_norm_rope_ of q, k, and the KV-cache write of k (after RoPE) and v, in one launch -> True; False
+    (nothing done) unless q, k, v are adjacent views of one fused qkv row.
+
+    The write is the attention backend's plain one (AttentionBackend.plain_cache_write): token t's k and v
+    cast to the cache dtype at slot slot_mapping[t] of caches [num_blocks, block_size, Hkv, D];
+    PADDING_SLOT_ID rows are skipped.
+    """
+    if not (_adjacent_heads(q, k) and _adjacent_heads(k, v)):
+        return False
+    num_kv = k.shape[1]
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:], \
+        (k.shape, v.shape, k_cache.shape, v_cache.shape)
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and slot_mapping.shape == (q.shape[0],)
+    rows = q.as_strided((q.shape[0], q.shape[1] + 2 * num_kv, q.shape[2]), q.stride())
+    _norm_rope_launch(rows, positions, freqs, q_weight, k_weight, q.shape[1], eps,
+                      (k_cache, v_cache, slot_mapping.to(torch.int64), num_kv))
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

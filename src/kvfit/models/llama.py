@@ -108,12 +108,17 @@ class Attention(torch.nn.Module):
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)                  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
+        written = False                         # this step's k and v in the cache already
         if fused_ops.available(q):
-            # q/k norm (Qwen3) and RoPE in one launch, in place on the qkv output
+            # q/k norm (Qwen3) and RoPE in one launch, in place on the qkv output, with the cache write
+            # when the backend's is a plain one
             norm = self.q_norm is not None
-            q, k = fused_ops.qk_norm_rope_(q, k, positions, freqs, self.q_norm.weight if norm else None,
-                                           self.k_norm.weight if norm else None,
-                                           self.q_norm.eps if norm else 0.0)
+            args = (positions, freqs, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                    self.q_norm.eps if norm else 0.0)
+            if kv_cache is not None and self.backend.plain_cache_write:
+                written = fused_ops.qk_norm_rope_write_kv_(q, k, v, *args, *kv_cache, meta.slot_mapping)
+            if not written:
+                q, k = fused_ops.qk_norm_rope_(q, k, *args)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -123,7 +128,8 @@ class Attention(torch.nn.Module):
             out = causal_attention(q, k, v, starts, self.scale)
         else:
             k_cache, v_cache = kv_cache
-            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if not written:
+                self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)      # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
