@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from kvfit.errors import ConfigError
+
 ENV = "KVFIT_PDL"
 
 
@@ -34,7 +36,8 @@ def _device_supports(index: int) -> bool:
 def _allowed() -> bool:
     text = os.environ.get(ENV, "1").strip()
     if text not in ("0", "1"):
-        raise ValueError(f"{ENV}={text!r} must be 0 or 1")
+        raise ConfigError(f"{ENV}={text!r} is not allowed; set it to 1 (launch kernels with programmatic "
+                          "dependent launch, the default on sm90+) or 0 (without)")
     return text == "1"
 
 

@@ -278,6 +278,11 @@ class SamplingState:
         assert logits.shape == (len(rows_host), self.vocab_size), "logits: [len(rows_host), vocab_size]"
         plan = self._plan(rows_host, num_generated_host, masked)
         if not plan.sampled and not plan.processed and not plan.logprobs:
+            if logits.is_cuda:               # (imported here: Triton stays unimported on CPU)
+                from kvfit.runner import greedy
+                if greedy.applies(logits):   # argmax and the finite check in one read of the logits
+                    tokens, finite = greedy.greedy_tokens(logits)                          # [N], [N]
+                    return SampleResult(self._count(tokens, logits, rows, counted, finite))
             tokens = torch.argmax(logits, dim=-1)                                          # [N]
             return SampleResult(self._count(tokens, logits, rows, counted))
         index = plan.device_tensors(logits.device, logits.shape[0])
@@ -298,9 +303,11 @@ class SamplingState:
         return SampleResult(tokens, packed, plan.logprobs, [self.num_logprobs[rows_host[i]] for i in plan.logprobs])
 
     def _count(self, tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
-               counted: torch.Tensor | None) -> torch.Tensor:
+               counted: torch.Tensor | None, finite: torch.Tensor | None = None) -> torch.Tensor:
+        # finite: [N] bool, whether every logit of the row is finite (computed here when None)
         flat = rows * self.vocab_size + tokens                                             # [N]
-        finite = torch.isfinite(logits).all(dim=-1)                                        # [N] bool
+        if finite is None:
+            finite = torch.isfinite(logits).all(dim=-1)                                    # [N] bool
         kept = finite if counted is None else finite & counted
         self.output_token_counts.view(-1).index_add_(0, flat, kept.to(torch.int32))
         # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
