@@ -7,6 +7,7 @@ triton.testing.do_bench (which flushes L2 between runs).
 python benchmarks/bench_decode_attention.py                      # default grid, the backend's choices
 python benchmarks/bench_decode_attention.py --sweep              # also try splits / tile / warps
 python benchmarks/bench_decode_attention.py --batch 64 --context 32768 --block-size 16
+python benchmarks/bench_decode_attention.py --batch 256 --context 2448 --shared-prefix 2000   # shared-prefix row
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def build_step(batch, context, page, args, gen):
     v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:batch * blocks_per_seq]
     table = table.view(batch, blocks_per_seq).to(torch.int32).cuda()
+    shared = min(args.shared_prefix // page, blocks_per_seq)
+    table[:, :shared] = table[0, :shared].clone()          # prefix-cache hits: the same physical blocks
     seq_lens = [context] * batch
     meta = AttentionMetadata(
         slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
@@ -105,6 +108,9 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-cache-dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--sweep", action="store_true", help="also search splits, tile size and warps per shape")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens at the start of every context in the same blocks (a cached system prompt); bytes "
+                         "are still counted once per sequence, so a ratio above the unshared one is L2 reuse")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_attention: no CUDA device; this benchmark runs on a GPU only")
@@ -115,7 +121,8 @@ def main() -> int:
 
     copy_bps = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth (read + write): {copy_bps / 1e9:.0f} GB/s")
-    print(f"heads {args.q_heads}/{args.kv_heads}, head_dim {args.head_dim}, cache {args.kv_cache_dtype}, query bf16")
+    print(f"heads {args.q_heads}/{args.kv_heads}, head_dim {args.head_dim}, cache {args.kv_cache_dtype}, query bf16, "
+          f"shared prefix {args.shared_prefix} tokens")
     header = f"{'batch':>5} {'context':>7} {'page':>4} {'splits':>6} {'us':>9} {'GB/s':>7} {'ratio':>6}"
     print(header + ("   best swept config (ratio)" if args.sweep else ""))
     backend, gen, ratios = TritonBackend(), torch.Generator().manual_seed(0), []

@@ -75,13 +75,17 @@ def watch_steps(engine_name: str, engine) -> list[tuple[int, int, int]]:
     steps: list[tuple[int, int, int]] = []
     if engine_name == "kvfit":
         scheduler = engine.llm.engine.scheduler
-        inner = scheduler.schedule
 
-        def schedule(*args, **kwargs):
-            delta = inner(*args, **kwargs)
-            if not delta.empty:
-                steps.append((delta.num_tokens, len(delta.request_ids), delta.max_num_steps))
-            return delta
+        def watched(inner):     # schedule, and schedule_continuation (async decode rounds)
+            def call(*args, **kwargs):
+                delta = inner(*args, **kwargs)
+                if delta is not None and not delta.empty:
+                    steps.append((delta.num_tokens, len(delta.request_ids), delta.max_num_steps))
+                return delta
+            return call
+        scheduler.schedule_continuation = watched(scheduler.schedule_continuation)
+        scheduler.schedule = watched(scheduler.schedule)
+        return steps
     else:
         scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
         inner = scheduler.schedule
