@@ -7,7 +7,7 @@ triton.testing.do_bench (which flushes L2 between runs).
 python benchmarks/bench_decode_attention.py                      # default grid, the backend's choices
 python benchmarks/bench_decode_attention.py --sweep              # also try splits / tile / warps
 python benchmarks/bench_decode_attention.py --batch 64 --context 32768 --block-size 16
-python benchmarks/bench_decode_attention.py --batch 256 --context 2448 --shared-prefix 2000   # shared-prefix row
+python benchmarks/bench_decode_attention.py --batch 256 --context 2448 --shared-prefix 2000 --cascade   # shared-prefix
 """
 
 from __future__ import annotations
@@ -78,6 +78,24 @@ def sweep(query, k_cache, v_cache, meta, scale, do_bench):
     return (*best, by_splits)
 
 
+def cascade(query, k_cache, v_cache, meta, scale, prefix_tokens, do_bench) -> tuple[float, str]:
+    """Best (seconds, config) of cascade decode (the shared prefix attended once for all sequences) over
+    prefix and suffix split counts; its output checked against the plain kernel's."""
+    from kvfit.attention.triton_decode import paged_decode_attention
+    prefix_len = torch.tensor([prefix_tokens], dtype=torch.int32, device=query.device)
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    plain = paged_decode_attention(*args, num_splits=1)
+    best = (float("inf"), None)
+    for prefix_splits, splits in itertools.product((2, 4, 8, 16), (1, 2)):
+        got = paged_decode_attention(*args, num_splits=splits, prefix_len=prefix_len, prefix_splits=prefix_splits)
+        torch.testing.assert_close(got.float(), plain.float(), atol=2e-2, rtol=2e-2)
+        t = do_bench(lambda: paged_decode_attention(*args, num_splits=splits, prefix_len=prefix_len,
+                                                    prefix_splits=prefix_splits), warmup=10, rep=50,
+                     return_mode="median") / 1e3
+        best = min(best, (t, f"prefix_splits={prefix_splits} splits={splits}"), key=lambda x: x[0])
+    return best
+
+
 def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, str]:
     """One shape: the backend's own launch (and, with --sweep, the best swept config); ratio and table row."""
     import triton.testing
@@ -95,6 +113,10 @@ def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, 
         best_t, config, by_splits = sweep(query, k_cache, v_cache, meta, scale, triton.testing.do_bench)
         line += f"   {config} ({read_bytes / best_t / copy_bps:.2f}); best by splits " + " ".join(
             f"{n}:{read_bytes / t / copy_bps:.2f}" for n, t in sorted(by_splits.items()))
+    if args.cascade and args.shared_prefix >= page:
+        prefix_tokens = min(args.shared_prefix // page * page, context - 1)
+        best_t, config = cascade(query, k_cache, v_cache, meta, scale, prefix_tokens, triton.testing.do_bench)
+        line += f"   cascade {config}: {best_t * 1e6:.1f} us ({read_bytes / best_t / copy_bps:.2f}, {t / best_t:.2f}x)"
     return ratio, line
 
 
@@ -108,6 +130,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-cache-dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--sweep", action="store_true", help="also search splits, tile size and warps per shape")
+    ap.add_argument("--cascade", action="store_true",
+                    help="with --shared-prefix: also time cascade decode (the prefix attended once for all sequences)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens at the start of every context in the same blocks (a cached system prompt); bytes "
                          "are still counted once per sequence, so a ratio above the unshared one is L2 reuse")

@@ -210,6 +210,41 @@ def test_choose_num_splits():
     assert choose(max_seq_len=1024, num_seqs=2, num_kv_head_programs=8, num_sms=132) == 4    # by length
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,prefix_blocks,q_lens,seq_lens,splits", [
+    ((4, 2), 3, [1, 1, 1], [13, 20, 14], (2, 1)),          # prefix of 12 tokens; one suffix token for seq 0
+    ((6, 2), 2, [1, 1, 1, 1, 1], [9, 31, 17, 10, 25], (1, 3)),   # group 3 (not a power of two), 3 splits
+    ((2, 2), 0, [1, 1], [5, 7], (3, 2)),                   # no shared prefix: the prefix kernel writes nothing
+    ((32, 2), 1, [1, 0, 1], [6, 9, 30], (2, 2)),           # group 16 (rows span sequences), a seq with no query
+], ids=["g2", "g3-many-seqs", "empty-prefix", "g16-no-query"])
+def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, seq_lens, splits):
+    # every sequence's first prefix_blocks blocks are row 0's (prefix-cache hits); the shared-prefix kernel
+    # attends them once for all sequences, the split kernel the rest, the reduce merges both
+    num_q, num_kv = heads
+    prefix_splits, num_splits = splits
+    page, head_dim = 4, 16
+    gen = torch.Generator().manual_seed(sum(seq_lens) + num_q)
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 5
+    table = make_tables(seq_lens, page, num_blocks, gen)
+    table[:, :prefix_blocks] = table[0, :prefix_blocks].clone()
+    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, dtype)
+    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
+    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    meta = make_meta(q_lens, seq_lens, table.to(DEVICE))
+    query = torch.randn(sum(q_lens), num_q, head_dim, generator=gen).to(DEVICE, dtype)
+    scale = head_dim ** -0.5
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale)
+    prefix_len = torch.tensor([prefix_blocks * page], dtype=torch.int32, device=DEVICE)
+    got = triton_decode.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                               meta.query_start_loc, scale, num_splits=num_splits,
+                                               prefix_len=prefix_len, prefix_splits=prefix_splits)
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
 # ---- prefill and mixed -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -347,7 +382,7 @@ def _compile_check() -> None:
 
     def build(kernel, qd, cd, consts, warps=4):
         ptr = {"q": qd, "out": qd, "key": qd, "value": qd, "k_cache": cd, "v_cache": cd, "slot": "i64",
-               "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
+               "prefix_len": "i32", "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
         sig = {n: "constexpr" if n in consts else f"*{ptr.get(n[:-4], 'fp32')}" if n.endswith("_ptr")
                else "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
         div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
@@ -365,9 +400,14 @@ def _compile_check() -> None:
     for qd, cache, head_dim, page in ((bf, bf, 128, 16), (bf, types[torch.float8_e4m3fn], 128, 64), (f32, f32, 48, 16)):
         elem, d_pad = (2 if qd == bf else 4), ker.padded_head_dim(head_dim)
         tile = ker.kv_tile_tokens(elem, d_pad, gpu=True)
-        build(dec._decode_split_kernel, qd, cache, dict(
-            NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim, D_PAD=d_pad,
-            PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, PDL=True))
+        for prefix_splits in (0, 8):
+            build(dec._decode_split_kernel, qd, cache, dict(
+                NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
+                D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, PREFIX_SPLITS=prefix_splits,
+                PDL=True))
+        build(dec._shared_prefix_kernel, qd, cache, dict(
+            NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
+            ROWS=dec.shared_prefix_rows(elem), PREFIX_SPLITS=8, IEEE=qd == f32, PDL=True))
         build(pre._prefill_kernel, qd, cache, dict(
             GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
             BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))

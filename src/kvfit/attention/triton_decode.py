@@ -52,16 +52,18 @@ def heads_per_program(group: int) -> int:
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,     # [B, Hq, S], [B, Hq, S], [B, Hq, S, D_PAD] fp32
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prefix_len_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,     # [B, Hq, P + S], [B, Hq, P + S], [B, Hq, P + S, D_PAD] fp32
     scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    # with PREFIX_SPLITS (cascade) the context starts after the shared prefix (prefix_len_ptr[0] tokens,
+    # attended by _shared_prefix_kernel into partials 0..PREFIX_SPLITS-1); this kernel's go after them
     if PDL:     # before any load (attention/pdl.py)
         gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
@@ -72,9 +74,13 @@ def _decode_split_kernel(
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     has_query = tl.load(query_start_loc_ptr + seq + 1) > tok
     seq_len = tl.load(seq_lens_ptr + seq)
+    if PREFIX_SPLITS > 0:
+        base = tl.load(prefix_len_ptr)
+    else:
+        base = 0
     # splits are whole tiles; a short context leaves trailing splits empty (they write m = -inf, l = 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    lo = base + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     hi = tl.where(has_query, hi, lo)
 
@@ -105,10 +111,61 @@ def _decode_split_kernel(
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (seq * NUM_Q_HEADS + heads) * num_splits + split             # [G_PAD] int64
+        part = (seq * NUM_Q_HEADS + heads) * (PREFIX_SPLITS + num_splits) + PREFIX_SPLITS + split   # [G_PAD]
         tl.store(part_m_ptr + part, m_i, mask=head_mask)
         tl.store(part_l_ptr + part, l_i, mask=head_mask)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=head_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _shared_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, prefix_len_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,     # as _decode_split_kernel's; this kernel writes partials 0..P-1
+    scale_log2, num_seqs, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    """Cascade attention's first level: the prefix_len_ptr[0] tokens every sequence shares (the same blocks,
+    block_tables row 0's), read once per tile for ROWS query rows of many sequences, instead of once per
+    sequence. Program (kv head, row block, split); row r is sequence r // GROUP's query head
+    kv_head * GROUP + r % GROUP."""
+    if PDL:     # before any load (attention/pdl.py)
+        gdc_wait()
+    kv_head = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    split = tl.program_id(2)
+    seq = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP                                          # [ROWS] int64
+    in_batch = seq < num_seqs
+    tok = tl.load(query_start_loc_ptr + seq, mask=in_batch, other=0).to(tl.int64)
+    row_ok = in_batch & (tl.load(query_start_loc_ptr + seq + 1, mask=in_batch, other=0) > tok)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = head_dim_mask(HEAD_DIM, D_PAD)
+    q_mask = row_ok[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    prefix_len = tl.load(prefix_len_ptr)
+    split_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, prefix_len)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, offs_n, n_mask, n_mask[None, :],
+            d_mask, kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, D_PAD, IEEE, False)
+    if PDL:
+        gdc_launch_dependents()
+    part = (seq * NUM_Q_HEADS + heads) * (PREFIX_SPLITS + num_splits) + split        # [ROWS] int64
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -143,11 +200,15 @@ def _decode_reduce_kernel(
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, num_splits: int, block_n: int | None = None,
-                           num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_warps: int = 4, out: torch.Tensor | None = None,
+                           prefix_len: torch.Tensor | None = None, prefix_splits: int = 0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [T, Hq, D] in query's dtype.
+    Cascade (prefix_splits > 0): prefix_len, a [1] int32 device tensor, is a number of tokens (a multiple
+    of PAGE, 0 allowed) that every sequence has in the same blocks, block_tables[0]'s, and every sequence
+    with a query has more tokens than; those are attended once for all sequences, in prefix_splits splits.
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -161,29 +222,45 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     head_chunks = -(-group // g_pad)
     block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
     num_splits = max(1, int(num_splits))
-    direct = num_splits == 1
+    cascade = prefix_splits > 0
+    assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"
+    direct = num_splits == 1 and not cascade
+    total = num_splits + prefix_splits
     # partials [B, Hq, S] (max, sum) and [B, Hq, S, D_PAD] (acc); one split writes out directly
-    parts = (1, 1, 1) if direct else (num_seqs, num_q_heads, num_splits)
+    parts = (1, 1, 1) if direct else (num_seqs, num_q_heads, total)
     part_m = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_l = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_acc = torch.empty((*parts, d_pad), dtype=torch.float32, device=query.device)
+    ieee, launch = dot_ieee(query.dtype), pdl.launch_args(query)
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    if cascade:
+        rows = shared_prefix_rows(query.element_size())
+        _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
+            query, k_cache, v_cache, block_tables, query_start_loc, prefix_len, part_m, part_l, part_acc,
+            scale * LOG2_E, num_seqs, num_splits, query.stride(0), query.stride(1), *strides,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
+            ROWS=rows, PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, **launch)
     _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        part_m, part_l, part_acc, scale * LOG2_E, num_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        prefix_len if cascade else seq_lens, part_m, part_l, part_acc, scale * LOG2_E, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=dot_ieee(query.dtype), num_warps=num_warps, **pdl.launch_args(query),
+        DIRECT_OUT=direct, IEEE=ieee, PREFIX_SPLITS=prefix_splits, num_warps=num_warps, **launch,
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            out, query_start_loc, part_m, part_l, part_acc, num_splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(num_splits),
-            num_warps=4, **pdl.launch_args(query),
+            out, query_start_loc, part_m, part_l, part_acc, total, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(total),
+            num_warps=4, **launch,
         )
     return out
+
+
+def shared_prefix_rows(elem_bytes: int) -> int:
+    """Query rows (sequences x group) per shared-prefix program: 64 for 16-bit queries, 32 for fp32."""
+    return 64 if elem_bytes <= 2 else 32
 
 
 def decode_read_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> int:
