@@ -30,3 +30,10 @@ def test_bad_env_value_is_a_config_error(monkeypatch):
     monkeypatch.setenv(pdl.ENV, "yes")
     with pytest.raises(ConfigError, match="KVFIT_PDL='yes' is not allowed; set it to 1"):
         pdl._allowed()
+
+
+def test_engine_start_rejects_a_bad_value_before_loading(monkeypatch, tiny_llama):
+    from kvfit import LLM
+    monkeypatch.setenv(pdl.ENV, "2")
+    with pytest.raises(ConfigError, match="KVFIT_PDL='2' is not allowed"):
+        LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=16)

@@ -48,7 +48,20 @@ def test_tokens_and_finite_match_torch(vocab, dtype):
     assert torch.equal(finite, expected_finite)
     assert finite.tolist() == [True, True, True, False, False, False, True]
     assert torch.equal(tokens[finite], torch.argmax(logits, -1)[finite])
+    assert bool(((tokens >= 0) & (tokens < vocab)).all())        # the counts are indexed by every row's
     assert tokens.dtype == torch.int64 and tokens[1] == 5 and tokens[2] == 3 and tokens[6] == 0
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_rows_of_nan_still_give_ids_in_range():
+    # every chunk's max NaN: no chunk matches the row's max; NaN beside a masked tail lane
+    logits = torch.randn(3, 130)
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2, 129] = float("nan")
+    tokens, finite = greedy.greedy_tokens(logits.to(DEVICE))
+    assert finite.tolist() == [False, False, False]
+    assert bool(((tokens >= 0) & (tokens < 130)).all())
 
 
 def test_rows_of_a_wider_buffer_and_no_rows():

@@ -29,7 +29,8 @@ ENV = "KVFIT_PDL"
 
 @functools.lru_cache(maxsize=None)
 def _device_supports(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # griddepcontrol is PTX: NVIDIA sm90+ only (ROCm reports its own "capabilities", 9.4 on MI300)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,6 +40,11 @@ def _allowed() -> bool:
         raise ConfigError(f"{ENV}={text!r} is not allowed; set it to 1 (launch kernels with programmatic "
                           "dependent launch, the default on sm90+) or 0 (without)")
     return text == "1"
+
+
+def check_env() -> None:
+    """Validate KVFIT_PDL now (engine start-up) rather than at the first kernel launch; ConfigError if bad."""
+    _allowed()
 
 
 def enabled(t: torch.Tensor) -> bool:

@@ -198,10 +198,11 @@ def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     """
     if not (_adjacent_heads(q, k) and _adjacent_heads(k, v)):
         return False
+    from kvfit.attention.triton_kernels import check_cache_pair      # (needs Triton, as this path does)
     num_kv = k.shape[1]
-    assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:], \
-        (k.shape, v.shape, k_cache.shape, v_cache.shape)
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and slot_mapping.shape == (q.shape[0],)
+    check_cache_pair(k_cache, v_cache)
+    assert v.shape == k.shape and k_cache.shape[2:] == k.shape[1:], (k.shape, v.shape, k_cache.shape)
+    assert slot_mapping.shape == (q.shape[0],), (slot_mapping.shape, q.shape)
     rows = q.as_strided((q.shape[0], q.shape[1] + 2 * num_kv, q.shape[2]), q.stride())
     _norm_rope_launch(rows, positions, freqs, q_weight, k_weight, q.shape[1], eps,
                       (k_cache, v_cache, slot_mapping.to(torch.int64), num_kv))

@@ -27,8 +27,9 @@ CHUNK = 4096      # logits per stage-1 program: a 152k vocabulary is 38 programs
 
 
 def applies(logits: torch.Tensor) -> bool:
-    """Use the kernels for these logits: [N, V] on CUDA with Triton, unit stride along V."""
-    return triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
+    """Use the kernels for these logits: [N, V] fp32/bf16/fp16 on CUDA with Triton, unit stride along V."""
+    return (triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 if triton is not None:
@@ -49,7 +50,8 @@ if triton is not None:
         best, where = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
         part = row * num_chunks + chunk
         tl.store(part_max_ptr + part, best)
-        tl.store(part_idx_ptr + part, chunk * CHUNK + where)
+        # within the row even when NaNs lead the max to a masked lane (the row is flagged non-finite then)
+        tl.store(part_idx_ptr + part, tl.minimum(chunk * CHUNK + where, vocab - 1))
         tl.store(part_bad_ptr + part, bad.to(tl.int8))
 
     @triton.jit
@@ -68,13 +70,17 @@ if triton is not None:
         bad = tl.load(part_bad_ptr + part, mask=mask, other=0)
         top = tl.max(best, 0)
         token = tl.min(tl.where(mask & (best == top), idx, 2**31 - 1), 0)
+        # no chunk matches when NaNs are the maxima (a non-finite row): any id in range will do, its
+        # token is replaced, but the counts are indexed by it first
+        token = tl.where(token == 2**31 - 1, 0, token)
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(finite_ptr + row, tl.max(bad, 0) == 0)
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [N, V] (unit stride along V) -> (tokens [N] int64, finite [N] bool): torch.argmax(logits, -1)
-    wherever finite[i], and torch.isfinite(logits).all(-1)."""
+    wherever finite[i] (elsewhere some id in [0, V)), and torch.isfinite(logits).all(-1)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
