@@ -87,6 +87,16 @@ def test_decode_only_batch():
     assert inputs.sample_rows.tolist() == [0, 1] and inputs.sample_seqs == [0, 1]
 
 
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 5, 7, 8])
+def test_per_seq_vectors_start_16_byte_aligned_for_every_batch_size(num_seqs):
+    # Triton specialises kernels on pointer alignment: seq_lens must not change it with the batch size
+    inputs = step_inputs([seq(f"r{i}", [1, 2], 3 * i, [i], True) for i in range(num_seqs)], 64)
+    meta = inputs.meta
+    assert meta.seq_lens.data_ptr() % 16 == 0 and meta.query_start_loc.data_ptr() % 16 == 0
+    assert meta.seq_lens.tolist() == [3 * i + 2 for i in range(num_seqs)] == meta.seq_lens_host
+    assert meta.query_start_loc.tolist() == list(range(0, 2 * num_seqs + 1, 2))
+
+
 def test_slots_past_int32_stay_exact():
     bs = 16
     big = 2**31 // bs + 5                             # slot ids above 2^31 - 1
