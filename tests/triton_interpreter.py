@@ -62,3 +62,15 @@ def ptxas_spills(compiled) -> tuple[int, str]:
         report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
     return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report)), report
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, divisible, options: dict):
+    """Compile a kernel for sm_90 ahead of time, as a launch specialises it (the args named in `divisible`
+    16-divisible), and assemble it -> (compiled, bytes of register spill stores, ptxas's report)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in divisible}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=div16),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return (compiled, *ptxas_spills(compiled))

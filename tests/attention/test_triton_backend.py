@@ -373,10 +373,8 @@ def _compile_check() -> None:
     """Compile each kernel for sm_90 ahead of time, as a real launch would specialise it (pointers and
     strides 16-divisible), and assemble with ptxas -v: catches GPU-only compile errors the interpreter
     cannot see, and register spills. Needs no GPU. Runs without TRITON_INTERPRET (a subprocess)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
-    from triton_interpreter import ptxas_spills
+    from triton_interpreter import compile_sm90
     from kvfit.attention import triton_decode as dec, triton_kernels as ker, triton_prefill as pre
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -385,11 +383,9 @@ def _compile_check() -> None:
                "prefix_len": "i32", "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
         sig = {n: "constexpr" if n in consts else f"*{ptr.get(n[:-4], 'fp32')}" if n.endswith("_ptr")
                else "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
-        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_bt")}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        spills, report = ptxas_spills(compiled)
+        divisible = {n for n in kernel.arg_names
+                     if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_bt")}
+        compiled, spills, report = compile_sm90(kernel, sig, consts, divisible, {"num_warps": warps})
         print(f"{kernel.__name__} q={qd} cache={cd}: shared {compiled.metadata.shared} B, spills {spills} B")
         assert spills == 0, report
 

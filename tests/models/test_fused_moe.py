@@ -388,11 +388,8 @@ def _compile_check() -> None:
     align kernels (one program; counts and scatter) for 8, 128 and 1024 experts; ptxas -v must report no
     register spills, shared memory must fit Hopper's 227 KiB, and the GEMMs' loads must be software-pipelined
     (they are not when a stride is unknown)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
-    from triton_interpreter import ptxas_spills
+    from triton_interpreter import compile_sm90
     index_ptrs = {"sorted_pair_ids_ptr": "*i64", "block_experts_ptr": "*i64", "weights_ptr": "*fp32"}
 
     def build(kernel, dtype, consts, cfg, pipelined=True):
@@ -401,12 +398,10 @@ def _compile_check() -> None:
         consts = {**consts, **unit}
         sig = {n: "constexpr" if n in consts else index_ptrs.get(n, f"*{dtype}") if n.endswith("_ptr") else "i32"
                for n in kernel.arg_names}
-        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if sig[n].startswith("*") or n.startswith("stride_") and n not in consts}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-        spills, report = ptxas_spills(compiled)
+        divisible = {n for n in kernel.arg_names
+                     if sig[n].startswith("*") or n.startswith("stride_") and n not in consts}
+        compiled, spills, report = compile_sm90(kernel, sig, consts, divisible,
+                                                {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         copies = "async_copy_global_to_local" in compiled.asm["ttgir"]     # loads software-pipelined
         print(f"{kernel.__name__} {dtype} {cfg}: shared {compiled.metadata.shared} B, spills {spills} B, "
               f"pipelined {copies}")

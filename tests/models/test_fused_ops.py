@@ -189,10 +189,8 @@ def test_one_token_views_of_fused_qkv_are_adjacent():
 def _compile_check() -> None:
     """Compile the fused kernels and the GEMV for sm_90 with PDL on (griddepcontrol in the PTX) as a
     launch specialises them, assemble with ptxas -v: no errors, no register spills."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
-    from triton_interpreter import ptxas_spills
+    from triton_interpreter import compile_sm90
 
     from kvfit.models import gemv
     ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64"}
@@ -200,12 +198,10 @@ def _compile_check() -> None:
     def build(kernel, consts, warps=4, stages=3):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
                else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
-        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if sig[n].startswith("*") or n.startswith("stride_")}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")}
+        compiled, spills, report = compile_sm90(kernel, sig, consts, divisible,
+                                                {"num_warps": warps, "num_stages": stages})
         assert "griddepcontrol.wait" in compiled.asm["ptx"], kernel.__name__
-        spills, report = ptxas_spills(compiled)
         print(f"{kernel.__name__} {consts}: spills {spills} B")
         assert spills == 0, report
 

@@ -83,20 +83,15 @@ def test_applies_only_on_cuda_rows_with_unit_stride():
 
 def _compile_check() -> None:
     """Both kernels compiled for sm_90 with PDL as a launch specialises them; ptxas: no spills."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
-    from triton_interpreter import ptxas_spills
+    from triton_interpreter import compile_sm90
     ptrs = {"logits_ptr": "*fp32", "part_max_ptr": "*fp32", "part_idx_ptr": "*i32", "part_bad_ptr": "*i8",
             "tokens_ptr": "*i64", "finite_ptr": "*i1"}
     for kernel, consts, warps in ((greedy._chunk_kernel, dict(CHUNK=4096, PDL=True), 8),
                                   (greedy._combine_kernel, dict(P_PAD=64, PDL=True), 1)):
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
-        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=div16),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        spills, report = ptxas_spills(compiled)
+        _, spills, report = compile_sm90(kernel, sig, consts, {n for n in sig if sig[n].startswith("*")},
+                                         {"num_warps": warps})
         print(f"{kernel.__name__}: spills {spills} B")
         assert spills == 0, report
     print("ok: greedy kernels compile for sm_90")

@@ -6,8 +6,8 @@ fp32 logits and a [N, V] bool written and read back, and at one row torch's argm
 vocabulary runs in one thread block (27 us on the H200, in a 4.4 ms decode step). Here stage 1 splits
 each row into chunks of CHUNK logits, one program each ((max, first index of it, any non-finite)),
 and stage 2 combines a row's chunks. For a finite row the token is torch.argmax's: the largest value,
-the first index among equal ones; a row with any non-finite logit is only flagged (its token is never
-used).
+the first index among equal ones; a row with any non-finite logit is flagged, and its token is some id
+in [0, V) (replaced by the caller, after indexing the output-token counts with it).
 """
 
 from __future__ import annotations
