@@ -28,6 +28,7 @@ for s in "$@"; do case $s in
   kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
   gemv) step gemv 240 python3 benchmarks/bench_gemv.py --model llama-3.1-8b ;;
   decode-shared) step decode-shared 200 bash -c "python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 && python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 --shared-prefix 2000 --cascade && python3 benchmarks/bench_decode_attention.py --batch 64 256 --context 2448 --block-size 16 --q-heads 32 --kv-heads 8 --shared-prefix 2000 --cascade" ;;
+  cascade-rule) step cascade-rule 300 bash -c "for p in 256 512 2000; do python3 benchmarks/bench_decode_attention.py --batch 4 8 16 32 128 --context \$((p + 200)) --block-size 16 --q-heads 16 --kv-heads 8 --shared-prefix \$p --cascade --no-search; done; python3 benchmarks/bench_decode_attention.py --batch 8 32 256 --context 8192 --block-size 16 --q-heads 32 --kv-heads 8 --shared-prefix 4096 --cascade --no-search" ;;
   decode-grid) step decode-grid 300 python3 benchmarks/bench_decode_attention.py --sweep ;;
   fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;

@@ -187,9 +187,12 @@ class DeviceConfig:
     device: str = "auto"
     attention_backend: str | None = None   # None = the platform's default
     enforce_eager: bool = False            # no CUDA graphs
+    # vLLM's --disable-cascade-attn: decode steps never attend a prefix all sequences share once for all
+    disable_cascade_attn: bool = False
 
     def __post_init__(self):
         _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("disable_cascade_attn", self.disable_cascade_attn)
         if self.device not in DEVICES:
             raise ConfigError(f"--device {self.device!r} is not supported; use one of {', '.join(DEVICES)}")
 

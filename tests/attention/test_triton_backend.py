@@ -7,6 +7,7 @@ poisoned too, so a kernel that skips a row fails. Run: python -m pytest tests/at
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -243,6 +244,24 @@ def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, s
     assert not got.isnan().any()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    # through the backend: the metadata's prefix_len picks cascade, its own split counts
+    via_backend = TritonBackend().attend(query, k_cache, v_cache, dataclasses.replace(meta, prefix_len=prefix_len),
+                                         scale)
+    torch.testing.assert_close(via_backend.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_cascade_rule_and_prefix_splits():
+    backend = TritonBackend()
+    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=8) == 2000
+    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=7) == 0           # too few sequences
+    assert backend.cascade_tokens(shared_tokens=255, num_seqs=256) == 0          # too short a prefix
+    splits = triton_decode.choose_prefix_splits
+    # the measured shapes (H200, 132 SMs, bf16): 4 splits was best at batch 64 and 256, group 2 and 4
+    assert splits(num_seqs=256, group=2, num_kv_heads=8, elem_bytes=2, num_sms=132) == 4
+    assert splits(num_seqs=256, group=4, num_kv_heads=8, elem_bytes=2, num_sms=132) == 4
+    assert splits(num_seqs=64, group=4, num_kv_heads=8, elem_bytes=2, num_sms=132) == 4
+    assert splits(num_seqs=8, group=2, num_kv_heads=8, elem_bytes=2, num_sms=132) == 16   # few programs: more
+    assert splits(num_seqs=8, group=2, num_kv_heads=2, elem_bytes=2, num_sms=4) == 4
 
 
 # ---- prefill and mixed -------------------------------------------------------------------------------

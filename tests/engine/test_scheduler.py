@@ -365,3 +365,24 @@ def test_preempting_a_request_that_shares_prefix_blocks_drops_only_its_reference
     assert a.output_token_ids == [fake_token("a", n) for n in range(7)]
     assert b.output_token_ids == [fake_token("b", n) for n in range(7)]
     assert_all_blocks_back(sched)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_deltas_carry_the_blocks_every_running_request_shares(prefix_caching):
+    sched = make_scheduler(block_size=4, prefix_caching=prefix_caching)
+    shared = list(range(1, 9))                                   # two full blocks
+    sched.add(make_request("a", shared + [50], max_tokens=12))
+    plan, _ = step(sched)
+    assert plan.delta.num_common_prefix_blocks == 0              # one request: nothing to share
+    for rid, tail in (("b", [60, 61]), ("c", [70])):
+        sched.add(make_request(rid, shared + tail, max_tokens=12))
+    plan, _ = step(sched)                                        # b and c hit a's two blocks
+    plan, _ = step(sched)                                        # all three decode
+    assert plan.delta.num_tokens == 3
+    assert plan.delta.num_common_prefix_blocks == (2 if prefix_caching else 0)
+    if prefix_caching:
+        tables = [list(sched.block_ids(r)) for r in "abc"]
+        assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    sched.add(make_request("d", [90, 91, 92], max_tokens=12))    # a request sharing nothing joins
+    plan, _ = step(sched)
+    assert plan.delta.num_common_prefix_blocks == 0

@@ -69,3 +69,37 @@ def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
         del llm
         torch.cuda.empty_cache()
     assert runs[4] == runs[1] and runs[8] == runs[1], "seeded sampling depends on the scheduler steps"
+
+
+@pytest.mark.parametrize("mode", ["graphs-1-step", "graphs-8-steps", "eager"])
+def test_cascade_decode_matches_transformers(tiny_qwen3, mode):
+    # ten requests share a 300-token prompt prefix (prefix caching): decode attends it once for all of them
+    # (the cascade graphs, or the eager kernels); tokens equal transformers' and the engine's without cascade
+    shared = [1 + i % 290 for i in range(300)]
+    prompts = [shared + [300 + i] * (1 + i % 3) for i in range(10)]
+    max_tokens = [6 + i for i in range(10)]
+    expected = _hf_greedy(tiny_qwen3, prompts, max_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    kw = {"num_scheduler_steps": 8 if mode == "graphs-8-steps" else 1, "enforce_eager": mode == "eager"}
+    for cascade in (True, False):
+        llm = LLM(tiny_qwen3, device="cuda", dtype="float32", kv_cache_memory="512MiB", max_model_len=512,
+                  max_num_seqs=16, enable_prefix_caching=True, disable_cascade_attn=not cascade, **kw)
+        runner = llm.engine.workers.runner
+        seen = []
+        if mode == "eager":
+            assert runner.graphs is None
+            attend = runner.backend.attend
+            runner.backend.attend = lambda q, k, v, meta, scale: (
+                seen.append(meta.prefix_len is not None), attend(q, k, v, meta, scale))[1]
+        else:
+            assert bool(runner.graphs.cascade_graphs) is cascade
+            replay = runner.graphs.replay
+            runner.graphs.replay = lambda *args: (seen.append(args[-1] is not None), replay(*args))[1]
+        llm.generate([shared + [299]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # cache it
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, f"{mode}, cascade {cascade}: tokens differ from transformers"
+        assert any(seen) is cascade, f"{mode}: cascade {'not ' if cascade else ''}used"
+        assert llm.engine.stats()["kv_blocks_used"] == 0
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()

@@ -401,3 +401,34 @@ def test_kv_imports_neither_torch_nor_config():
             "bad = [m for m in ('torch', 'kvfit.config') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# common prefix (cascade attention) ----------------------------------------------------------------
+def _admit(kv: KVCacheManager, request_id: str, tokens: list[int]) -> None:
+    kv.lookup_prefix(request_id, tokens)
+    kv.grow(request_id, len(tokens))
+    kv.commit(request_id, tokens, len(tokens))
+
+
+def test_num_common_prefix_blocks_counts_leading_blocks_every_table_holds():
+    kv = make(30)
+    shared = list(range(1, 13))                                  # three full blocks
+    _admit(kv, "a", shared + [50, 51])
+    assert kv.num_common_prefix_blocks("a") == 4                 # alone: its whole table is common
+    _admit(kv, "b", shared + [60, 61, 62, 63, 64])
+    _admit(kv, "c", shared[:8] + [70, 71, 72, 73, 74])           # shares two blocks only
+    a, b, c = (list(kv.block_ids(r)) for r in "abc")
+    assert a[:3] == b[:3] and c[:2] == a[:2] and c[2] != a[2]
+    assert [kv.num_common_prefix_blocks(r) for r in "abc"] == [2, 2, 2]
+    kv.free("c")
+    assert kv.num_common_prefix_blocks("a") == 3 and kv.num_common_prefix_blocks("b") == 3
+    _admit(kv, "d", [90, 91, 92, 93, 94])                        # shares nothing
+    assert kv.num_common_prefix_blocks("a") == 0
+    assert kv.num_common_prefix_blocks("unknown") == 0
+
+
+def test_num_common_prefix_blocks_is_zero_with_prefix_caching_off():
+    kv = make(30, prefix_caching=False)
+    for rid in "ab":
+        _admit(kv, rid, list(range(1, 13)))
+    assert kv.num_common_prefix_blocks("a") == 0

@@ -125,6 +125,18 @@ def test_tables_are_appended_to_and_rows_reused():
     assert batch.block_table[row, 0].item() == 1
 
 
+def finish_step(sched: Scheduler, batch: InputBatch, delta: StepDelta, inputs, tokens: dict[int, int]) -> None:
+    """What the engine does after a step: record the sampled tokens (by index into the delta) in the batch and
+    the scheduler, end requests at their length, check the pool."""
+    sampled = {delta.request_ids[i]: t for i, t in tokens.items()}
+    batch.advance(delta)
+    batch.record_sampled({rid: [t] for rid, t in sampled.items()})
+    for req in sched.update(delta, sampled):
+        if req.num_tokens >= req.max_total_tokens:
+            sched.finish(req.request_id, "length")
+    sched.pool.check_invariants()
+
+
 def test_slot_mapping_matches_the_rule_for_scheduler_deltas():
     """Drive a real scheduler (chunked prefill, prefix caching, preemption) and check every step."""
     bs = 4
@@ -154,13 +166,7 @@ def test_slot_mapping_matches_the_rule_for_scheduler_deltas():
         for i, req in enumerate(reqs):
             table = list(sched.block_ids(req.request_id))
             assert meta.block_tables[i, :len(table)].tolist() == table
-        sampled = {delta.request_ids[i]: 100 + reqs[i].num_output_tokens for i in inputs.sample_seqs}
-        batch.advance(delta)
-        batch.record_sampled({rid: [t] for rid, t in sampled.items()})
-        for req in sched.update(delta, sampled):
-            if req.num_tokens >= req.max_total_tokens:
-                sched.finish(req.request_id, "length")
-        pool.check_invariants()
+        finish_step(sched, batch, delta, inputs, {i: 100 + reqs[i].num_output_tokens for i in inputs.sample_seqs})
     assert pool.num_used_blocks == 0
     assert sched.num_preemptions > 0 and sched.num_prefix_hits > 0     # the steps covered both paths
 
@@ -178,3 +184,64 @@ def test_num_bytes_is_what_the_tensors_hold(with_sampling):
     owners = [batch] + ([batch.sampling] if with_sampling else [])
     tensors = [t for owner in owners for t in vars(owner).values() if isinstance(t, torch.Tensor)]
     assert batch.num_bytes == sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 5])
+def test_a_decode_step_marks_its_shared_prefix_for_the_backend(num_seqs):
+    # every request holds blocks 0, 1 first (prefix-cache hits); the shortest context has 9 tokens, so the
+    # prefix is capped at 8 (every sequence must have a token after it); the vectors stay 16-byte aligned
+    seqs = [seq(f"r{i}", [1], 8 + i % 3, [0, 1, 2 + i], True) for i in range(num_seqs)]
+    batch = InputBatch(8, 8, vocab_size=64, device=CPU)
+    delta = StepDelta(request_ids=tuple(n.request_id for n, _ in seqs), num_scheduled_tokens=(1,) * num_seqs,
+                      new_block_ids=((),) * num_seqs, new_requests=tuple(n for n, _ in seqs),
+                      num_common_prefix_blocks=3)
+    batch.apply(delta)
+    asked = []
+    meta = build_inputs(batch, delta, 4, lambda shared, n: asked.append((shared, n)) or shared).meta
+    assert asked == [(8, num_seqs)] and meta.prefix_len.tolist() == [8]
+    assert meta.seq_lens.tolist() == [9 + i % 3 for i in range(num_seqs)]
+    assert meta.query_start_loc.tolist() == list(range(num_seqs + 1))
+    assert meta.seq_lens.data_ptr() % 16 == 0 and meta.query_start_loc.data_ptr() % 16 == 0
+    assert meta.prefix_len.data_ptr() % 16 == 0
+    assert build_inputs(batch, delta, 4, lambda shared, n: 0).meta.prefix_len is None      # declined
+    assert build_inputs(batch, delta, 4).meta.prefix_len is None                              # no backend rule
+
+
+def test_only_decode_steps_mark_a_shared_prefix_and_it_is_shared():
+    """A real scheduler with prefix caching: every step with a prefix is all-decode, the prefix is whole blocks
+    that every scheduled table holds at the same positions, each sequence has more tokens, and it is as long as
+    the blocks all running tables share allow."""
+    bs = 4
+    pool = BlockPool(40, enable_prefix_caching=True)
+    sched = Scheduler(KVCacheManager(pool, bs), max_model_len=40, max_num_seqs=6, max_num_batched_tokens=16)
+    batch = InputBatch(6, 10, vocab_size=200, device=CPU)
+    shared = list(range(1, 14))                                  # three full blocks and one token
+    prompts = [shared + [40 + i] * (i % 3) for i in range(6)] + [[7, 8, 9]]
+    marked = 0
+    for i in range(len(prompts) + 60):
+        if i < len(prompts):
+            sched.add(Request(request_id=f"r{i}", prompt_token_ids=prompts[i], params=SamplingParams(max_tokens=9),
+                              max_total_tokens=len(prompts[i]) + 9))
+        if not sched.num_unfinished:
+            break
+        delta = sched.schedule()
+        batch.apply(delta)
+        inputs = build_inputs(batch, delta, bs, lambda shared_tokens, n: shared_tokens)
+        meta = inputs.meta
+        tables = [list(sched.block_ids(rid)) for rid in delta.request_ids]
+        every = [list(sched.block_ids(r.request_id)) for r in sched.running]
+        common = 0
+        while all(len(t) > common and t[common] == every[0][common] for t in every):
+            common += 1
+        if meta.prefix_len is not None:
+            marked += 1
+            prefix = meta.prefix_len.item()
+            assert meta.decode_only and prefix % bs == 0 and prefix > 0
+            assert all(n > prefix for n in meta.seq_lens_host)
+            assert all(t[:prefix // bs] == tables[0][:prefix // bs] for t in tables)
+            assert prefix == min(common, (min(meta.seq_lens_host) - 1) // bs) * bs
+        else:
+            assert not meta.decode_only or min(common, (min(meta.seq_lens_host) - 1) // bs) == 0 \
+                or len(sched.running) < 2
+        finish_step(sched, batch, delta, inputs, {j: 100 + j for j in inputs.sample_seqs})
+    assert marked > 0 and pool.num_used_blocks == 0

@@ -27,6 +27,10 @@ class AttentionMetadata:
     # host copies, so the reference backend and launch-size decisions need no device sync
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # cascade (decode steps only): the first prefix_len[0] tokens ([1] int32, a multiple of the block size) of
+    # every sequence are the same blocks, block_tables[0]'s, and every sequence has more tokens than that; a
+    # backend may attend them once for all sequences. None: no such prefix (or the backend declined it).
+    prefix_len: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -45,6 +49,12 @@ class AttentionBackend:
     # write_kv stores token t's key/value, cast to the cache dtype, at slot_mapping[t] and does nothing else
     # (no scales, no layout of its own): a model may then do that write in a kernel of its own
     plain_cache_write: bool = False
+
+    def cascade_tokens(self, shared_tokens: int, num_seqs: int) -> int:
+        """Of the shared_tokens every one of a decode step's num_seqs sequences has in the same blocks, how
+        many this backend attends once for all of them (AttentionMetadata.prefix_len); 0: none, it reads
+        each sequence's context whole."""
+        return 0
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

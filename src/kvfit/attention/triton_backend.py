@@ -1,6 +1,7 @@
 """The Triton backend: reshape-and-cache by slot mapping, paged decode (split-K) and paged prefill.
 
-Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel, every other step
+Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel (with meta.prefix_len, the
+shared prefix first, once for all sequences: cascade), every other step
 (prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel.
 Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
 attend never synchronises with the device. Every kernel offset is int64 (triton_kernels.py).
@@ -14,7 +15,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.attention.registry import backend_max_offset
-from kvfit.attention.triton_decode import choose_num_splits, heads_per_program, paged_decode_attention
+from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS, choose_num_splits,
+                                           choose_prefix_splits, heads_per_program, paged_decode_attention)
 from kvfit.attention.triton_kernels import write_kv_cache
 from kvfit.attention.triton_prefill import paged_prefill_attention
 from kvfit.errors import ConfigError
@@ -63,6 +65,11 @@ class TritonBackend(AttentionBackend):
         head_programs = num_kv_heads * -(-group // heads_per_program(group))
         return choose_num_splits(meta.max_seq_len, meta.num_seqs, head_programs, self.num_sms(query))
 
+    def cascade_tokens(self, shared_tokens: int, num_seqs: int) -> int:
+        if num_seqs < CASCADE_MIN_SEQS or shared_tokens < CASCADE_MIN_TOKENS:
+            return 0
+        return shared_tokens
+
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
         # key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64
         self._check_device(key)
@@ -75,9 +82,14 @@ class TritonBackend(AttentionBackend):
         assert query.shape[1] % num_kv_heads == 0, (query.shape, k_cache.shape)
         assert k_cache.shape == v_cache.shape and k_cache.shape[3] == query.shape[2], (k_cache.shape, query.shape)
         if meta.decode_only:
+            prefix_splits = 0
+            if meta.prefix_len is not None:
+                prefix_splits = choose_prefix_splits(meta.num_seqs, query.shape[1] // num_kv_heads, num_kv_heads,
+                                                     query.element_size(), self.num_sms(query))
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                num_splits=self.decode_num_splits(meta, query, num_kv_heads))
+                num_splits=self.decode_num_splits(meta, query, num_kv_heads), prefix_len=meta.prefix_len,
+                prefix_splits=prefix_splits)
         return paged_prefill_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             max_query_len=meta.max_query_len, scale=scale)

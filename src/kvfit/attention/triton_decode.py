@@ -42,6 +42,22 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_head_programs: int
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+# Cascade (a prefix every sequence shares, attended once for all of them): worth its two extra launches from
+# this many sequences and shared tokens on (vLLM's thresholds; benchmarks/bench_decode_attention.py --cascade)
+CASCADE_MIN_SEQS = 8
+CASCADE_MIN_TOKENS = 256
+MIN_PREFIX_SPLITS = 4
+MAX_PREFIX_SPLITS = 16
+
+
+def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_bytes: int, num_sms: int) -> int:
+    """Splits of the shared prefix: a power of two, at least one program per SM, at least MIN_PREFIX_SPLITS
+    (the best of 2-16 at batch 64 and 256, 2,000 shared tokens, on the H200: 2026-12-04)."""
+    row_programs = num_kv_heads * -(-num_seqs * group // shared_prefix_rows(elem_bytes))
+    wanted = next_pow2(max(1, num_sms // max(1, row_programs)))
+    return max(MIN_PREFIX_SPLITS, min(wanted, MAX_PREFIX_SPLITS))
+
+
 def heads_per_program(group: int) -> int:
     """Query heads one program handles: the GQA group padded to >= 16 rows (tl.dot's smallest M), <= 64."""
     return max(16, min(next_pow2(group), 64))

@@ -106,6 +106,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a shared prompt prefix")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--disable-cascade-attn", action="store_true", default=None,
+                   help="decode steps read a prompt prefix that every running request shares (prefix caching) "
+                        "once per request, not once for all (cascade attention; default: cascade where it pays)")
     p.add_argument("--num-scheduler-steps", type=int_flag, default=None,
                    help="decode steps per scheduling round, tokens kept on the device between them "
                         "(default: 8 on CUDA with one rank, else 1)")

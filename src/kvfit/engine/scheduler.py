@@ -186,7 +186,15 @@ class Scheduler:
                          new_block_ids=tuple(tuple(s.new_blocks) for s in scheduled),
                          num_steps=tuple(s.num_steps for s in scheduled) if multi else (),
                          new_requests=tuple(self._new_request(s) for s in scheduled if s.is_new),
-                         finished_ids=finished, preempted_ids=tuple(preempted))
+                         finished_ids=finished, preempted_ids=tuple(preempted),
+                         num_common_prefix_blocks=self._common_prefix_blocks(scheduled))
+
+    def _common_prefix_blocks(self, scheduled: list[_Scheduled]) -> int:
+        # only shared prefix-cache blocks can be common to several tables; one request's own table is not
+        # a prefix worth attending apart (and costs a walk over all its blocks)
+        if not scheduled or not self.pool.enable_prefix_caching or self.kv.num_requests < 2:
+            return 0
+        return self.kv.num_common_prefix_blocks(scheduled[0].req.request_id)
 
     def _new_request(self, s: _Scheduled) -> NewRequest:
         """What the runner needs once: tokens, params and the table as admitted (a multi-step round's

@@ -57,6 +57,24 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return table.block_ids if table is not None else ()
 
+    def num_common_prefix_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's table that every table holds, at the same positions (vLLM's
+        get_num_common_prefix_blocks): the prefix a decode step may attend once for all its sequences.
+
+        A block whose ref count is the number of tables is in every table (no table holds a block twice);
+        a shared block is a prefix-cache hit, found by its chained hash, so it sits at the same position
+        in each. O(blocks counted + 1)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return 0
+        holders, count = len(self._tables), 0
+        ref_count = self.pool.ref_count
+        for block in table.block_ids:
+            if ref_count(block) != holders:
+                break
+            count += 1
+        return count
+
     def num_blocks_short(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request's table lacks to cover num_tokens (0 if it covers them)."""
         num_needed_blocks = -(-num_tokens // self.block_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Callable
 
 import torch
 
@@ -42,7 +43,18 @@ class ModelInputs:
     num_generated_host: list[int]
 
 
-def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelInputs:
+def shared_prefix_tokens(delta: StepDelta, seq_lens: list[int], block_size: int) -> int:
+    """Tokens every sequence of a decode delta has in the same blocks and more tokens than (whole blocks)."""
+    if not delta.num_common_prefix_blocks or not seq_lens:
+        return 0
+    return min(delta.num_common_prefix_blocks, (min(seq_lens) - 1) // block_size) * block_size
+
+
+def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int,
+                 cascade_tokens: Callable[[int, int], int] | None = None) -> ModelInputs:
+    """cascade_tokens: the attention backend's (AttentionBackend.cascade_tokens), to mark a decode step's
+    shared prefix in the metadata; None: never."""
+
     reqs = [batch.requests[request_id] for request_id in delta.request_ids]
     q_lens = list(delta.num_scheduled_tokens)
     num_seqs, device = len(reqs), batch.device
@@ -68,7 +80,12 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelI
     # alignment, and an unaligned variant first met mid-run compiled there, in the timed region (the first
     # 0.6B throughput run: 16.1k tok/s against 24.8k, one _prefill_kernel compile inside it)
     pad = -(num_seqs + 1) % 4
-    ints = torch.tensor(starts + [0] * pad + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+    prefix = 0
+    if cascade_tokens is not None and num_tokens == num_seqs:
+        prefix = cascade_tokens(shared_prefix_tokens(delta, seq_lens, block_size), num_seqs)
+    head = [prefix, 0, 0, 0] if prefix else []          # 16 bytes: the rest stays aligned
+    ints = torch.tensor(head + starts + [0] * pad + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+    prefix_len, ints = (ints[:1], ints[4:]) if prefix else (None, ints)
     ids_d, first, rows_d, tail = longs.split([num_tokens, num_seqs, num_seqs, 3 * len(sample_seqs)])
     if num_tokens == num_seqs:                                              # one token each (decode)
         seq_index = torch.arange(num_seqs, device=device)
@@ -82,7 +99,7 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int) -> ModelI
         slot_mapping=slot_mapping(tables, seq_index, positions, block_size),
         query_start_loc=ints[:num_seqs + 1], seq_lens=ints[num_seqs + 1 + pad:],
         block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_host=starts, seq_lens_host=seq_lens)
+        query_start_loc_host=starts, seq_lens_host=seq_lens, prefix_len=prefix_len)
     sample_rows, batch_rows, num_generated = tail.view(3, -1)
     return ModelInputs(input_ids=ids_d, positions=positions, meta=meta, sample_rows=sample_rows,
                        sample_seqs=sample_seqs, batch_rows=batch_rows, batch_rows_host=[r.row for r in sampled],

@@ -52,6 +52,8 @@ class ModelRunner:
         self.dtype = model_dtype(config, facts)
         self.max_model_len = resolve_max_model_len(facts, config.model.max_model_len)
         self.use_graphs = graphs_supported and not config.device.enforce_eager
+        # a decode step's shared prefix attended once for all sequences, where the backend would
+        self._cascade_tokens = None if config.device.disable_cascade_attn else backend.cascade_tokens
         self.model = None
         self.batch: InputBatch | None = None
         self.kv_caches: KVCaches = []
@@ -123,7 +125,8 @@ class ModelRunner:
     def _new_graphs(self, kv_caches: KVCaches):
         from kvfit.runner.cuda_graphs import DecodeGraphs
         return DecodeGraphs(self.model, kv_caches, self.config.scheduler.max_num_seqs,
-                            self.spec.num_blocks_for_tokens(self.max_model_len), self.max_model_len, self.device)
+                            self.spec.num_blocks_for_tokens(self.max_model_len), self.max_model_len, self.device,
+                            self._cascade_tokens)
 
     def trial_capture_graphs(self) -> None:
         """Capture on a one-block scratch cache so the platform can measure the graphs' memory."""
@@ -177,7 +180,7 @@ class ModelRunner:
         self.batch.apply(delta)
         if delta.empty:
             return SampledTokens
-        inputs = build_inputs(self.batch, delta, self.spec.block_size)
+        inputs = build_inputs(self.batch, delta, self.spec.block_size, self._cascade_tokens)
         if delta.continues:                 # the first inputs are the previous delta's last tokens, on the device
             index, last = self._carry
             picks = torch.tensor([index[rid] for rid in delta.request_ids], dtype=torch.int64)
@@ -311,7 +314,8 @@ class ModelRunner:
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
         if self.graphs is not None and ids.shape[0] <= self.graphs.buckets[-1]:
-            return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                                      meta.prefix_len)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
 
 
