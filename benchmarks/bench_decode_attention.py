@@ -122,6 +122,11 @@ def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, 
                                       warmup=25, rep=100, return_mode="median") / 1e3
         rule = "taken" if backend.cascade_tokens(prefix_tokens, batch) else "not taken"
         line += f"   cascade: {own * 1e6:.1f} us ({t / own:.2f}x; rule: {rule})"
+        if args.graphs:     # both in CUDA graphs, L2 flushed before each call: what the engine's decode sees
+            from common import graph_time
+            plain_g = graph_time(lambda: backend.attend(query, k_cache, v_cache, meta, scale))
+            own_g = graph_time(lambda: backend.attend(query, k_cache, v_cache, cmeta, scale))
+            line += f"   graphs: {plain_g * 1e6:.1f} vs {own_g * 1e6:.1f} us ({plain_g / own_g:.2f}x)"
         if not args.no_search:
             best_t, config = cascade(query, k_cache, v_cache, meta, scale, prefix_tokens, triton.testing.do_bench)
             line += f"   best {config}: {best_t * 1e6:.1f} us ({read_bytes / best_t / copy_bps:.2f}, {t / best_t:.2f}x)"
@@ -141,6 +146,8 @@ def main() -> int:
     ap.add_argument("--cascade", action="store_true",
                     help="with --shared-prefix: also time cascade decode (the prefix attended once for all sequences)")
     ap.add_argument("--no-search", action="store_true", help="with --cascade: time only the engine's choice")
+    ap.add_argument("--graphs", action="store_true",
+                    help="with --cascade: also time plain and cascade replayed in CUDA graphs (no launch cost)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens at the start of every context in the same blocks (a cached system prompt); bytes "
                          "are still counted once per sequence, so a ratio above the unshared one is L2 reuse")

@@ -86,3 +86,32 @@ def hf_generate_throughput(model, prompts, outs, batch_size: int, static: bool =
         total_time += time.perf_counter() - start
         total_tokens += sum(lens)
     return total_tokens / total_time, total_tokens
+
+
+def graph_time(fn, reps: int = 20, flush_bytes: int = 256 << 20, trials: int = 5) -> float:
+    """Seconds per call of fn replayed in a CUDA graph (as the engine runs decode: no Python launch cost),
+    with L2 flushed before each call (as between layers, each with its own cache); the median of `trials`
+    replays of `reps` calls, less the flushes' own time measured the same way."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+
+    def replay_time(body) -> float:
+        body()                                          # compile / warm up outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        times = []
+        for _ in range(trials):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+        return sorted(times)[len(times) // 2]
+
+    both = replay_time(lambda: (flush.zero_(), fn()))
+    return max(both - replay_time(flush.zero_), 0.0)

@@ -58,9 +58,10 @@ class StepDelta:
     token_bitmasks: dict[str, bytes] | None = None
     # async scheduling: this all-decode delta continues the previous one on the device (see the invariants)
     continues: bool = False
-    # leading blocks every running request's table holds, the same ids at the same positions (prefix-cache
-    # hits of a shared prompt; vLLM's num_common_prefix_blocks): a decode step may attend them once for all
-    # its sequences (cascade attention). 0 when prefix caching is off.
+    # leading blocks of the first scheduled request whose contents (the same tokens at the same positions, by
+    # chained hash) every running request has computed, in those blocks or in copies of its own (vLLM's
+    # num_common_prefix_blocks): a decode step may attend them once for all its sequences through the first
+    # request's blocks (cascade attention). 0 when prefix caching is off.
     num_common_prefix_blocks: int = 0
 
     @property

@@ -252,9 +252,13 @@ def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, s
 
 def test_cascade_rule_and_prefix_splits():
     backend = TritonBackend()
-    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=8) == 2000
-    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=7) == 0           # too few sequences
-    assert backend.cascade_tokens(shared_tokens=255, num_seqs=256) == 0          # too short a prefix
+    # the H200 in CUDA graphs (benchmarks/run_h200.sh cascade-rule): faster from about 32,000 sequences x tokens
+    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=16) == 2000     # 1.27-1.33x
+    assert backend.cascade_tokens(shared_tokens=256, num_seqs=128) == 256      # 1.06x
+    assert backend.cascade_tokens(shared_tokens=2000, num_seqs=8) == 0         # 1.03x: not worth the launches
+    assert backend.cascade_tokens(shared_tokens=512, num_seqs=32) == 0         # 0.96x
+    assert backend.cascade_tokens(shared_tokens=8192, num_seqs=7) == 0         # too few sequences
+    assert backend.cascade_tokens(shared_tokens=255, num_seqs=256) == 0        # too short a prefix
     splits = triton_decode.choose_prefix_splits
     # the measured shapes (H200, 132 SMs, bf16): 4 splits was best at batch 64 and 256, group 2 and 4
     assert splits(num_seqs=256, group=2, num_kv_heads=8, elem_bytes=2, num_sms=132) == 4
@@ -415,14 +419,14 @@ def _compile_check() -> None:
     for qd, cache, head_dim, page in ((bf, bf, 128, 16), (bf, types[torch.float8_e4m3fn], 128, 64), (f32, f32, 48, 16)):
         elem, d_pad = (2 if qd == bf else 4), ker.padded_head_dim(head_dim)
         tile = ker.kv_tile_tokens(elem, d_pad, gpu=True)
-        for prefix_splits in (0, 8):
+        for cascade in (False, True):
             build(dec._decode_split_kernel, qd, cache, dict(
                 NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
-                D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, PREFIX_SPLITS=prefix_splits,
+                D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, CASCADE=cascade,
                 PDL=True))
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
-            ROWS=dec.shared_prefix_rows(elem), PREFIX_SPLITS=8, IEEE=qd == f32, PDL=True))
+            ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True))
         build(pre._prefill_kernel, qd, cache, dict(
             GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
             BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))

@@ -386,3 +386,17 @@ def test_deltas_carry_the_blocks_every_running_request_shares(prefix_caching):
     sched.add(make_request("d", [90, 91, 92], max_tokens=12))    # a request sharing nothing joins
     plan, _ = step(sched)
     assert plan.delta.num_common_prefix_blocks == 0
+
+
+def test_requests_admitted_together_share_their_duplicate_prefix_by_content():
+    # nothing is cached when b and c arrive together: each computes the prompt into its own blocks
+    sched = make_scheduler(block_size=4, prefix_caching=True)
+    shared = list(range(1, 9))
+    for rid, tail in (("a", [50]), ("b", [60, 61]), ("c", [70])):
+        sched.add(make_request(rid, shared + tail, max_tokens=6))
+    step(sched)
+    plan, _ = step(sched)
+    assert plan.delta.num_tokens == 3
+    tables = [list(sched.block_ids(r)) for r in "abc"]
+    assert len({t[0] for t in tables}) == 3                      # three copies of the first block
+    assert plan.delta.num_common_prefix_blocks == 2

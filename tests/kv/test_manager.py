@@ -414,7 +414,7 @@ def test_num_common_prefix_blocks_counts_leading_blocks_every_table_holds():
     kv = make(30)
     shared = list(range(1, 13))                                  # three full blocks
     _admit(kv, "a", shared + [50, 51])
-    assert kv.num_common_prefix_blocks("a") == 4                 # alone: its whole table is common
+    assert kv.num_common_prefix_blocks("a") == 3                 # alone: its computed full blocks
     _admit(kv, "b", shared + [60, 61, 62, 63, 64])
     _admit(kv, "c", shared[:8] + [70, 71, 72, 73, 74])           # shares two blocks only
     a, b, c = (list(kv.block_ids(r)) for r in "abc")
@@ -432,3 +432,36 @@ def test_num_common_prefix_blocks_is_zero_with_prefix_caching_off():
     for rid in "ab":
         _admit(kv, rid, list(range(1, 13)))
     assert kv.num_common_prefix_blocks("a") == 0
+
+
+def test_duplicate_blocks_of_one_prompt_count_as_common_and_only_once_computed():
+    # requests admitted together compute a shared prompt each: different block ids, the same contents
+    kv = make(30)
+    shared = list(range(1, 13))
+    for rid, tail in (("a", [50]), ("b", [60, 61])):
+        kv.lookup_prefix(rid, shared + tail)
+        kv.grow(rid, len(shared) + len(tail))
+    assert kv.num_common_prefix_blocks("a") == 0               # nothing computed (committed) yet
+    kv.commit("a", shared + [50], 8)
+    kv.commit("b", shared + [60, 61], 13)
+    assert set(kv.block_ids("a")[:3]).isdisjoint(kv.block_ids("b")[:3])
+    assert kv.num_common_prefix_blocks("a") == 2 and kv.num_common_prefix_blocks("b") == 2   # a has 2 computed
+    kv.commit("a", shared + [50], 13)
+    assert kv.num_common_prefix_blocks("b") == 3
+    _admit(kv, "c", shared + [70])                               # hits the registered copy
+    assert kv.num_common_prefix_blocks("c") == 3
+    kv.check_invariants()
+    for rid in "abc":
+        kv.free(rid)
+    kv.check_invariants()
+    assert kv._content_holders == {}
+
+
+def test_a_salted_prompt_shares_no_prefix_with_an_unsalted_one():
+    kv = make(30)
+    shared = list(range(1, 13))
+    _admit(kv, "a", shared + [50])
+    kv.lookup_prefix("b", shared + [60], cache_salt="tenant-b")
+    kv.grow("b", 13)
+    kv.commit("b", shared + [60], 13)
+    assert kv.num_common_prefix_blocks("a") == 0 == kv.num_common_prefix_blocks("b")

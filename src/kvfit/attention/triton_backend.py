@@ -15,7 +15,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.attention.registry import backend_max_offset
-from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_TOKENS, choose_num_splits,
+from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_READS, CASCADE_MIN_TOKENS,
+                                           choose_num_splits,
                                            choose_prefix_splits, heads_per_program, paged_decode_attention)
 from kvfit.attention.triton_kernels import write_kv_cache
 from kvfit.attention.triton_prefill import paged_prefill_attention
@@ -66,7 +67,8 @@ class TritonBackend(AttentionBackend):
         return choose_num_splits(meta.max_seq_len, meta.num_seqs, head_programs, self.num_sms(query))
 
     def cascade_tokens(self, shared_tokens: int, num_seqs: int) -> int:
-        if num_seqs < CASCADE_MIN_SEQS or shared_tokens < CASCADE_MIN_TOKENS:
+        if (num_seqs < CASCADE_MIN_SEQS or shared_tokens < CASCADE_MIN_TOKENS
+                or num_seqs * shared_tokens < CASCADE_MIN_SHARED_READS):
             return 0
         return shared_tokens
 

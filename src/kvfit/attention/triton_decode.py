@@ -46,6 +46,7 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_head_programs: int
 # this many sequences and shared tokens on (vLLM's thresholds; benchmarks/bench_decode_attention.py --cascade)
 CASCADE_MIN_SEQS = 8
 CASCADE_MIN_TOKENS = 256
+CASCADE_MIN_SHARED_READS = 32000      # sequences x shared tokens
 MIN_PREFIX_SPLITS = 4
 MAX_PREFIX_SPLITS = 16
 
@@ -65,21 +66,22 @@ def heads_per_program(group: int) -> int:
 
 # step-dependent ints are not specialized (== 1, divisible by 16): a variant first met in a long run
 # would compile there, in the timed region (the first throughput repetition lost 30% to two compiles)
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prefix_len_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,     # [B, Hq, P + S], [B, Hq, P + S], [B, Hq, P + S, D_PAD] fp32
-    scale_log2, num_splits,
+    scale_log2, num_splits, prefix_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr,
 ):
-    # with PREFIX_SPLITS (cascade) the context starts after the shared prefix (prefix_len_ptr[0] tokens,
-    # attended by _shared_prefix_kernel into partials 0..PREFIX_SPLITS-1); this kernel's go after them
+    # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
+    # _shared_prefix_kernel into partials 0..prefix_splits-1); this kernel's go after them. prefix_splits is
+    # a runtime int (0 without CASCADE) so each bucket's split count compiles no variant of its own
     if PDL:     # before any load (attention/pdl.py)
         gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
@@ -90,7 +92,7 @@ def _decode_split_kernel(
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     has_query = tl.load(query_start_loc_ptr + seq + 1) > tok
     seq_len = tl.load(seq_lens_ptr + seq)
-    if PREFIX_SPLITS > 0:
+    if CASCADE:
         base = tl.load(prefix_len_ptr)
     else:
         base = 0
@@ -127,24 +129,23 @@ def _decode_split_kernel(
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (seq * NUM_Q_HEADS + heads) * (PREFIX_SPLITS + num_splits) + PREFIX_SPLITS + split   # [G_PAD]
+        part = (seq * NUM_Q_HEADS + heads) * (prefix_splits + num_splits) + prefix_splits + split   # [G_PAD]
         tl.store(part_m_ptr + part, m_i, mask=head_mask)
         tl.store(part_l_ptr + part, l_i, mask=head_mask)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=head_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "prefix_splits"])
 def _shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, prefix_len_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,     # as _decode_split_kernel's; this kernel writes partials 0..P-1
-    scale_log2, num_seqs, num_splits,
+    scale_log2, num_seqs, num_splits, prefix_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Cascade attention's first level: the prefix_len_ptr[0] tokens every sequence shares (the same blocks,
-    block_tables row 0's), read once per tile for ROWS query rows of many sequences, instead of once per
+    """Cascade attention's first level: the prefix_len_ptr[0] tokens every sequence shares (read through
+    block_tables row 0's blocks), once per tile for ROWS query rows of many sequences, instead of once per
     sequence. Program (kv head, row block, split); row r is sequence r // GROUP's query head
     kv_head * GROUP + r % GROUP."""
     if PDL:     # before any load (attention/pdl.py)
@@ -163,7 +164,7 @@ def _shared_prefix_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
                 other=0.0)
     prefix_len = tl.load(prefix_len_ptr)
-    split_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, prefix_len)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -178,7 +179,7 @@ def _shared_prefix_kernel(
             PAGE, D_PAD, IEEE, False)
     if PDL:
         gdc_launch_dependents()
-    part = (seq * NUM_Q_HEADS + heads) * (PREFIX_SPLITS + num_splits) + split        # [ROWS] int64
+    part = (seq * NUM_Q_HEADS + heads) * (prefix_splits + num_splits) + split        # [ROWS] int64
     tl.store(part_m_ptr + part, m_i, mask=row_ok)
     tl.store(part_l_ptr + part, l_i, mask=row_ok)
     tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -223,8 +224,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [T, Hq, D] in query's dtype.
     Cascade (prefix_splits > 0): prefix_len, a [1] int32 device tensor, is a number of tokens (a multiple
-    of PAGE, 0 allowed) that every sequence has in the same blocks, block_tables[0]'s, and every sequence
-    with a query has more tokens than; those are attended once for all sequences, in prefix_splits splits.
+    of PAGE, 0 allowed) whose K/V every sequence shares with block_tables[0]'s blocks (the same blocks, or
+    copies), and every sequence with a query has more tokens than; those are attended once for all
+    sequences through row 0's blocks, in prefix_splits splits.
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -254,16 +256,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         rows = shared_prefix_rows(query.element_size())
         _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
             query, k_cache, v_cache, block_tables, query_start_loc, prefix_len, part_m, part_l, part_acc,
-            scale * LOG2_E, num_seqs, num_splits, query.stride(0), query.stride(1), *strides,
+            scale * LOG2_E, num_seqs, num_splits, prefix_splits, query.stride(0), query.stride(1), *strides,
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-            ROWS=rows, PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, **launch)
+            ROWS=rows, IEEE=ieee, num_warps=4, **launch)
     _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        prefix_len if cascade else seq_lens, part_m, part_l, part_acc, scale * LOG2_E, num_splits,
+        prefix_len if cascade else seq_lens, part_m, part_l, part_acc, scale * LOG2_E, num_splits, prefix_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, PREFIX_SPLITS=prefix_splits, num_warps=num_warps, **launch,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, num_warps=num_warps, **launch,
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

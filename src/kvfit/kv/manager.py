@@ -13,6 +13,8 @@ Invariants (checked by check_invariants and tests/kv/test_manager_state_machine.
 - The first num_committed_blocks blocks of a table have been offered to pool.register (prefix hits
   count as committed: they are registered already), so commit registers each block once, and hashes
   and registers only blocks that became full since the last call: O(new blocks) per call.
+- For each hash, the count of tables whose first num_committed_blocks hashes include it is kept
+  (num_common_prefix_blocks reads it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class KVCacheManager:
         self.num_prefix_queries = 0      # tokens passed to count=True lookups (with caching off too)
         self.num_prefix_hits = 0         # of those, tokens found
         self._tables: dict[str, _Table] = {}
+        # hash -> tables whose committed blocks include a block of that content (num_common_prefix_blocks)
+        self._content_holders: dict[bytes, int] = {}
 
     # queries ------------------------------------------------------------------------------------
     @property
@@ -58,22 +62,33 @@ class KVCacheManager:
         return table.block_ids if table is not None else ()
 
     def num_common_prefix_blocks(self, request_id: str) -> int:
-        """Leading blocks of the request's table that every table holds, at the same positions (vLLM's
-        get_num_common_prefix_blocks): the prefix a decode step may attend once for all its sequences.
+        """Leading blocks of the request's table whose contents every table holds, computed, at the same
+        positions (vLLM's get_num_common_prefix_blocks): the prefix a decode step may attend once for all its
+        sequences, through this request's blocks.
 
-        A block whose ref count is the number of tables is in every table (no table holds a block twice);
-        a shared block is a prefix-cache hit, found by its chained hash, so it sits at the same position
-        in each. O(blocks counted + 1)."""
+        Contents, not block ids: requests admitted in one step compute a shared prompt each (nothing is in
+        the cache yet), so their blocks are duplicates, equal by chained hash (the same tokens at the same
+        positions, the same cache salt) but not by id; counting ids would find no common prefix for as
+        long as any of them runs. Only committed blocks count (their K/V are written). Needs prefix
+        caching (hashes); O(blocks counted + 1)."""
         table = self._tables.get(request_id)
         if table is None:
             return 0
-        holders, count = len(self._tables), 0
-        ref_count = self.pool.ref_count
-        for block in table.block_ids:
-            if ref_count(block) != holders:
+        num_tables, holders, count = len(self._tables), self._content_holders, 0
+        for block_hash in table.block_hashes[:table.num_committed_blocks]:
+            if holders.get(block_hash, 0) != num_tables:
                 break
             count += 1
         return count
+
+    def _hold(self, hashes: Sequence[bytes], delta: int) -> None:
+        holders = self._content_holders
+        for block_hash in hashes:
+            count = holders.get(block_hash, 0) + delta
+            if count:
+                holders[block_hash] = count
+            else:
+                del holders[block_hash]
 
     def num_blocks_short(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request's table lacks to cover num_tokens (0 if it covers them)."""
@@ -108,6 +123,7 @@ class KVCacheManager:
         self.pool.ref(hits)
         table.block_ids.extend(hits)
         table.num_committed_blocks = len(hits)     # found by their hash: registered already
+        self._hold(table.block_hashes[:len(hits)], 1)
         return len(hits) * self.block_size
 
     def _hash_next_block(self, table: _Table, token_ids: Sequence[int]) -> bytes:
@@ -137,7 +153,9 @@ class KVCacheManager:
             if index == len(table.block_hashes):
                 self._hash_next_block(table, token_ids)
             self.pool.register(table.block_ids[index], table.block_hashes[index])
-        table.num_committed_blocks = max(table.num_committed_blocks, num_full_blocks)
+        if num_full_blocks > table.num_committed_blocks:
+            self._hold(table.block_hashes[table.num_committed_blocks:num_full_blocks], 1)
+            table.num_committed_blocks = num_full_blocks
 
     # grow and free ------------------------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -159,6 +177,7 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is not None:
             self.pool.free(table.block_ids)     # pool.free walks the table from its tail
+            self._hold(table.block_hashes[:table.num_committed_blocks], -1)
 
     # checks -------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -176,3 +195,8 @@ class KVCacheManager:
         for block, holders in num_holders.items():
             assert self.pool.ref_count(block) == holders, \
                 f"block {block}: ref count {self.pool.ref_count(block)}, held by {holders} tables"
+        content: dict[bytes, int] = {}
+        for table in self._tables.values():
+            for block_hash in table.block_hashes[:table.num_committed_blocks]:
+                content[block_hash] = content.get(block_hash, 0) + 1
+        assert content == self._content_holders, "content holder counts differ from the tables' committed hashes"
