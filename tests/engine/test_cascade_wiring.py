@@ -80,3 +80,11 @@ def test_disable_cascade_attn_is_a_checked_flag(tiny_llama):
     from kvfit.errors import ConfigError
     with pytest.raises(ConfigError, match="--disable-cascade-attn must be true or false"):
         LLM(tiny_llama, device="cpu", disable_cascade_attn="yes")
+
+
+def test_without_prefix_caching_there_is_no_cascade(tiny_llama):
+    # shared prefixes are found through prefix caching's hashes: without it no rule is asked (no cascade graphs)
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory="4MiB",
+              enable_prefix_caching=False)
+    assert llm.engine.workers.runner._cascade_tokens is None
+    llm.shutdown()

@@ -52,8 +52,10 @@ class ModelRunner:
         self.dtype = model_dtype(config, facts)
         self.max_model_len = resolve_max_model_len(facts, config.model.max_model_len)
         self.use_graphs = graphs_supported and not config.device.enforce_eager
-        # a decode step's shared prefix attended once for all sequences, where the backend would
-        self._cascade_tokens = None if config.device.disable_cascade_attn else backend.cascade_tokens
+        # a decode step's shared prefix attended once for all sequences, where the backend would; prefix caching
+        # finds shared prefixes (StepDelta.num_common_prefix_blocks), so without it no cascade graphs either
+        cascade = config.cache.enable_prefix_caching and not config.device.disable_cascade_attn
+        self._cascade_tokens = backend.cascade_tokens if cascade else None
         self.model = None
         self.batch: InputBatch | None = None
         self.kv_caches: KVCaches = []
