@@ -6,6 +6,8 @@ Run: python -m pytest tests/gpu/test_engine_gpu.py -q
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -104,5 +106,7 @@ def test_cascade_decode_matches_transformers(tiny_qwen3, mode, monkeypatch):
         assert any(seen) is cascade, f"{mode}: cascade {'not ' if cascade else ''}used"
         assert llm.engine.stats()["kv_blocks_used"] == 0
         llm.shutdown()
-        del llm
+        del llm, runner
+        replay = attend = None
+        gc.collect()        # the wrappers above are reference cycles that hold the engine's KV cache
         torch.cuda.empty_cache()

@@ -88,6 +88,20 @@ def test_cuda_measure_reads_each_part(fake_cuda):
     assert reading.available_kv_bytes == int(100 * GiB * 0.9) - (10 + 2 + 3) * GiB - GiB // 2
 
 
+def test_cuda_counts_the_process_own_torch_memory_from_before_as_in_use(fake_cuda):
+    # 2 GiB of tensors the process held before the engine (the caller's, an earlier engine's): the engine
+    # cannot use them, so they count against the budget like another process's memory
+    fake_cuda.alloc(2 * GiB)
+    platform = cuda_platform.CudaPlatform.__new__(cuda_platform.CudaPlatform)
+    platform.device = "cuda:0"
+    steps = fake_steps(fake_cuda, weights=10 * GiB, activations=2 * GiB, scratch=GiB, non_torch=GiB // 2)
+    reading = platform.measure(steps, CacheConfig(gpu_memory_utilization=0.9))
+    assert reading.in_use_at_start_bytes == 5 * GiB
+    assert reading.weights_bytes == 10 * GiB and reading.activation_peak_bytes == 2 * GiB
+    assert reading.non_torch_bytes == GiB // 2
+    assert reading.available_kv_bytes == int(100 * GiB * 0.9) - (10 + 2 + 5) * GiB - GiB // 2
+
+
 def test_cuda_refuses_when_others_use_the_whole_budget(fake_cuda):
     fake_cuda.others = 95 * GiB
     platform = cuda_platform.CudaPlatform.__new__(cuda_platform.CudaPlatform)

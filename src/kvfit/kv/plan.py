@@ -38,7 +38,7 @@ class MemoryReading:
     activation_peak_bytes: int = 0
     non_torch_bytes: int = 0
     cuda_graph_bytes: int = 0
-    in_use_at_start_bytes: int = 0      # CUDA context and other processes, before this engine started
+    in_use_at_start_bytes: int = 0      # CUDA context, other processes, own earlier tensors: before this engine
     kv_cache_memory_bytes: int | None = None
     source: str = "measured"             # measured | estimated | explicit
 

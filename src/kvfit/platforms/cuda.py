@@ -83,15 +83,18 @@ class CudaPlatform(Platform):
         torch.cuda.init()
         torch.cuda.empty_cache()
         used, total = self._used_bytes()
-        # Everything on the device that is not this process's torch memory: the CUDA context and
-        # other processes. It counts against the budget (another process shrinks the plan).
-        in_use_at_start = used - torch.cuda.memory_reserved(self.device)
+        # Everything in use on the device before this engine: the CUDA context, other processes, and this
+        # process's own live torch memory (the caller's tensors, an earlier engine not yet collected: torch
+        # memory this engine cannot use). It counts against the budget (another process shrinks the plan).
+        # Non-torch growth is measured from the outside-torch part alone.
+        in_use_at_start = used
+        outside_torch_at_start = used - torch.cuda.memory_reserved(self.device)
         budget = int(total * cache.gpu_memory_utilization)
         if cache.kv_cache_memory is None and in_use_at_start >= budget:
             raise CapacityError(
                 f"free memory at start-up is {gib(total - used)} of {gib(total)}: {gib(in_use_at_start)} is "
                 f"already in use, more than --gpu-memory-utilization {cache.gpu_memory_utilization} allows "
-                f"({gib(budget)}); raise it or free memory used by other processes")
+                f"({gib(budget)}); raise it or free memory held by other processes or by this one")
         allocated_before = torch.cuda.memory_allocated(self.device)
         steps.load_weights()
         torch.cuda.synchronize(self.device)
@@ -106,7 +109,7 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
         graph_bytes = self._graph_bytes(steps)
         used_now, _ = self._used_bytes()
-        non_torch = max(used_now - torch.cuda.memory_reserved(self.device) - in_use_at_start, 0)
+        non_torch = max(used_now - torch.cuda.memory_reserved(self.device) - outside_torch_at_start, 0)
         return MemoryReading(
             total_bytes=total, budget_bytes=budget, weights_bytes=after_weights - allocated_before,
             activation_peak_bytes=activation_peak, non_torch_bytes=non_torch, cuda_graph_bytes=graph_bytes,
