@@ -98,8 +98,13 @@ def test_cascade_decode_matches_transformers(tiny_qwen3, mode, monkeypatch):
                 seen.append(meta.prefix_len is not None), attend(q, k, v, meta, scale))[1]
         else:
             assert bool(runner.graphs.cascade_graphs) is cascade
-            replay = runner.graphs.replay
-            runner.graphs.replay = lambda *args: (seen.append(args[-1] is not None), replay(*args))[1]
+            graphs = runner.graphs
+            replay = graphs.replay      # a step replays its bucket's cascade graph when it has a prefix
+
+            def replay_seen(*args):
+                seen.append(args[-1] is not None and graphs.bucket_for(args[0].shape[0]) in graphs.cascade_graphs)
+                return replay(*args)
+            graphs.replay = replay_seen
         llm.generate([shared + [299]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # cache it
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, f"{mode}, cascade {cascade}: tokens differ from transformers"
@@ -107,6 +112,6 @@ def test_cascade_decode_matches_transformers(tiny_qwen3, mode, monkeypatch):
         assert llm.engine.stats()["kv_blocks_used"] == 0
         llm.shutdown()
         del llm, runner
-        replay = attend = None
+        replay = attend = graphs = replay_seen = None
         gc.collect()        # the wrappers above are reference cycles that hold the engine's KV cache
         torch.cuda.empty_cache()

@@ -178,7 +178,8 @@ def test_weights_over_budget_is_an_error_naming_the_weights():
 
 @pytest.mark.parametrize("field,name", [("activation_peak_bytes", "activation peak"),
                                         ("non_torch_bytes", "non-torch"), ("cuda_graph_bytes", "CUDA graphs"),
-                                        ("in_use_at_start_bytes", "in use at start (context, other processes)")])
+                                        ("in_use_at_start_bytes",
+                                         "in use at start (context, other processes, own tensors)")])
 def test_no_kv_budget_left_is_an_error_naming_what_used_it(field, name):
     r = reading(**{field: 60 * GiB})      # pushes the budget below zero
     assert r.available_kv_bytes <= 0

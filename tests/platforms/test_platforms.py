@@ -100,6 +100,17 @@ def test_cuda_counts_the_process_own_torch_memory_from_before_as_in_use(fake_cud
     assert reading.weights_bytes == 10 * GiB and reading.activation_peak_bytes == 2 * GiB
     assert reading.non_torch_bytes == GiB // 2
     assert reading.available_kv_bytes == int(100 * GiB * 0.9) - (10 + 2 + 5) * GiB - GiB // 2
+    # the allocator's cap while serving holds those 2 GiB too (they are inside memory_reserved)
+    assert reading.own_torch_at_start_bytes == 2 * GiB
+    assert reading.process_budget_bytes == int(100 * GiB * 0.9) - GiB // 2 - 3 * GiB
+    platform.num_cache_releases = 0
+    fake_cuda.alloc(reading.available_kv_bytes + GiB)        # the KV cache and half the activation peak
+    platform.keep_within(reading)
+    assert platform.num_cache_releases == 0                  # inside the budget: nothing to release
+    fake_cuda.alloc(2 * GiB)
+    fake_cuda.free(2 * GiB)                                  # cached past the peak: over the budget
+    platform.keep_within(reading)
+    assert platform.num_cache_releases == 1
 
 
 def test_cuda_refuses_when_others_use_the_whole_budget(fake_cuda):

@@ -28,7 +28,8 @@ class AttentionMetadata:
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
     # cascade (decode steps only): the first prefix_len[0] tokens ([1] int32, a multiple of the block size) of
-    # every sequence have the K/V that block_tables[0]'s blocks hold (the same blocks, or copies), and every
+    # every sequence have the K/V that block_tables[0]'s blocks hold (the same blocks, or copies equal up to the
+    # rounding of the batch that computed them, as with a prefix-cache hit), and every
     # sequence has more tokens than that; a backend may attend them once for all sequences through row 0's
     # blocks. None: no such prefix (or the backend declined it).
     prefix_len: torch.Tensor | None = None

@@ -69,15 +69,15 @@ class KVCacheManager:
         Contents, not block ids: requests admitted in one step compute a shared prompt each (nothing is in
         the cache yet), so their blocks are duplicates, equal by chained hash (the same tokens at the same
         positions, the same cache salt) but not by id; counting ids would find no common prefix for as
-        long as any of them runs. Only committed blocks count (their K/V are written). Needs prefix
+        long as any of them runs. A copy's K/V equal row 0's up to the rounding of the batch it was computed
+        in, as a prefix-cache hit's do. Only committed blocks count (their K/V are written). Needs prefix
         caching (hashes); O(blocks counted + 1)."""
         table = self._tables.get(request_id)
         if table is None:
             return 0
-        num_tables, holders, count = len(self._tables), self._content_holders, 0
-        for block_hash in table.block_hashes[:table.num_committed_blocks]:
-            if holders.get(block_hash, 0) != num_tables:
-                break
+        num_tables, holders, hashes = len(self._tables), self._content_holders, table.block_hashes
+        count = 0
+        while count < table.num_committed_blocks and holders.get(hashes[count], 0) == num_tables:
             count += 1
         return count
 

@@ -39,6 +39,7 @@ class MemoryReading:
     non_torch_bytes: int = 0
     cuda_graph_bytes: int = 0
     in_use_at_start_bytes: int = 0      # CUDA context, other processes, own earlier tensors: before this engine
+    own_torch_at_start_bytes: int = 0   # of that, this process's torch memory (inside its allocator's reserved)
     kv_cache_memory_bytes: int | None = None
     source: str = "measured"             # measured | estimated | explicit
 
@@ -55,16 +56,17 @@ class MemoryReading:
 
     @property
     def process_budget_bytes(self) -> int | None:
-        """What this process's allocator may hold while serving (weights, activations, graphs, KV):
-        the budget less memory outside it. None with an explicit kv_cache_memory (no device budget)."""
+        """What this process's allocator may hold while serving (weights, activations, graphs, KV, and the
+        torch memory it held before the engine): the budget less memory outside it. None with an explicit
+        kv_cache_memory (no device budget)."""
         if self.kv_cache_memory_bytes is not None:
             return None
-        return self.budget_bytes - self.non_torch_bytes - self.in_use_at_start_bytes
+        return self.budget_bytes - self.non_torch_bytes - (self.in_use_at_start_bytes - self.own_torch_at_start_bytes)
 
     def explain(self) -> str:
         return (f"budget {gib(self.budget_bytes)} - weights {gib(self.weights_bytes)} - activation peak "
                 f"{gib(self.activation_peak_bytes)} - non-torch {gib(self.non_torch_bytes)} - CUDA graphs "
-                f"{gib(self.cuda_graph_bytes)} - in use at start (context, other processes) "
+                f"{gib(self.cuda_graph_bytes)} - in use at start (context, other processes, own tensors) "
                 f"{gib(self.in_use_at_start_bytes)} = {gib(self.available_kv_bytes)}")
 
 

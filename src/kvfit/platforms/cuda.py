@@ -113,7 +113,8 @@ class CudaPlatform(Platform):
         return MemoryReading(
             total_bytes=total, budget_bytes=budget, weights_bytes=after_weights - allocated_before,
             activation_peak_bytes=activation_peak, non_torch_bytes=non_torch, cuda_graph_bytes=graph_bytes,
-            in_use_at_start_bytes=in_use_at_start, kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
+            in_use_at_start_bytes=in_use_at_start, own_torch_at_start_bytes=in_use_at_start - outside_torch_at_start,
+            kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
 
     def keep_within(self, reading: MemoryReading) -> None:
         # Live memory stays inside the plan (weights + KV + graphs + the profiled activation peak),
