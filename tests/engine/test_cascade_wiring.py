@@ -82,9 +82,13 @@ def test_disable_cascade_attn_is_a_checked_flag(tiny_llama):
         LLM(tiny_llama, device="cpu", disable_cascade_attn="yes")
 
 
-def test_without_prefix_caching_there_is_no_cascade(tiny_llama):
-    # shared prefixes are found through prefix caching's hashes: without it no rule is asked (no cascade graphs)
-    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory="4MiB",
+def test_without_prefix_caching_there_is_no_cascade(tiny_qwen3, spy):
+    # shared prefixes are found through prefix caching's hashes: without it no step marks one (and the runner
+    # asks no rule, so no cascade graphs are captured on a GPU)
+    llm = LLM(tiny_qwen3, device="cpu", dtype="float32", max_model_len=96, block_size=4, kv_cache_memory="16MiB",
               enable_prefix_caching=False)
     assert llm.engine.workers.runner._cascade_tokens is None
+    prompts = [SHARED + [40 + i] for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 6 and not spy
     llm.shutdown()
