@@ -49,6 +49,9 @@ class ModelConfig:
     # vLLM's --generation-config: where default sampling params come from: auto (the model folder's
     # generation_config.json), vllm (vLLM's own defaults) or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # vLLM's --max-logprobs: the most top log probabilities (logprobs, prompt_logprobs) a request may ask for
+    # per token; -1: the whole vocabulary. The profile samples with this many, so it costs no unplanned memory.
+    max_logprobs: int = 20
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -79,6 +82,9 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
         _check_int("seed", self.seed, minimum=0)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary, "
+                              f"got {self.max_logprobs!r}")
         if self.seed > MAX_SEED:
             raise ConfigError(f"--seed must be at most 2**64 - 1 (torch.manual_seed's range), got {self.seed}")
 

@@ -25,6 +25,11 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int
     return requested
 
 
+def resolve_max_logprobs(facts: ModelFacts, requested: int) -> int:
+    """--max-logprobs as a count: -1 is the whole vocabulary; never more than the vocabulary."""
+    return facts.vocab_size if requested == -1 else min(requested, facts.vocab_size)
+
+
 def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset: int,
                     backend: str) -> tuple[KVSpec, PlanLimits]:
     """The KVSpec for this rank and every limit besides memory."""

@@ -16,7 +16,8 @@ from kvfit.structured_params import StructuredOutputsParams
 
 # Below this a softmax over logits / temperature overflows to inf; 0 means greedy.
 MIN_SAMPLING_TEMPERATURE = 1e-5
-# vLLM's default --max-logprobs: the most top-k logprobs (and prompt logprobs) a request may ask for.
+# vLLM's default --max-logprobs: the most top-k logprobs (and prompt logprobs) a request may ask for
+# (the engine's setting is checked at admission).
 MAX_LOGPROBS = 20
 # OpenAI's (and vLLM's protocol's) range for a logit bias; larger values are clamped to it.
 MAX_LOGIT_BIAS = 100.0
@@ -154,10 +155,9 @@ class SamplingParams:
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top log probabilities "
-                                   f"per token; {MAX_LOGPROBS} is vLLM's default max_logprobs, fixed here), "
-                                   f"got {value!r}", name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise RequestError(f"{name} must be an integer >= 0 (the top log probabilities per token, at most "
+                                   f"the engine's --max-logprobs), got {value!r}", name)
 
     def _check_token_edits(self) -> None:
         if self.logit_bias is not None:

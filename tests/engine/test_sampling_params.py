@@ -116,7 +116,7 @@ def test_values_the_sampler_cannot_use_are_rejected_up_front(kwargs):
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(logprobs=-1), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={"a": 1.0}), "logit_bias"),
     (dict(logit_bias={3: math.inf}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
@@ -155,3 +155,15 @@ def test_admission_checks_token_ids_against_the_vocab():
     # vLLM's rule: the word alone, and with a leading space when that is a new first token of the same length
     encode = {"bad": [7], " bad": [8], "two words": [3, 4], " two words": [5, 4, 9]}.__getitem__
     assert bad_words_token_ids(("bad", "two words"), encode, 100) == ((7,), (8,), (3, 4))
+
+
+def test_admission_checks_logprobs_against_max_logprobs():
+    # vLLM's --max-logprobs (default 20) is the engine's: a SamplingParams may ask for more, admission refuses it
+    from kvfit.engine.admission import check_request
+    for name in ("logprobs", "prompt_logprobs"):
+        params = SamplingParams(**{name: 21})
+        with pytest.raises(RequestError, match="--max-logprobs of 20") as info:
+            check_request([1, 2], params, 100, 64, 4, 100)
+        assert info.value.param == name
+        assert check_request([1, 2], params, 100, 64, 4, 100, max_logprobs=21) == 2 + 16     # max_tokens 16
+    assert check_request([1, 2], SamplingParams(logprobs=20, prompt_logprobs=20), 100, 64, 4, 100) == 18

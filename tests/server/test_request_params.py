@@ -66,6 +66,19 @@ def test_logprobs_counts():
         assert info.value.param == param
 
 
+def test_logprobs_counts_follow_the_engine_max_logprobs():
+    from kvfit.server.params import RequestDefaults
+    wide = RequestDefaults(max_logprobs=30)
+    body = {"model": "m", "prompt": "hi", "logprobs": 25, "prompt_logprobs": 30}
+    inp = completion_inputs(CompletionRequest.model_validate(body), wide)[0]
+    assert (inp.params.logprobs, inp.params.prompt_logprobs) == (25, 30)
+    chat_body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                      "logprobs": True, "top_logprobs": 31})
+    with pytest.raises(APIError, match="--max-logprobs of 30") as info:
+        chat_input(chat_body, [1, 2, 3], [{"role": "user", "content": "hi"}], wide)
+    assert info.value.param == "top_logprobs"
+
+
 def test_echo_with_logprobs_asks_for_prompt_logprobs():
     inp = completion(echo=True, logprobs=2)
     assert inp.params.prompt_logprobs == 2 and inp.echo

@@ -106,6 +106,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a shared prompt prefix")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--max-logprobs", type=int_flag, default=None,
+                   help="the most top log probabilities (logprobs, prompt_logprobs) a request may ask for per token; "
+                        "-1: the whole vocabulary (default: 20, vLLM's)")
     p.add_argument("--disable-cascade-attn", action="store_true", default=None,
                    help="decode steps read a prompt prefix that every running request shares (prefix caching) "
                         "once per request, not once for all (cascade attention; default: cascade where it pays)")

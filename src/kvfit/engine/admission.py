@@ -6,7 +6,7 @@ The server maps the error to OpenAI's 400 body from its param and code, without 
 from __future__ import annotations
 
 from kvfit.errors import RequestError
-from kvfit.sampling_params import SamplingParams
+from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def check_cache_salt(cache_salt) -> str | None:
@@ -20,15 +20,19 @@ def check_cache_salt(cache_salt) -> str | None:
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  block_size: int, num_blocks: int, strict_context: bool = False) -> int:
+                  block_size: int, num_blocks: int, strict_context: bool = False,
+                  max_logprobs: int = MAX_LOGPROBS) -> int:
     """Return the request's max_total_tokens (prompt + output, at most max_model_len).
 
     strict_context: prompt + max_tokens past max_model_len is an error (the server, when the client
     set max_tokens); otherwise generation stops at max_model_len with finish reason "length".
+    max_logprobs: the engine's --max-logprobs, resolved (-1 is the vocabulary size).
     """
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
                            "sampling_params")
+    check_logprobs_count(params.logprobs, max_logprobs, "logprobs")
+    check_logprobs_count(params.prompt_logprobs, max_logprobs, "prompt_logprobs")
     if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_ids):
         raise RequestError("a token-id prompt must be a list of integers", "prompt")
     _check_token_ids(params, vocab_size)
@@ -53,6 +57,14 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
         raise RequestError(f"the request needs {blocks} KV blocks but the cache has {num_blocks}; "
                            "lower max_tokens or give the cache more memory", "max_tokens")
     return max_total_tokens
+
+
+def check_logprobs_count(value: int | None, max_logprobs: int, param: str) -> None:
+    """A top-logprobs count within the engine's --max-logprobs (vLLM's check; the server names its own field)."""
+    if value is not None and value > max_logprobs:
+        raise RequestError(f"{param} is {value}, more than this engine's --max-logprobs of {max_logprobs} allows "
+                           f"(the top log probabilities per token); ask for at most {max_logprobs}, or start the "
+                           "engine with a larger --max-logprobs", param)
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

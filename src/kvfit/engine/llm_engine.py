@@ -13,6 +13,7 @@ import os
 
 from kvfit.config import EngineConfig
 from kvfit.engine.admission import bad_words_token_ids, check_cache_salt, check_request
+from kvfit.planning import resolve_max_logprobs
 from kvfit.engine.output import RequestOutput
 from kvfit.engine.output_processor import OutputProcessor
 from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
@@ -74,6 +75,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most top logprobs a request may ask for per token (--max-logprobs, resolved)."""
+        return resolve_max_logprobs(self.facts, self.config.model.max_logprobs)
+
     # requests -----------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -101,7 +107,7 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_total = check_request(ids, params, self.facts.vocab_size, self.max_model_len, self.spec.block_size,
-                                  self.pool.num_blocks, strict_context)
+                                  self.pool.num_blocks, strict_context, self.max_logprobs)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         child_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
         for rid in dict.fromkeys([request_id, *child_ids]):

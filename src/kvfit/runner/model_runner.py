@@ -14,7 +14,7 @@ import torch
 from kvfit.config import EngineConfig
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
-from kvfit.planning import resolve_max_model_len
+from kvfit.planning import resolve_max_logprobs, resolve_max_model_len
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
@@ -27,12 +27,18 @@ from kvfit.step import NewRequest, SampledTokens, StepDelta
 
 # The sampler's most expensive rows, for the profile: seeded (hashed noise) with top-p and no top-k
 # (a full sort of the vocabulary), min_p, every penalty (the edited fp32 copy and the counts' temporaries),
-# a logit bias, the most top-k logprobs, prompt logprobs (PROMPT_LOGPROBS_SLICE positions of logits at a
-# time) and a grammar bitmask on every row (_profile_delta). Every row of the profiled steps uses them, so
-# enabling any of them never takes more than the measured activation peak.
+# a logit bias, the most top-k logprobs (--max-logprobs: profile_sampling), prompt logprobs
+# (PROMPT_LOGPROBS_SLICE positions of logits at a time) and a grammar bitmask on every row (_profile_delta).
+# Every row of the profiled steps uses them, so enabling any of them never takes more than the measured
+# activation peak.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0, min_p=0.01, repetition_penalty=1.1,
                                   presence_penalty=0.1, frequency_penalty=0.1, logit_bias={0: 1.0},
                                   logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
+
+
+def profile_sampling(max_logprobs: int) -> SamplingParams:
+    """PROFILE_SAMPLING asking for the most logprobs and prompt logprobs a request may (--max-logprobs)."""
+    return replace(PROFILE_SAMPLING, logprobs=max_logprobs, prompt_logprobs=max_logprobs)
 
 
 def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
@@ -109,12 +115,13 @@ class ModelRunner:
     def _profile_delta(self, num_tokens: int, num_seqs: int) -> StepDelta:
         per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         bs = self.spec.block_size
+        sampling = profile_sampling(resolve_max_logprobs(self.facts, self.config.model.max_logprobs))
         new, next_block = [], 0
         for i, n in enumerate(per_seq):
             blocks = tuple(range(next_block, next_block + -(-n // bs)))
             next_block += len(blocks)
             new.append(NewRequest(request_id=f"profile-{i}", prompt_token_ids=(0,) * n, output_token_ids=(),
-                                  params=PROFILE_SAMPLING, block_ids=blocks, num_computed_tokens=0))
+                                  params=sampling, block_ids=blocks, num_computed_tokens=0))
         allow_all = bytes([0xFF]) * (4 * bitmask_words(self.facts.vocab_size))    # a grammar row allowing all
         return StepDelta(request_ids=tuple(r.request_id for r in new), num_scheduled_tokens=tuple(per_seq),
                          new_block_ids=((),) * len(new), new_requests=tuple(new),

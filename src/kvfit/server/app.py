@@ -92,7 +92,8 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
         raise ConfigError(f"prepare_processes must be >= 0, got {prepare_processes}")
     async_engine = AsyncEngine(engine, max_waiting_requests)
     metrics = ServerMetrics(async_engine.stats, metrics_require_key, names[0], engine.max_model_len)
-    defaults = RequestDefaults.from_config(engine.default_sampling_params, engine.config.model.generation_config)
+    defaults = RequestDefaults.from_config(engine.default_sampling_params, engine.config.model.generation_config,
+                                           engine.max_logprobs)
     context = PrepareContext(names, chat_template, async_engine.max_prompt_chars, engine.max_model_len)
     num_processes = default_num_processes() if prepare_processes is None else prepare_processes
     pool = _prepare_pool(engine, context, num_processes) if num_processes > 0 else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvfit.engine.admission import check_cache_salt
+from kvfit.engine.admission import check_cache_salt, check_logprobs_count
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.structured_params import StructuredOutputsParams
@@ -65,11 +65,12 @@ class RequestDefaults:
 
     params: dict = field(default_factory=dict)
     max_tokens_cap: int | None = None
+    max_logprobs: int = MAX_LOGPROBS        # the engine's --max-logprobs (resolved), for the field's own 400
 
     @classmethod
-    def from_config(cls, params: dict, generation_config: str) -> "RequestDefaults":
+    def from_config(cls, params: dict, generation_config: str, max_logprobs: int = MAX_LOGPROBS) -> "RequestDefaults":
         cap = params.get("max_tokens") if generation_config not in ("auto", "vllm") else None
-        return cls(dict(params), cap)
+        return cls(dict(params), cap, max_logprobs)
 
     def max_tokens(self, requested: int | None) -> int | None:
         if requested is None:
@@ -128,9 +129,13 @@ def _structured_outputs(req) -> StructuredOutputsParams | None:
         raise bad_request(str(exc), param=exc.param or "structured_outputs", code=exc.code) from None
 
 
-def _check_top_k_count(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
+def _check_top_k_count(value: int | None, param: str, max_logprobs: int) -> None:
+    if value is not None and value < 0:
+        raise bad_request(f"{param} must be >= 0, got {value}", param=param)
+    try:
+        check_logprobs_count(value, max_logprobs, param)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=param) from None
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
@@ -195,7 +200,8 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     """One GenerateInput per prompt (vLLM: each prompt of a batch is its own engine request, same params).
     max_tokens: the request's, else 16 (vLLM's CompletionRequest default), lowered to defaults' cap."""
     prompts = completion_prompts(req)
-    _check_top_k_count(req.logprobs, "logprobs")
+    _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs)
+    _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
     max_tokens = defaults.max_tokens(DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
     stream, include_usage, continuous_usage = _stream_flags(req)
     params = sampling_params(req, max_tokens, req.logprobs, defaults.params)
@@ -228,7 +234,8 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
-    _check_top_k_count(req.top_logprobs, "top_logprobs")
+    _check_top_k_count(req.top_logprobs, "top_logprobs", defaults.max_logprobs)
+    _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
     if req.top_logprobs is not None and not req.logprobs:       # vLLM's rule, 0 included
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
