@@ -119,3 +119,15 @@ def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_request_error(llm, sal
     assert info.value.param == "cache_salt" and "\n" not in str(info.value)
     with pytest.raises(RequestError, match="cache_salt"):
         llm.engine.add_request([1, 2], GREEDY, cache_salt="")
+
+
+def test_shutdown_gives_the_memory_back_and_later_calls_are_a_clear_error(tiny_llama):
+    from kvfit.errors import KvfitError
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    runner = llm.engine.workers.runner
+    llm.shutdown()
+    assert runner.model is None and runner.kv_caches == [] and runner.batch is None
+    with pytest.raises(KvfitError, match="shut down"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()                                   # twice is fine

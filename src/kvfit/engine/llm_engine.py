@@ -20,7 +20,7 @@ from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
 from kvfit.engine.request import Request, RequestStatus
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.startup import start_engine
-from kvfit.errors import ConfigError, RequestError
+from kvfit.errors import ConfigError, KvfitError, RequestError
 from kvfit.kv.manager import KVCacheManager
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
@@ -44,6 +44,7 @@ class LLMEngine:
         self.num_scheduler_steps = started.num_scheduler_steps
         self.async_scheduling = started.async_scheduling
         self._inflight = None       # (delta, its token reader): launched, not yet applied (async scheduling)
+        self._shut_down = False
         self.pool = BlockPool(self.plan.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.spec.block_size)
         self.scheduler = Scheduler(self.kv, self.limits.max_model_len, config.scheduler.max_num_seqs,
@@ -95,6 +96,7 @@ class LLMEngine:
         cache_salt: vLLM's prefix-cache isolation; the request shares cached blocks only with
         requests of the same salt (None: with every unsalted request).
         params.n > 1 queues n child requests (engine/parallel_sampling.py) under this request id."""
+        self._check_open()
         if isinstance(params, SamplingParams) and self.tokenizer is None:
             for name, needs in (("stop", params.stop), ("bad_words", params.bad_words),
                                 ("structured_outputs", params.structured_outputs)):
@@ -180,6 +182,7 @@ class LLMEngine:
         applied one at a time, in order, so stops and stop strings end a request at the same
         token as single steps would (tokens sampled past the end are dropped).
         """
+        self._check_open()
         inflight, self._inflight = self._inflight, None     # async scheduling: launched by the previous step
         if inflight is not None and not self._still_running(inflight[0]):
             inflight[1]()               # every request of the round in flight has ended: read it, drop it
@@ -302,7 +305,13 @@ class LLMEngine:
                 "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits}
 
     def shutdown(self) -> None:
+        """Stop the workers and give their device memory back; the engine serves nothing after it."""
+        self._shut_down = True
         self.workers.shutdown()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise KvfitError("this engine was shut down (its memory given back); create a new one to generate again")
 
 
 def _generation_defaults(config: EngineConfig) -> dict:

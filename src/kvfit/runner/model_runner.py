@@ -154,6 +154,13 @@ class ModelRunner:
             self.graphs.release()
         self.graphs = None
 
+    def release(self) -> None:
+        """Drop the weights, the KV cache, the graphs and the persistent batch (the engine shut down)."""
+        self.release_graphs()
+        self.model, self.batch, self.kv_caches, self._carry = None, None, [], None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def capture_graphs(self) -> None:
         """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
         self.release_graphs()

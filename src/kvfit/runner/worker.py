@@ -84,4 +84,6 @@ class Worker:
         return result
 
     def shutdown(self) -> None:
-        pass
+        """Give the device memory back now (weights, KV cache, graphs), not when the engine is collected: a
+        later engine in this process would count it as in use at its start."""
+        self.runner.release()
