@@ -190,8 +190,7 @@ class Scheduler:
                          num_common_prefix_blocks=self._common_prefix_blocks(scheduled))
 
     def _common_prefix_blocks(self, scheduled: list[_Scheduled]) -> int:
-        # only shared prefix-cache blocks can be common to several tables; one request's own table is not
-        # a prefix worth attending apart (and costs a walk over all its blocks)
+        # shared prompts are found by prefix caching's block hashes; one request alone shares nothing
         if not scheduled or not self.pool.enable_prefix_caching or self.kv.num_requests < 2:
             return 0
         return self.kv.num_common_prefix_blocks(scheduled[0].req.request_id)

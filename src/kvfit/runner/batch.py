@@ -44,7 +44,8 @@ class ModelInputs:
 
 
 def shared_prefix_tokens(delta: StepDelta, seq_lens: list[int], block_size: int) -> int:
-    """Tokens every sequence of a decode delta has in the same blocks and more tokens than (whole blocks)."""
+    """Tokens (whole blocks) whose K/V every sequence of a decode delta shares with the first sequence's blocks
+    (StepDelta.num_common_prefix_blocks), each sequence having at least one token more."""
     if not delta.num_common_prefix_blocks or not seq_lens:
         return 0
     return min(delta.num_common_prefix_blocks, (min(seq_lens) - 1) // block_size) * block_size

@@ -50,7 +50,7 @@ class DecodeGraphs:
         self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self.buckets = batch_buckets(max_num_seqs)
-        # a shared prefix can be as long as a sequence less one block
+        # asked with max_model_len: no shared prefix is longer
         self.cascade_buckets = {b for b in self.buckets
                                 if cascade_tokens is not None and cascade_tokens(max_model_len, b) > 0}
 
