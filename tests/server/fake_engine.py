@@ -8,6 +8,7 @@ import types
 from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
 from kvfit.engine.admission import check_request
 from kvfit.errors import ConfigError
+from kvfit.sampling_params import MAX_LOGPROBS
 
 
 class CharTokenizer:
@@ -51,6 +52,7 @@ class FakeEngine:
         # as --generation-config vllm: no defaults from a generation_config.json
         self.config = types.SimpleNamespace(model=types.SimpleNamespace(generation_config="vllm"))
         self.default_sampling_params = {}
+        self.max_logprobs = MAX_LOGPROBS            # --max-logprobs left at vLLM's default
         self.max_running, self.step_seconds = max_running, step_seconds
         self.fail_step_on, self.fail_add_on = fail_step_on, fail_add_on
         self.requests: dict[str, dict] = {}      # insertion order = arrival order
@@ -62,7 +64,7 @@ class FakeEngine:
     def add_request(self, prompt, params, request_id, strict_context=False, cache_salt=None):
         prompt = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         # the engine's own admission check, over a cache with room for anything
-        check_request(prompt, params, 0x110000, self.max_model_len, 16, 10**6, strict_context)
+        check_request(prompt, params, 0x110000, self.max_model_len, 16, 10**6, strict_context, self.max_logprobs)
         if self.fail_add_on in self.tokenizer.decode(prompt):
             raise RuntimeError("add exploded")
         self.requests[request_id] = {"prompt": prompt, "out": [], "params": params, "cache_salt": cache_salt}
