@@ -157,6 +157,21 @@ def test_admission_checks_token_ids_against_the_vocab():
     assert bad_words_token_ids(("bad", "two words"), encode, 100) == ((7,), (8,), (3, 4))
 
 
+def test_admission_checks_prompt_token_types_and_range():
+    import enum
+    from kvfit.engine.admission import are_token_ids, check_request
+
+    class Tok(enum.IntEnum):
+        A = 5
+    assert are_token_ids([1, 2, 3]) and are_token_ids([]) and are_token_ids([1, Tok.A])    # int subclasses: slow path
+    assert not are_token_ids([1, True]) and not are_token_ids([1, 2.0]) and not are_token_ids(["1"])
+    for prompt, message in (([1, False], "list of integers"), ([1, 99, 100], r"\[0, 100\)"), ([-1, 2], r"\[0, 100\)")):
+        with pytest.raises(RequestError, match=message) as info:
+            check_request(prompt, SamplingParams(), 100, 64, 4, 100)
+        assert info.value.param == "prompt"
+    assert check_request([0, 99, Tok.A], SamplingParams(max_tokens=4), 100, 64, 4, 100) == 7
+
+
 def test_admission_checks_logprobs_against_max_logprobs():
     # vLLM's --max-logprobs (default 20) is the engine's: a SamplingParams may ask for more, admission refuses it
     from kvfit.engine.admission import check_request

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from kvfit.config import EngineConfig
 from kvfit.hub import resolve_model_name
-from kvfit.engine.admission import check_cache_salt
+from kvfit.engine.admission import are_token_ids, check_cache_salt
 from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -140,7 +140,7 @@ class LLM:
 
 def _is_token_ids(value) -> bool:
     return (isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+            and are_token_ids(value))
 
 
 def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
