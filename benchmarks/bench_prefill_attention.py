@@ -29,7 +29,9 @@ CANDIDATES = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3), (128, 32, 8, 3), 
 # (name, [(new tokens, prefix tokens) per sequence])
 CASES = [("one fresh 8000-token prompt", [(8000, 0)]),
          ("two 4096-token chunks over 3904 cached", [(4096, 3904), (4096, 3904)]),
-         ("eight fresh 1024-token prompts", [(1024, 0)] * 8)]
+         ("eight fresh 1024-token prompts", [(1024, 0)] * 8),
+         # a mixed step of the shared-prefix row: 25 prompts' own 128-512 tokens over a cached 2,000-token prefix
+         ("25 prompts of 128-512 new tokens over 2000 cached", [(128 + i * 97 % 385, 2000) for i in range(25)])]
 
 
 def build_case(seqs, args, gen):

@@ -430,7 +430,10 @@ def _compile_check() -> None:
         build(pre._prefill_kernel, qd, cache, dict(
             GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
             BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))
-    build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64, PDL=True))
+    for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
+        heads = dec.reduce_heads_per_program(32, s_pad, 128)
+        build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,
+                                                      HEADS=heads, PDL=True))
     print("ok: all kernels compile for sm_90 without spills")
 
 
