@@ -92,6 +92,21 @@ def test_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(tiny_llama):
     llm.shutdown()
 
 
+def test_prompts_submitted_together_share_their_prefix_in_the_first_step(tiny_llama):
+    # vLLM caches blocks when it schedules them: the second prompt finds the first one's 7 full blocks in
+    # the very step that computes them, and both give what each gives alone
+    llm = LLM(tiny_llama, **KW)
+    prompts = [SALT_PROMPT, SALT_PROMPT[:-1] + [77]]
+    alone = []
+    for prompt in prompts:
+        alone.append(llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+        assert llm.reset_prefix_cache()
+    together = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in together] == [0, 28]
+    assert [o.outputs[0].token_ids for o in together] == alone
+    llm.shutdown()
+
+
 def test_reset_prefix_cache_forgets_cached_prefixes_and_refuses_while_requests_hold_blocks(tiny_llama):
     llm = LLM(tiny_llama, **KW)       # its own cache: no other test's blocks
     first = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0]

@@ -233,15 +233,36 @@ def test_no_prefix_hits_with_prefix_caching_off():
     assert sched.num_prefix_hits == 0
 
 
-def test_two_requests_with_one_prefix_in_the_same_step_do_not_share():
-    # registration happens in update, so the second one cannot hit blocks not yet computed
+def test_two_requests_with_one_prefix_in_the_same_step_share_it_at_once():
+    # blocks are cached when scheduled (vLLM's allocate_slots): b, admitted after a in the same step, hits
+    # the blocks a computes in it (each layer writes the step's K/V before attending) instead of a copy
     sched = make_scheduler(block_size=4, prefix_caching=True)
     prompt = list(range(1, 10))
     sched.add(make_request("a", prompt, max_tokens=2))
     sched.add(make_request("b", prompt, max_tokens=2))
     plan, _ = step(sched)
-    assert shape(plan) == [("a", 0, 9, True), ("b", 0, 9, True)]
-    assert not set(plan.seqs[0].block_ids) & set(plan.seqs[1].block_ids)
+    assert shape(plan) == [("a", 0, 9, True), ("b", 8, 1, True)]
+    assert plan.seqs[0].block_ids[:2] == plan.seqs[1].block_ids[:2]
+    assert plan.seqs[0].block_ids[2] != plan.seqs[1].block_ids[2]      # the last, partial block is each one's
+    assert sched.requests["b"].num_cached_prompt_tokens == 8
+    run_to_end(sched)
+    assert_all_blocks_back(sched)
+
+
+def test_a_prompt_chunk_caches_its_blocks_when_scheduled():
+    # a's prompt (13 tokens) goes in chunks of the 10-token budget; its second chunk, scheduled from the
+    # running list, caches a's third block at once, so b, admitted behind it in the same step, hits all three
+    sched = make_scheduler(block_size=4, prefix_caching=True, max_num_batched_tokens=10)
+    prompt = list(range(1, 14))
+    sched.add(make_request("a", prompt, max_tokens=2))
+    sched.add(make_request("b", prompt, max_tokens=2))
+    plan, _ = step(sched)                      # a: 10 tokens (two full blocks); no budget left for b
+    assert shape(plan) == [("a", 0, 10, False)]
+    plan, _ = step(sched)                      # a: its last 3 tokens; b: the one token past a's three blocks
+    assert shape(plan) == [("a", 10, 3, True), ("b", 12, 1, True)]
+    assert plan.seqs[0].block_ids[:3] == plan.seqs[1].block_ids[:3]
+    run_to_end(sched)
+    assert_all_blocks_back(sched)
 
 
 # preemption -------------------------------------------------------------------------------------
@@ -389,11 +410,13 @@ def test_deltas_carry_the_blocks_every_running_request_shares(prefix_caching):
 
 
 def test_requests_admitted_together_share_their_duplicate_prefix_by_content():
-    # nothing is cached when b and c arrive together: each computes the prompt into its own blocks
+    # requests asking for prompt logprobs compute every prompt position (no prefix hit, as in vLLM): b and c
+    # each compute the prompt into their own blocks, which hold the same content as a's
     sched = make_scheduler(block_size=4, prefix_caching=True)
     shared = list(range(1, 9))
-    for rid, tail in (("a", [50]), ("b", [60, 61]), ("c", [70])):
-        sched.add(make_request(rid, shared + tail, max_tokens=6))
+    sched.add(make_request("a", shared + [50], max_tokens=6))
+    for rid, tail in (("b", [60, 61]), ("c", [70])):
+        sched.add(make_request(rid, shared + tail, max_tokens=6, prompt_logprobs=1))
     step(sched)
     plan, _ = step(sched)
     assert plan.delta.num_tokens == 3

@@ -85,6 +85,7 @@ class Scheduler:
                     break
                 continue
             scheduled.append(_Scheduled(req, num_new, new_blocks, is_new=False))
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens + num_new)
             budget -= num_new
             i += 1
         if not preempted:
@@ -168,6 +169,10 @@ class Scheduler:
                 self.kv.free(rid)
                 break
             self.waiting.popleft()
+            # the blocks this step computes are cached now (vLLM caches at allocation): a later request
+            # admitted in this same step finds a prompt prefix it shares with this one instead of computing a
+            # copy (every layer writes the step's K/V before it attends, so the step itself fills them)
+            self.kv.commit(rid, req.token_ids, num_hit + num_new)
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
                 self.num_prefix_queries += req.num_prompt_tokens

@@ -140,8 +140,9 @@ class KVCacheManager:
         return block_hash
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """The first num_computed_tokens of token_ids have their K/V in the table: register every
-        full block among them in the prefix cache. Only blocks not committed before are hashed and
+        """The first num_computed_tokens of token_ids have their K/V in the table, or get it in the step
+        being scheduled (which runs before any step that could read them): register every full block among
+        them in the prefix cache. Only blocks not committed before are hashed and
         registered (one decode step costs O(1) unless it fills a block). No-op with caching off."""
         if not self.pool.enable_prefix_caching:
             return
