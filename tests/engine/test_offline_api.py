@@ -107,6 +107,28 @@ def test_prompts_submitted_together_share_their_prefix_in_the_first_step(tiny_ll
     llm.shutdown()
 
 
+def test_a_step_that_fails_leaves_no_cached_block_without_its_kv(tiny_llama):
+    # blocks are cached when their step is scheduled; a step that raises (a device error, an interrupt)
+    # never wrote them, so their hashes go with it and the next request computes the prompt again
+    llm = LLM(tiny_llama, **KW)
+    want = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    model = llm.engine.workers.runner.model
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated device error")
+    model.forward = fail
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate([SALT_PROMPT, SALT_PROMPT[:-1] + [77]], GREEDY, use_tqdm=False)
+    del model.forward
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_cached"] == 0
+    got = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want
+    llm.engine.scheduler.kv.check_invariants()
+    llm.shutdown()
+
+
 def test_reset_prefix_cache_forgets_cached_prefixes_and_refuses_while_requests_hold_blocks(tiny_llama):
     llm = LLM(tiny_llama, **KW)       # its own cache: no other test's blocks
     first = llm.generate(SALT_PROMPT, GREEDY, use_tqdm=False)[0]

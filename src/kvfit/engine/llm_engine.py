@@ -198,14 +198,21 @@ class LLMEngine:
                 if delta.removed_ids:       # ended requests: the runner still drops their rows
                     self.workers.execute(delta)
                 return []
-            pending = self._launch(self._with_bitmasks(delta))
-        if self.async_scheduling:
-            # the next decode round goes on the device before this one's tokens are read, so the
-            # device does not wait while the host applies them
-            after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
-            if after is not None:
-                self._inflight = (after, self._launch(after))
-        tokens = pending()
+            pending = None
+        try:
+            if pending is None:
+                pending = self._launch(self._with_bitmasks(delta))
+            if self.async_scheduling:
+                # the next decode round goes on the device before this one's tokens are read, so the
+                # device does not wait while the host applies them
+                after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
+                if after is not None:
+                    self._inflight = (after, self._launch(after))
+            tokens = pending()
+        except BaseException:
+            # the step did not run to its tokens: the blocks schedule() cached for it hold no K/V
+            self.scheduler.forget_unrun_commits()
+            raise
         for request_id, (first, entries) in tokens.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None:

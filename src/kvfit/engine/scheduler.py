@@ -47,6 +47,8 @@ class Scheduler:
         self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0         # of those, tokens found
         self._finished_ids: list[str] = []   # ended since the last delta: the runner drops their rows
+        # request id -> its committed block count before the last schedule() cached its step's blocks
+        self._unrun_commits: dict[str, int] = {}
 
     @property
     def pool(self):
@@ -69,6 +71,7 @@ class Scheduler:
     # one step -----------------------------------------------------------------------------------
     def schedule(self, num_steps: int = 1) -> StepDelta:
         """The next step; with num_steps > 1 an all-decode step may become a multi-step round."""
+        self._unrun_commits = {}
         budget = self.max_num_batched_tokens
         scheduled: list[_Scheduled] = []
         preempted: list[str] = []
@@ -85,7 +88,7 @@ class Scheduler:
                     break
                 continue
             scheduled.append(_Scheduled(req, num_new, new_blocks, is_new=False))
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens + num_new)
+            self._commit_scheduled(req, req.num_computed_tokens + num_new)
             budget -= num_new
             i += 1
         if not preempted:
@@ -93,6 +96,21 @@ class Scheduler:
             if num_steps > 1:
                 self._multi_step(scheduled, num_steps)
         return self._delta(scheduled, preempted)
+
+    def _commit_scheduled(self, req: Request, num_tokens: int) -> None:
+        """Cache the full blocks among the request's first num_tokens now, before the step computes them
+        (vLLM caches at allocation): a request admitted behind this one in the same step finds a prompt
+        prefix they share instead of computing a copy (every layer writes the step's K/V before it
+        attends). Until the step has run (update), forget_unrun_commits can take them back."""
+        self._unrun_commits.setdefault(req.request_id, self.kv.num_committed_blocks(req.request_id))
+        self.kv.commit(req.request_id, req.token_ids, num_tokens)
+
+    def forget_unrun_commits(self) -> None:
+        """The last scheduled step failed before it ran: the blocks it cached hold no K/V, so their
+        hashes go (the engine then ends its requests)."""
+        for request_id, keep in self._unrun_commits.items():
+            self.kv.uncommit(request_id, keep)
+        self._unrun_commits = {}
 
     def _multi_step(self, scheduled: list[_Scheduled], num_steps: int) -> None:
         """Give every request of an all-decode step up to num_steps decode steps (never past its
@@ -172,7 +190,7 @@ class Scheduler:
             # the blocks this step computes are cached now (vLLM caches at allocation): a later request
             # admitted in this same step finds a prompt prefix it shares with this one instead of computing a
             # copy (every layer writes the step's K/V before it attends, so the step itself fills them)
-            self.kv.commit(rid, req.token_ids, num_hit + num_new)
+            self._commit_scheduled(req, num_hit + num_new)
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
                 self.num_prefix_queries += req.num_prompt_tokens
@@ -225,6 +243,8 @@ class Scheduler:
         """Record what step `step` of the delta computed (0 unless multi-step; steps in order) and
         append the sampled tokens; return the requests that got a token, for the finish decision."""
         got = []
+        if step == 0 and not delta.continues:
+            self._unrun_commits = {}                 # the scheduled step ran: what it cached is written
         for index, request_id in enumerate(delta.request_ids):
             if step >= delta.steps_of(index):
                 continue

@@ -158,6 +158,22 @@ class KVCacheManager:
             self._hold(table.block_hashes[table.num_committed_blocks:num_full_blocks], 1)
             table.num_committed_blocks = num_full_blocks
 
+    def num_committed_blocks(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return table.num_committed_blocks if table is not None else 0
+
+    def uncommit(self, request_id: str, keep: int) -> None:
+        """Forget the hashes of the request's committed blocks past its first `keep`: the step that was to
+        compute them failed, so no later request may find them (the pool keeps whichever hash a block
+        was registered under first; another table's copy stays registered)."""
+        table = self._tables.get(request_id)
+        if table is None or table.num_committed_blocks <= keep:
+            return
+        for index in range(keep, table.num_committed_blocks):
+            self.pool.unregister(table.block_ids[index], table.block_hashes[index])
+        self._hold(table.block_hashes[keep:table.num_committed_blocks], -1)
+        table.num_committed_blocks = keep
+
     # grow and free ------------------------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Make the table cover num_tokens; return the new block ids appended (possibly []), or None

@@ -113,6 +113,12 @@ class BlockPool:
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
 
+    def unregister(self, block_id: int, block_hash: bytes) -> None:
+        """Forget that a used block holds this hash (its K/V were never written: the step failed)."""
+        if self._hash_of.get(block_id) == block_hash:
+            del self._hash_of[block_id]
+            del self._block_of[block_hash]
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id] if 0 <= block_id < len(self._ref) else 0
 
