@@ -34,3 +34,26 @@ def test_nan_logits_end_one_request_and_the_others_finish(tiny_llama, monkeypatc
     monkeypatch.setattr(CausalLM, "compute_logits", real)
     again = llm.generate(prompts, params, use_tqdm=False)          # the engine keeps serving
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_prompt_whose_logits_are_not_finite_leaves_no_cached_prefix(tiny_llama, monkeypatch):
+    # its blocks were cached when its step was scheduled; ending it in error takes them back, so the next
+    # request with that prompt computes it again rather than reuse the K/V of a step that went wrong
+    llm = LLM(tiny_llama, **KW)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(5, 14))                   # two full blocks of 4 + 1 token
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    real = CausalLM.compute_logits
+
+    def poisoned(self, hidden):
+        logits = real(self, hidden)
+        logits[:] = float("nan")
+        return logits
+    monkeypatch.setattr(CausalLM, "compute_logits", poisoned)
+    failed = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    monkeypatch.setattr(CausalLM, "compute_logits", real)
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == expected
+    assert llm.engine.stats()["kv_blocks_used"] == 0

@@ -105,11 +105,17 @@ class Scheduler:
         self._unrun_commits.setdefault(req.request_id, self.kv.num_committed_blocks(req.request_id))
         self.kv.commit(req.request_id, req.token_ids, num_tokens)
 
-    def forget_unrun_commits(self) -> None:
+    def forget_unrun_commits(self, request_id: str | None = None) -> None:
         """The last scheduled step failed before it ran: the blocks it cached hold no K/V, so their
-        hashes go (the engine then ends its requests)."""
-        for request_id, keep in self._unrun_commits.items():
-            self.kv.uncommit(request_id, keep)
+        hashes go (the engine then ends its requests). With a request id: only that request's (its
+        logits were not finite, so neither may its K/V be), before the step is applied."""
+        if request_id is not None:
+            keep = self._unrun_commits.pop(request_id, None)
+            if keep is not None:
+                self.kv.uncommit(request_id, keep)
+            return
+        for rid, keep in self._unrun_commits.items():
+            self.kv.uncommit(rid, keep)
         self._unrun_commits = {}
 
     def _multi_step(self, scheduled: list[_Scheduled], num_steps: int) -> None:
