@@ -66,12 +66,13 @@ class KVCacheManager:
         positions (vLLM's get_num_common_prefix_blocks): the prefix a decode step may attend once for all its
         sequences, through this request's blocks.
 
-        Contents, not block ids: requests admitted in one step compute a shared prompt each (nothing is in
-        the cache yet), so their blocks are duplicates, equal by chained hash (the same tokens at the same
-        positions, the same cache salt) but not by id; counting ids would find no common prefix for as
-        long as any of them runs. A copy's K/V equal row 0's up to the rounding of the batch it was computed
-        in, as a prefix-cache hit's do. Only committed blocks count (their K/V are written). Needs prefix
-        caching (hashes); O(blocks counted + 1)."""
+        Contents, not block ids: a request can hold its own copy of a shared prompt (one asking for prompt
+        logprobs computes every position; a block registered first by another request stays that one's),
+        equal by chained hash (the same tokens at the same positions, the same cache salt) but not by id;
+        counting ids would find no common prefix for as long as such a copy is in use. A copy's K/V equal
+        row 0's up to the rounding of the batch it was computed in, as a prefix-cache hit's do. Only
+        committed blocks count (written, or written by the step being scheduled before it attends). Needs
+        prefix caching (hashes); O(blocks counted + 1)."""
         table = self._tables.get(request_id)
         if table is None:
             return 0
