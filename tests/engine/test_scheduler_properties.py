@@ -121,7 +121,15 @@ def check_step(sched: Scheduler, plan, running_before: dict[str, int], tables: d
             slot = block * bs + pos % bs
             assert slot not in written, "two tokens write one slot"
             written.add(slot)
-            assert sched.pool.ref_count(block) == 1, "a token writes a block another table shares"
+            holders = sched.pool.ref_count(block)
+            if holders > 1:
+                # blocks are cached when scheduled: the only other tables holding a block this step writes are
+                # requests admitted behind this one in the same step, which hit it, and the step writes it
+                # whole (every layer writes the step's K/V before it attends)
+                sharers = [s for s in plan.seqs if s.request_id != seq.request_id and block in s.block_ids]
+                assert len(sharers) == holders - 1 and all(s.request_id not in running_before for s in sharers), \
+                    "a token writes a block another table held before this step"
+                assert end >= (pos // bs + 1) * bs, "a block shared in its step is left partly written"
 
 
 def check_ownership(sched: Scheduler) -> None:
