@@ -220,14 +220,14 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & head_dim_mask(HEAD_DIM, D_PAD)[None, :])
 
 
+REDUCE_TILE_FLOATS = 8192
+
+
 def reduce_heads_per_program(num_q_heads: int, s_pad: int, d_pad: int) -> int:
     """Query heads one reduce program combines: a power of two, as many as keep its [heads, splits, head_dim]
     fp32 partials within 64 registers a thread at 4 warps (8,192 floats), at most the (padded) head count."""
     fit = max(1, REDUCE_TILE_FLOATS // (s_pad * d_pad))
     return max(1, min(next_pow2(num_q_heads), 1 << (fit.bit_length() - 1)))
-
-
-REDUCE_TILE_FLOATS = 8192
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -284,8 +284,7 @@ class LLMEngine:
             if req is not None and req.status is RequestStatus.RUNNING:
                 logger.warning("request %s: the model's logits were not finite; ending it (finish reason "
                                "'error')", request_id)
-                if step == 0 and not delta.continues:
-                    self.scheduler.forget_unrun_commits(request_id)    # no later prompt reuses its K/V
+                self.scheduler.forget_unrun_commits(request_id)    # no later prompt reuses its K/V
                 self.scheduler.finish(request_id, "error")
                 outputs[request_id] = self.outputs.output(req, finished=True)
         logprobs = tokens.logprobs

@@ -109,14 +109,10 @@ class Scheduler:
         """The last scheduled step failed before it ran: the blocks it cached hold no K/V, so their
         hashes go (the engine then ends its requests). With a request id: only that request's (its
         logits were not finite, so neither may its K/V be), before the step is applied."""
-        if request_id is not None:
-            keep = self._unrun_commits.pop(request_id, None)
+        for rid in [request_id] if request_id is not None else list(self._unrun_commits):
+            keep = self._unrun_commits.pop(rid, None)
             if keep is not None:
-                self.kv.uncommit(request_id, keep)
-            return
-        for rid, keep in self._unrun_commits.items():
-            self.kv.uncommit(rid, keep)
-        self._unrun_commits = {}
+                self.kv.uncommit(rid, keep)
 
     def _multi_step(self, scheduled: list[_Scheduled], num_steps: int) -> None:
         """Give every request of an all-decode step up to num_steps decode steps (never past its
@@ -193,10 +189,7 @@ class Scheduler:
                 self.kv.free(rid)
                 break
             self.waiting.popleft()
-            # the blocks this step computes are cached now (vLLM caches at allocation): a later request
-            # admitted in this same step finds a prompt prefix it shares with this one instead of computing a
-            # copy (every layer writes the step's K/V before it attends, so the step itself fills them)
-            self._commit_scheduled(req, num_hit + num_new)
+            self._commit_scheduled(req, num_hit + num_new)     # before the next admission looks up its prefix
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
                 self.num_prefix_queries += req.num_prompt_tokens
@@ -249,8 +242,7 @@ class Scheduler:
         """Record what step `step` of the delta computed (0 unless multi-step; steps in order) and
         append the sampled tokens; return the requests that got a token, for the finish decision."""
         got = []
-        if step == 0 and not delta.continues:
-            self._unrun_commits = {}                 # the scheduled step ran: what it cached is written
+        self._unrun_commits = {}                     # the scheduled step ran: what it cached is written
         for index, request_id in enumerate(delta.request_ids):
             if step >= delta.steps_of(index):
                 continue
