@@ -13,9 +13,10 @@ Invariants:
   token ids (prompt + output), where num_computed starts at NewRequest.num_computed_tokens and
   grows by what each step computed; it samples when that reaches the end of its known tokens;
 - removed_ids are applied before new_requests, so an id can end and start again in one delta;
-- a delta with `continues` (async scheduling) is scheduled while the previous all-decode delta is still
-  on the device: each of its requests was in that delta, decodes one token per step, and takes as
-  its first input the token the device sampled at its last step there (the host has not seen it yet).
+- a delta with `continues` (async scheduling) is scheduled while the previous delta is still on the
+  device: a request of it that the previous delta samples decodes one token per step and takes as its
+  first input the token the device sampled at its last step there (the host has not seen it yet); the
+  others (prefill chunks, admissions) read known tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class StepDelta:
     # (bit t of word t // 32; kvfit.structured.bitmask)}, for scheduled requests with a grammar (such a
     # request always runs single steps)
     token_bitmasks: dict[str, bytes] | None = None
-    # async scheduling: this all-decode delta continues the previous one on the device (see the invariants)
+    # async scheduling: this delta continues the previous one on the device (see the invariants)
     continues: bool = False
     # leading blocks of the first scheduled request whose contents (the same tokens at the same positions, by
     # chained hash) every running request has computed, in those blocks or in copies of its own (vLLM's

@@ -184,13 +184,47 @@ def test_continuation_grows_blocks_past_the_round_in_flight_and_drops_a_stopped_
     assert sched.pool.num_used_blocks == 0
 
 
-def test_no_continuation_while_a_request_waits_or_blocks_are_short():
-    sched = make_scheduler(block_size=4)
+def test_a_continuation_admits_waiting_requests_and_continues_prefill_chunks():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8)
     prev = _decode_round(sched)
-    sched.add(make_request("late", [1, 2]))
-    assert sched.schedule_continuation(prev.delta, 3) is None
+    sched.add(make_request("late", [1, 2] * 5))         # 10 tokens: 6 fit beside the two decodes
+    delta = sched.schedule_continuation(prev.delta, 3)
+    assert delta.continues and delta.request_ids == ("r0", "r1", "late")
+    assert delta.num_scheduled_tokens == (1, 1, 6) and delta.num_steps == ()     # admitting: one step
+    assert [n.request_id for n in delta.new_requests] == ["late"]
+    assert len(sched.block_ids("late")) == 2
+    # prev is applied, then a continuation of the continuation: the chunk goes on beside the decodes
+    for k in range(prev.num_steps):
+        sched.update(prev, {s.request_id: fake_token(s.request_id, 1 + k) for s in prev.seqs if k < s.num_steps}, k)
+    after = sched.schedule_continuation(delta, 3)
+    assert after.continues and after.request_ids == ("r0", "r1", "late") and after.num_scheduled_tokens == (1, 1, 4)
+    assert after.new_requests == ()
+
+
+def test_no_continuation_when_blocks_are_short_or_a_request_needs_the_host_each_token():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=32)
+    prev = _decode_round(sched, max_tokens=(3, 3), num_steps=1)   # fills a block each: the next token needs a new one
+    assert sched.pool.num_free_blocks == 1
+    assert sched.schedule_continuation(prev.delta, 8) is None
+    # blocks for one step but not for an 8-step round: a single step, holding only its own blocks
     sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=32)
     prev = _decode_round(sched, num_steps=1)
     free = sched.pool.num_free_blocks
-    assert sched.schedule_continuation(prev.delta, 8) is None
-    assert sched.pool.num_free_blocks == free
+    delta = sched.schedule_continuation(prev.delta, 8)
+    assert delta.num_steps == () and delta.num_scheduled_tokens == (1, 1)
+    assert sched.pool.num_free_blocks == free - 2
+    # a waiting request with multi-token bad words is not admitted by a continuation (its first sample needs
+    # the host); once running, no continuation is made at all
+    sched = make_scheduler(block_size=4)
+    prev = _decode_round(sched)
+    host_each_token = make_request("bw", [1, 2])
+    host_each_token.bad_words_token_ids = ((7, 8),)
+    sched.add(host_each_token)
+    delta = sched.schedule_continuation(prev.delta, 3)
+    assert delta.request_ids == ("r0", "r1") and [r.request_id for r in sched.waiting] == ["bw"]
+    for k in range(prev.num_steps):
+        sched.update(prev, {s.request_id: fake_token(s.request_id, 1 + k) for s in prev.seqs if k < s.num_steps}, k)
+    sched.update(StepPlan(delta, sched.mirror.apply(delta)), {}, 0)
+    plan = sched.schedule()
+    assert "bw" in plan.delta.request_ids
+    assert sched.schedule_continuation(plan.delta, 3) is None

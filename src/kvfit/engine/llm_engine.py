@@ -203,8 +203,8 @@ class LLMEngine:
             if pending is None:
                 pending = self._launch(self._with_bitmasks(delta))
             if self.async_scheduling:
-                # the next decode round goes on the device before this one's tokens are read, so the
-                # device does not wait while the host applies them
+                # the next step goes on the device before this one's tokens are read, so the device does
+                # not wait while the host applies them
                 after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
                 if after is not None:
                     self._inflight = (after, self._launch(after))

@@ -24,11 +24,15 @@ from kvfit.step import NewRequest, StepDelta
 class _Scheduled:
     """One request's share of the step being built (mutable until the delta is made)."""
 
-    __slots__ = ("req", "num_tokens", "new_blocks", "is_new", "num_steps")
+    __slots__ = ("req", "num_tokens", "new_blocks", "is_new", "num_steps", "num_computed", "num_known")
 
-    def __init__(self, req: Request, num_tokens: int, new_blocks: list[int], is_new: bool):
+    def __init__(self, req: Request, num_tokens: int, new_blocks: list[int], is_new: bool,
+                 num_computed: int | None = None, num_known: int | None = None):
         self.req, self.num_tokens, self.new_blocks, self.is_new = req, num_tokens, new_blocks, is_new
         self.num_steps = 1
+        # the request's computed and known tokens before this step (a continuation counts the step in flight's)
+        self.num_computed = req.num_computed_tokens if num_computed is None else num_computed
+        self.num_known = req.num_tokens if num_known is None else num_known
 
 
 class Scheduler:
@@ -47,8 +51,10 @@ class Scheduler:
         self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0         # of those, tokens found
         self._finished_ids: list[str] = []   # ended since the last delta: the runner drops their rows
-        # request id -> its committed block count before the last schedule() cached its step's blocks
-        self._unrun_commits: dict[str, int] = {}
+        # request id -> its committed block count before the step being built cached its blocks; then, per
+        # scheduled step not yet run (two with a continuation in flight), the same for that step
+        self._step_commits: dict[str, int] = {}
+        self._unrun: list[tuple[StepDelta, dict[str, int]]] = []
 
     @property
     def pool(self):
@@ -71,7 +77,7 @@ class Scheduler:
     # one step -----------------------------------------------------------------------------------
     def schedule(self, num_steps: int = 1) -> StepDelta:
         """The next step; with num_steps > 1 an all-decode step may become a multi-step round."""
-        self._unrun_commits = {}
+        self._unrun, self._step_commits = [], {}         # nothing is in flight when a step is scheduled
         budget = self.max_num_batched_tokens
         scheduled: list[_Scheduled] = []
         preempted: list[str] = []
@@ -95,24 +101,34 @@ class Scheduler:
             self._admit(scheduled, budget)
             if num_steps > 1:
                 self._multi_step(scheduled, num_steps)
-        return self._delta(scheduled, preempted)
+        return self._made(self._delta(scheduled, preempted))
 
     def _commit_scheduled(self, req: Request, num_tokens: int) -> None:
         """Cache the full blocks among the request's first num_tokens now, before the step computes them
         (vLLM caches at allocation): a request admitted behind this one in the same step finds a prompt
         prefix they share instead of computing a copy (every layer writes the step's K/V before it
         attends). Until the step has run (update), forget_unrun_commits can take them back."""
-        self._unrun_commits.setdefault(req.request_id, self.kv.num_committed_blocks(req.request_id))
+        self._step_commits.setdefault(req.request_id, self.kv.num_committed_blocks(req.request_id))
         self.kv.commit(req.request_id, req.token_ids, num_tokens)
 
+    def _made(self, delta: StepDelta) -> StepDelta:
+        """The step is built: what it cached is remembered as its own until update() applies it."""
+        if self._step_commits:
+            self._unrun.append((delta, self._step_commits))
+        self._step_commits = {}
+        return delta
+
     def forget_unrun_commits(self, request_id: str | None = None) -> None:
-        """The last scheduled step failed before it ran: the blocks it cached hold no K/V, so their
-        hashes go (the engine then ends its requests). With a request id: only that request's (its
-        logits were not finite, so neither may its K/V be), before the step is applied."""
-        for rid in [request_id] if request_id is not None else list(self._unrun_commits):
-            keep = self._unrun_commits.pop(rid, None)
-            if keep is not None:
-                self.kv.uncommit(rid, keep)
+        """The scheduled steps not yet applied failed before they ran: the blocks they cached hold no
+        K/V, so their hashes go (the engine then ends their requests). With a request id: only that
+        request's (its logits were not finite, so neither may its K/V be), before its step is applied."""
+        for _, commits in reversed(self._unrun):            # the latest first: each keeps an earlier count
+            for rid in [request_id] if request_id is not None else list(commits):
+                keep = commits.pop(rid, None)
+                if keep is not None:
+                    self.kv.uncommit(rid, keep)
+        if request_id is None:
+            self._unrun = []
 
     def _multi_step(self, scheduled: list[_Scheduled], num_steps: int) -> None:
         """Give every request of an all-decode step up to num_steps decode steps (never past its
@@ -121,13 +137,13 @@ class Scheduler:
         is preempted to make room for tokens that may never be needed)."""
         if not scheduled or (self.waiting and len(self.running) < self.max_num_seqs):
             return
-        if any(s.num_tokens != 1 or s.req.num_computed_tokens + 1 != s.req.num_tokens for s in scheduled):
+        if any(s.num_tokens != 1 or s.num_computed + 1 != s.num_known for s in scheduled):
             return
-        steps = [1 if s.req.single_step else max(1, min(num_steps, s.req.max_total_tokens - s.req.num_tokens))
+        steps = [1 if s.req.single_step else max(1, min(num_steps, s.req.max_total_tokens - s.num_known))
                  for s in scheduled]
         if max(steps) == 1:
             return
-        grown = self._grow_all([(s.req, s.req.num_computed_tokens + n) for s, n in zip(scheduled, steps)])
+        grown = self._grow_all([(s.req, s.num_computed + n) for s, n in zip(scheduled, steps)])
         if grown is None:
             return
         for s, n, blocks in zip(scheduled, steps, grown):
@@ -145,40 +161,65 @@ class Scheduler:
         return grown
 
     def schedule_continuation(self, prev: StepDelta, num_steps: int = 1) -> StepDelta | None:
-        """Async scheduling: the next all-decode round, scheduled while `prev` (not yet applied) is still
-        on the device, as if every request of it goes on. None when the next step must wait for prev's
-        tokens: prev was not all-decode, a request waits for admission, a running request was not in
-        prev, one needs the host each token (a grammar), or the blocks are not all free (nothing
-        is preempted for it). A request that ends by length in prev is left out; one that stops within
-        prev (a stop token or string) ends when prev is applied, and its continued tokens are dropped."""
-        if prev.empty or prev.num_tokens != len(prev.request_ids):
-            return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        """Async scheduling: the next step, scheduled while `prev` (not yet applied) is still on the device,
+        as if every request of it goes on: a request that samples in prev decodes one token more (its input
+        the device's token), a prefill in progress takes its next chunk, waiting requests are admitted as
+        schedule() would. None when the next step must wait for prev's tokens: a running request needs the
+        host each token (a grammar, multi-token bad words), or the running requests' blocks are not all free
+        (nothing is preempted for it; schedule() does that once prev is applied). A request that ends by
+        length in prev is left out; one that stops within prev (a stop token or string) ends when prev is
+        applied, and its continued tokens are dropped. An all-decode continuation with nobody to admit may
+        be a multi-step round."""
+        if prev.empty:
             return None
         index = {rid: i for i, rid in enumerate(prev.request_ids)}
-        plan: list[tuple[Request, int, int]] = []          # (request, tokens computed after prev, steps)
+        plan: list[tuple[Request, int, int]] = []       # (request, tokens computed, tokens known) after prev
         for req in self.running:
-            i = index.get(req.request_id)
-            if (i is None or req.single_step
-                    or req.num_computed_tokens + 1 != req.num_tokens):    # prev must have been its decode
+            if req.single_step:
                 return None
-            computed = req.num_computed_tokens + prev.steps_of(i)
-            left = req.max_total_tokens - (req.num_tokens + prev.steps_of(i))
-            if left > 0:
-                plan.append((req, computed, min(num_steps, left)))
-        grown = self._grow_all([(req, computed + n) for req, computed, n in plan]) if plan else None
+            computed, total = req.num_computed_tokens, req.num_tokens
+            i = index.get(req.request_id)
+            if i is not None:
+                steps = prev.steps_of(i)
+                if computed + prev.num_scheduled_tokens[i] == total:           # prev samples it
+                    total += steps
+                    if total >= req.max_total_tokens:
+                        continue                                              # ends by length in prev
+                computed += prev.num_scheduled_tokens[i] + steps - 1
+            plan.append((req, computed, total))
+        budget = self.max_num_batched_tokens
+        targets: list[tuple[Request, int, int, int]] = []     # (request, computed, known, tokens this step)
+        for req, computed, total in plan:
+            if budget <= 0:
+                break
+            num_new = min(total - computed, budget)
+            targets.append((req, computed, total, num_new))
+            budget -= num_new
+        grown = self._grow_all([(req, computed + n) for req, computed, _, n in targets]) if targets else []
         if grown is None:
             return None
+        self._step_commits = {}
         scheduled = []
-        for (req, _, n), blocks in zip(plan, grown):
-            s = _Scheduled(req, 1, blocks, is_new=False)
-            s.num_steps = n
-            scheduled.append(s)
-        return replace(self._delta(scheduled, []), continues=True)
+        for (req, computed, total, n), blocks in zip(targets, grown):
+            scheduled.append(_Scheduled(req, n, blocks, is_new=False, num_computed=computed, num_known=total))
+            # the token prev samples is not known yet: only blocks of known tokens are cached now
+            self._commit_scheduled(req, min(computed + n, req.num_tokens))
+        self._admit(scheduled, budget, in_flight=index)
+        if not scheduled:
+            return None
+        if num_steps > 1:
+            self._multi_step(scheduled, num_steps)
+        return self._made(replace(self._delta(scheduled, []), continues=True))
 
-    def _admit(self, scheduled: list[_Scheduled], budget: int) -> None:
+    def _admit(self, scheduled: list[_Scheduled], budget: int, in_flight: dict | None = None) -> None:
+        """Admit waiting requests in arrival order while tokens, slots and blocks last. A continuation (the ids
+        of the step in flight given) stops at a request that needs the host each token (its first sample
+        needs the host's grammar state) and at one whose id the step in flight holds (an ended request's id
+        used again: applying that step must not find the new request running under it)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if in_flight is not None and (req.single_step or req.request_id in in_flight):
+                break
             rid = req.request_id
             # prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM)
             wants_all = req.params.prompt_logprobs is not None
@@ -242,7 +283,8 @@ class Scheduler:
         """Record what step `step` of the delta computed (0 unless multi-step; steps in order) and
         append the sampled tokens; return the requests that got a token, for the finish decision."""
         got = []
-        self._unrun_commits = {}                     # the scheduled step ran: what it cached is written
+        if step == 0:                                # the step ran: what it cached is written
+            self._unrun = [(d, commits) for d, commits in self._unrun if d is not delta]
         for index, request_id in enumerate(delta.request_ids):
             if step >= delta.steps_of(index):
                 continue

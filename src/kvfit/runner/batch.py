@@ -41,6 +41,9 @@ class ModelInputs:
     batch_rows_host: list[int]
     num_generated: torch.Tensor    # [N] int64: tokens each sampled request generated before this step
     num_generated_host: list[int]
+    # a `continues` delta: index (into delta.request_ids) of each request whose input is the token the device
+    # sampled for it in the step still in flight (the runner puts it in); the rest read known tokens
+    carried: list[int]
 
 
 def shared_prefix_tokens(delta: StepDelta, seq_lens: list[int], block_size: int) -> int:
@@ -66,10 +69,14 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int,
     assert all(r.num_blocks * block_size >= n for r, n in zip(reqs, seq_lens)), "block table too short"
     width = max(r.num_blocks for r in reqs)
     ids: list[int] = []
-    for r, n in zip(reqs, q_lens):
+    carried: list[int] = []
+    for i, (r, n) in enumerate(zip(reqs, q_lens)):
         chunk = r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
-        assert len(chunk) == n or delta.continues, "inputs beyond the request's known tokens"
-        ids.extend(chunk if len(chunk) == n else [0] * n)     # continues: the runner puts the device's tokens in
+        if len(chunk) != n:             # continues: one decode token, sampled on the device, not yet recorded
+            assert delta.continues and n == 1 and not chunk, "inputs beyond the request's known tokens"
+            carried.append(i)
+            chunk = [0]
+        ids.extend(chunk)
     sample_seqs = [i for i, (r, n) in enumerate(zip(reqs, seq_lens)) if n == r.num_tokens]
     rows = [r.row for r in reqs]
     sampled = [reqs[i] for i in sample_seqs]
@@ -104,4 +111,5 @@ def build_inputs(batch: InputBatch, delta: StepDelta, block_size: int,
     sample_rows, batch_rows, num_generated = tail.view(3, -1)
     return ModelInputs(input_ids=ids_d, positions=positions, meta=meta, sample_rows=sample_rows,
                        sample_seqs=sample_seqs, batch_rows=batch_rows, batch_rows_host=[r.row for r in sampled],
-                       num_generated=num_generated, num_generated_host=[r.num_generated for r in sampled])
+                       num_generated=num_generated, num_generated_host=[r.num_generated for r in sampled],
+                       carried=carried)

@@ -181,8 +181,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]:
         """Apply the delta and put its work on the device; return what reads its tokens (the one host
-        sync) and records them. Async scheduling launches the next all-decode delta (`continues`)
-        before reading this one's tokens, so the device never waits for the host in between."""
+        sync) and records them. Async scheduling launches the next delta (`continues`) before
+        reading this one's tokens, so the device never waits for the host in between."""
         finish = self._execute(delta, self.kv_caches)
 
         def result() -> SampledTokens:
@@ -197,19 +197,29 @@ class ModelRunner:
         if delta.empty:
             return SampledTokens
         inputs = build_inputs(self.batch, delta, self.spec.block_size, self._cascade_tokens)
-        if delta.continues:                 # the first inputs are the previous delta's last tokens, on the device
-            index, last = self._carry
-            picks = torch.tensor([index[rid] for rid in delta.request_ids], dtype=torch.int64)
-            inputs = replace(inputs, input_ids=last[picks.to(self.device, non_blocking=True)])
+        if inputs.carried:
+            inputs = replace(inputs, input_ids=self._carried_inputs(delta, inputs))
         self.batch.mark_pending(delta, inputs.sample_seqs)
         self._carry = None
         if kv_caches is self.kv_caches and self._is_decode(delta, inputs):
             finish = self._execute_steps(delta, inputs)     # a one-step decode is a round of one
         else:
-            sampled = self._execute_one(delta, inputs, kv_caches)
-            finish = lambda: sampled                        # noqa: E731 (already read: it synced)
+            finish = self._execute_one(delta, inputs, kv_caches)
         self.batch.advance(delta)
         return finish
+
+    def _carried_inputs(self, delta: StepDelta, inputs: ModelInputs) -> torch.Tensor:
+        """A `continues` delta's input ids: the carried requests' tokens are those the step in flight sampled
+        for them (still on the device), the rest as built."""
+        assert self._carry is not None, "a carried input without a step in flight that sampled it"
+        index, last = self._carry
+        starts = inputs.meta.query_start_loc_host
+        picks = [index[delta.request_ids[i]] for i in inputs.carried]
+        if len(picks) == len(inputs.input_ids):                 # every input (a decode round): no scatter
+            return last[torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)]
+        host = torch.tensor([picks, [starts[i] for i in inputs.carried]], dtype=torch.int64)
+        picks_d, rows = host.to(self.device, non_blocking=True)
+        return inputs.input_ids.index_copy(0, rows, last[picks_d])
 
     @staticmethod
     def _is_decode(delta: StepDelta, inputs: ModelInputs) -> bool:
@@ -236,22 +246,33 @@ class ModelRunner:
         words = [torch.frombuffer(bytearray(delta.token_bitmasks[ids[j]]), dtype=torch.int32) for j in masked]
         return masked, torch.stack(words).to(self.device, non_blocking=True)
 
-    def _execute_one(self, delta: StepDelta, inputs: ModelInputs, kv_caches: KVCaches) -> SampledTokens:
+    def _execute_one(self, delta: StepDelta, inputs: ModelInputs, kv_caches: KVCaches) -> Callable[[], SampledTokens]:
+        """Launch one step (prefill chunks, with decodes or not); what it returns reads the sampled tokens (the
+        one host sync, so async scheduling can launch the next step first: the sampled tokens stay on the
+        device as the carry of a `continues` delta)."""
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(delta, hidden)
         if not inputs.sample_seqs:
-            return SampledTokens(prompt_logprobs=prompt_logprobs)
+            return lambda: SampledTokens(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                    # [N, vocab]
         if self.tp_rank != 0:
-            return SampledTokens()  # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
+            return SampledTokens  # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
         result = self._sample(logits, inputs, delta)
         ids = [delta.request_ids[i] for i in inputs.sample_seqs]
-        tokens = result.tokens.tolist()
-        logprobs = {}
-        if result.logprobs is not None:
-            entries = unpack_logprobs(result.logprobs.tolist(), result.num_logprobs)
-            logprobs = {ids[j]: [entry] for j, entry in zip(result.logprob_positions, entries)}
-        return SampledTokens({rid: [t] for rid, t in zip(ids, tokens)}, logprobs, prompt_logprobs)
+        self._carry = ({rid: j for j, rid in enumerate(ids)}, result.tokens.clamp(min=0))
+        host_tokens = _to_host(result.tokens)
+        host_packed = _to_host(result.logprobs) if result.logprobs is not None else None
+        done = _device_event(self.device)
+
+        def finish() -> SampledTokens:
+            if done is not None:
+                done.synchronize()          # this step's copies only, not work launched after it
+            logprobs = {}
+            if host_packed is not None:
+                entries = unpack_logprobs(host_packed.tolist(), result.num_logprobs)
+                logprobs = {ids[j]: [entry] for j, entry in zip(result.logprob_positions, entries)}
+            return SampledTokens({rid: [t] for rid, t in zip(ids, host_tokens.tolist())}, logprobs, prompt_logprobs)
+        return finish
 
     def _prompt_logprobs(self, delta: StepDelta, hidden: torch.Tensor) -> dict:
         """Prompt logprobs of this step's prefill chunks, for the requests that asked (every rank computes
