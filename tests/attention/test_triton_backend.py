@@ -211,6 +211,17 @@ def test_choose_num_splits():
     assert choose(max_seq_len=1024, num_seqs=2, num_kv_head_programs=8, num_sms=132) == 4    # by length
 
 
+def test_reduce_heads_per_program():
+    heads = triton_decode.reduce_heads_per_program
+    assert heads(32, 8, 128) == 8 and heads(32, 64, 128) == 1 and heads(4, 2, 128) == 4    # register bound
+    assert heads(32, 8, 128, num_seqs=256) == 8            # batch 256 x 32 heads: 1,024 programs of 8 heads
+    assert heads(32, 8, 128, num_seqs=1) == 1              # batch 1: one head a program (32 programs)
+    for num_seqs in (1, 2, 16, 32, 64, 100, 128, 512):
+        h = heads(32, 4, 128, num_seqs)
+        assert h == 1 or num_seqs * -(-32 // h) >= triton_decode.REDUCE_MIN_PROGRAMS
+        assert h <= heads(32, 4, 128) and h & (h - 1) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,prefix_blocks,q_lens,seq_lens,splits", [
     ((4, 2), 3, [1, 1, 1], [13, 20, 14], (2, 1)),          # prefix of 12 tokens; one suffix token for seq 0
