@@ -432,3 +432,57 @@ def test_a_round_whose_requests_all_ended_is_read_before_the_next_schedule(tiny_
     assert [o.request_id for o in first] == ["y"] and len(first[0].outputs[0].token_ids) == 1
     _drain(engine)
     _all_blocks_back(llm)
+
+
+def _prompt_logprobs(output):
+    return [None if entry is None else sorted((t, round(v.logprob, 4)) for t, v in entry.items())
+            for entry in output.prompt_logprobs]
+
+
+def test_prompt_logprobs_of_a_stale_round_do_not_reach_a_reused_id(tiny_llama):
+    """Found in review (was an IndexError in OutputProcessor.add_prompt_logprobs): a continuation now carries
+    prefill chunks, so the round in flight can hold a prompt-logprobs chunk of a request aborted since; its id
+    added again (a shorter prompt, prompt logprobs too), LLMEngine.step gives the stale chunk's entries to the
+    new request (scheduler.requests.get finds it, WAITING) at positions past its prompt. Now only a RUNNING
+    request takes prompt logprobs, as only a running one takes a non-finite token."""
+    plp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    sync = _llm(tiny_llama, False, 1).generate([PROMPTS[3]], plp, use_tqdm=False)[0]
+    llm = _llm(tiny_llama, True, 1, max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id="keep")
+    engine.step()
+    engine.add_request(list(range(20, 50)), plp, request_id="x")     # 30 prompt tokens: chunks of 7 beside a decode
+    while not (engine._inflight is not None and "x" in engine._inflight[0].request_ids):
+        engine.step()
+    assert engine._inflight[0].num_scheduled_tokens[engine._inflight[0].request_ids.index("x")] > 1
+    assert engine.abort("x")
+    engine.add_request(PROMPTS[3], plp, request_id="x")
+    outputs = _drain(engine)
+    assert outputs["x"].outputs[0].token_ids == sync.outputs[0].token_ids
+    assert _prompt_logprobs(outputs["x"]) == _prompt_logprobs(sync)
+    _all_blocks_back(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_request_joining_a_running_batch(tiny_llama, async_scheduling):
+    """Found in review (failed with and without async scheduling, from before this change): a grammar request
+    sampled after a plain one (it joins a running batch) made ModelRunner._bitmask_rows stack the bitmask rows
+    of the grammar rows only ([len(masked), words]), while SamplingState._processed_logits called
+    apply_bitmask(work, bitmask, index["masked"]), which indexes the bitmask by batch position: an IndexError
+    whenever the grammar rows were not the step's first sampled rows. Now bitmask row j masks position
+    masked[j]. (The async variant also needs the grammar request admitted while others run: see
+    test_a_waiting_single_step_request_is_not_held_back_by_continued_rounds.)"""
+    pytest.importorskip("llguidance")
+    from kvfit.structured_params import StructuredOutputsParams
+    grammar = SamplingParams(temperature=0, max_tokens=6,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2}-[a-c]{1,3}"))
+    alone = _llm(tiny_llama, False, 1).generate([PROMPTS[3]], grammar, use_tqdm=False)[0].outputs[0]
+    llm = _llm(tiny_llama, async_scheduling, 1)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id="plain")
+    engine.step()
+    engine.step()
+    engine.add_request(PROMPTS[3], grammar, request_id="g")
+    outputs = _drain(engine)
+    assert (outputs["g"].outputs[0].token_ids, outputs["g"].outputs[0].text) == (alone.token_ids, alone.text)
+    _all_blocks_back(llm)

@@ -213,18 +213,27 @@ def test_no_continuation_when_blocks_are_short_or_a_request_needs_the_host_each_
     delta = sched.schedule_continuation(prev.delta, 8)
     assert delta.num_steps == () and delta.num_scheduled_tokens == (1, 1)
     assert sched.pool.num_free_blocks == free - 2
-    # a waiting request with multi-token bad words is not admitted by a continuation (its first sample needs
-    # the host); once running, no continuation is made at all
+    # a request with multi-token bad words (its first sample needs the host) is not admitted by a continuation:
+    # behind a plain one, the continuation admits the plain one and stops at it; at the head of the queue with
+    # a slot free, no continuation is made (the next schedule() admits it); once running, none at all
     sched = make_scheduler(block_size=4)
     prev = _decode_round(sched)
     host_each_token = make_request("bw", [1, 2])
     host_each_token.bad_words_token_ids = ((7, 8),)
+    sched.add(make_request("plain", [3, 4]))
     sched.add(host_each_token)
     delta = sched.schedule_continuation(prev.delta, 3)
-    assert delta.request_ids == ("r0", "r1") and [r.request_id for r in sched.waiting] == ["bw"]
+    assert delta.request_ids == ("r0", "r1", "plain") and [r.request_id for r in sched.waiting] == ["bw"]
     for k in range(prev.num_steps):
         sched.update(prev, {s.request_id: fake_token(s.request_id, 1 + k) for s in prev.seqs if k < s.num_steps}, k)
-    sched.update(StepPlan(delta, sched.mirror.apply(delta)), {}, 0)
+    assert sched.schedule_continuation(delta, 3) is None
+    sched.update(StepPlan(delta, sched.mirror.apply(delta)), {"plain": 5}, 0)
     plan = sched.schedule()
     assert "bw" in plan.delta.request_ids
     assert sched.schedule_continuation(plan.delta, 3) is None
+    # with every batch slot taken it could not be admitted anyway: rounds go on
+    sched = make_scheduler(block_size=4, max_num_seqs=2)
+    prev = _decode_round(sched)
+    sched.add(make_request("bw", [1, 2]))
+    sched.waiting[0].bad_words_token_ids = ((7, 8),)
+    assert sched.schedule_continuation(prev.delta, 3).request_ids == ("r0", "r1")

@@ -185,7 +185,11 @@ class LLMEngine:
         self._check_open()
         inflight, self._inflight = self._inflight, None     # async scheduling: launched by the previous step
         if inflight is not None and not self._still_running(inflight[0]):
-            inflight[1]()               # every request of the round in flight has ended: read it, drop it
+            try:
+                inflight[1]()           # every request of the round in flight has ended: read it, drop it
+            except BaseException:
+                self.scheduler.forget_unrun_commits()
+                raise
             inflight = None
         if inflight is not None:
             delta, pending = inflight
@@ -215,7 +219,8 @@ class LLMEngine:
             raise
         for request_id, (first, entries) in tokens.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
-            if req is not None:
+            # a round read late (async scheduling) may name an id that ended and was re-added since
+            if req is not None and req.status is RequestStatus.RUNNING:
                 self.outputs.add_prompt_logprobs(req, first, entries)
         outputs: dict[str, RequestOutput] = {}
         for k in range(delta.max_num_steps):

@@ -165,13 +165,15 @@ class Scheduler:
         as if every request of it goes on: a request that samples in prev decodes one token more (its input
         the device's token), a prefill in progress takes its next chunk, waiting requests are admitted as
         schedule() would. None when the next step must wait for prev's tokens: a running request needs the
-        host each token (a grammar, multi-token bad words), or the running requests' blocks are not all free
-        (nothing is preempted for it; schedule() does that once prev is applied). A request that ends by
-        length in prev is left out; one that stops within prev (a stop token or string) ends when prev is
-        applied, and its continued tokens are dropped. An all-decode continuation with nobody to admit may
-        be a multi-step round."""
+        host each token (a grammar, multi-token bad words) or the next waiting one does and has a slot, or
+        the running requests' blocks are not all free (nothing is preempted for it; schedule() does that
+        once prev is applied). A request that ends by length in prev is left out; one that stops within prev
+        (a stop token or string) ends when prev is applied, and its continued tokens are dropped. An
+        all-decode continuation with nobody to admit may be a multi-step round."""
         if prev.empty:
             return None
+        if self.waiting and self.waiting[0].single_step and len(self.running) < self.max_num_seqs:
+            return None         # schedule() admits it once prev is applied (a continuation would not)
         index = {rid: i for i, rid in enumerate(prev.request_ids)}
         plan: list[tuple[Request, int, int]] = []       # (request, tokens computed, tokens known) after prev
         for req in self.running:

@@ -325,7 +325,13 @@ class SamplingState:
                     None if index["allowed_j"] is None else torch.stack([index["allowed_j"], index["allowed_tok"]]))
         if plan.masked:
             from kvfit.structured.bitmask import apply_bitmask
-            apply_bitmask(work, bitmask, index["masked"])
+            m_idx = index["masked"]                     # bitmask row j belongs to position masked[j]
+            if m_idx is None:
+                apply_bitmask(work, bitmask)
+            else:
+                picked = work.index_select(0, m_idx)
+                apply_bitmask(picked, bitmask)
+                work.index_copy_(0, m_idx, picked)
         if plan.penalized:
             p_idx = index["penalized"]
             p_rows = _take(rows, p_idx)                                                    # [P]
