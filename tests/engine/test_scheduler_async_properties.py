@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_helpers import Scheduler, StepPlan
+from test_scheduler_properties import EOS, STOP, expected_output     # an Incarnation has a Spec's fields
 
 from kvfit.engine.request import Request, RequestStatus
 from kvfit.kv.manager import KVCacheManager
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
 from kvfit.step import StepDelta
-
-EOS = 0
-STOP = 99
 
 
 @dataclass
@@ -61,19 +59,6 @@ class Spec:
     arrival_step: int
     again: Incarnation | None     # the id added again, readd_delay iterations after the first ended
     readd_delay: int
-
-
-def expected_output(inc: Incarnation, max_model_len: int) -> tuple[list[int], str]:
-    """The tokens and reason an undisturbed run ends with."""
-    limit = min(len(inc.prompt) + (inc.max_tokens or max_model_len), max_model_len)
-    out: list[int] = []
-    for token in inc.outputs:
-        out.append(token)
-        if (token == EOS and not inc.ignore_eos) or (token == STOP and inc.use_stop_token):
-            return out, "stop"
-        if len(inc.prompt) + len(out) >= limit:
-            return out, "length"
-    raise AssertionError("the fake device's table is too short")
 
 
 @st.composite
