@@ -251,9 +251,15 @@ class ModelRunner:
         one host sync, so async scheduling can launch the next step first: the sampled tokens stay on the
         device as the carry of a `continues` delta)."""
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
-        prompt_logprobs = self._prompt_logprobs(delta, hidden)
+        read_prompt_logprobs = self._prompt_logprobs(delta, hidden)
         if not inputs.sample_seqs:
-            return lambda: SampledTokens(prompt_logprobs=prompt_logprobs)
+            done = _device_event(self.device)
+
+            def finish_chunks() -> SampledTokens:
+                if done is not None:
+                    done.synchronize()
+                return SampledTokens(prompt_logprobs=read_prompt_logprobs())
+            return finish_chunks
         logits = self.model.compute_logits(hidden[inputs.sample_rows])                    # [N, vocab]
         if self.tp_rank != 0:
             return SampledTokens  # every rank computes the logits (the lm_head all-gathers them); rank 0 samples
@@ -271,12 +277,13 @@ class ModelRunner:
             if host_packed is not None:
                 entries = unpack_logprobs(host_packed.tolist(), result.num_logprobs)
                 logprobs = {ids[j]: [entry] for j, entry in zip(result.logprob_positions, entries)}
-            return SampledTokens({rid: [t] for rid, t in zip(ids, host_tokens.tolist())}, logprobs, prompt_logprobs)
+            return SampledTokens({rid: [t] for rid, t in zip(ids, host_tokens.tolist())}, logprobs,
+                                 read_prompt_logprobs())
         return finish
 
-    def _prompt_logprobs(self, delta: StepDelta, hidden: torch.Tensor) -> dict:
-        """Prompt logprobs of this step's prefill chunks, for the requests that asked (every rank computes
-        the logits; rank 0 keeps them)."""
+    def _prompt_logprobs(self, delta: StepDelta, hidden: torch.Tensor) -> Callable[[], dict]:
+        """Launch the prompt logprobs of this step's prefill chunks, for the requests that asked (every rank
+        computes the logits; rank 0 keeps them); return what reads them once the step's copies landed."""
         jobs, row = [], 0
         for request_id, n in zip(delta.request_ids, delta.num_scheduled_tokens):
             req = self.batch.requests[request_id]
@@ -286,8 +293,9 @@ class ModelRunner:
                     jobs.append((request_id, row, first, end - first, req.token_ids, req.num_prompt_logprobs))
             row += n
         if not jobs:
-            return {}
-        return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0)
+            return dict
+        return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0,
+                                       to_host=_to_host)
 
     def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> Callable[[], SampledTokens]:
         """Launch an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled

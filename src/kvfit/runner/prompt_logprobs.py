@@ -27,12 +27,15 @@ def prompt_logprob_positions(num_computed: int, num_scheduled: int, num_prompt_t
 
 
 def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            jobs: list[tuple[str, int, int, int, list[int], int]],
-                            keep: bool) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+                            jobs: list[tuple[str, int, int, int, list[int], int]], keep: bool,
+                            to_host: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                            ) -> Callable[[], dict[str, tuple[int, list[TokenLogprobs]]]]:
     """jobs: (request_id, first hidden row, first position, count, the request's token ids, k).
 
-    Returns {request_id: (first target position, entries)} where the entry for target position t = p + 1
-    is prompt token t given tokens < t; {} when not keep (ranks other than 0 compute logits only)."""
+    Launches the work and returns what reads it: {request_id: (first target position, entries)} where the
+    entry for target position t = p + 1 is prompt token t given tokens < t; {} when not keep (ranks other
+    than 0 compute logits only). to_host starts the one device-to-host copy (the runner's: pinned, not
+    blocking); the reader must run after it has landed."""
     packed, spans = [], []
     for request_id, row, first, count, token_ids, k in jobs:
         for start in range(0, count, PROMPT_LOGPROBS_SLICE):
@@ -46,15 +49,18 @@ def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torc
             del logits
         spans.append((request_id, first + 1, count, k))
     if not keep or not packed:
-        return {}
+        return dict
     width = max(p.shape[1] for p in packed)
-    rows = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) if p.shape[1] < width else p
-                      for p in packed]).tolist()                                         # one copy
-    out, at = {}, 0
-    for request_id, first_target, count, k in spans:
-        out[request_id] = (first_target, _unpack_padded(rows[at:at + count], k))
-        at += count
-    return out
+    host = to_host(torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) if p.shape[1] < width else p
+                              for p in packed]))                                         # one copy
+
+    def read() -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        rows, out, at = host.tolist(), {}, 0
+        for request_id, first_target, count, k in spans:
+            out[request_id] = (first_target, _unpack_padded(rows[at:at + count], k))
+            at += count
+        return out
+    return read
 
 
 def _unpack_padded(rows: list[list[float]], k: int) -> list[TokenLogprobs]:
