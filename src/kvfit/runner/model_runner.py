@@ -378,5 +378,5 @@ def _device_event(device: torch.device):
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
