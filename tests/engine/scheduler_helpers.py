@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
 from kvfit.engine.admission import check_request
 from kvfit.engine.output_processor import OutputProcessor
-from kvfit.engine.request import Request, RequestStatus
+from kvfit.engine.request import Request
 from kvfit.engine.scheduler import Scheduler as EngineScheduler
 from kvfit.errors import RequestError
 from kvfit.kv.manager import KVCacheManager

@@ -115,7 +115,7 @@ def test_metrics_under_vllms_names(server, client):
     assert grew(f"vllm:time_to_first_token_seconds_count{LABELS}") == 1
     assert grew(f"vllm:inter_token_latency_seconds_count{LABELS}") == 3      # one per step after the first
     assert grew(f"vllm:e2e_request_latency_seconds_count{LABELS}") == 1
-    assert grew(f"vllm:request_success_total" + '{engine="0",finished_reason="length",model_name="first-name"}') == 1
+    assert grew("vllm:request_success_total" + '{engine="0",finished_reason="length",model_name="first-name"}') == 1
     assert m[f"vllm:num_requests_running{LABELS}"] == 0 and m[f"vllm:num_requests_waiting{LABELS}"] == 0
     assert m[f"vllm:kv_cache_usage_perc{LABELS}"] == 0
     # exact prefix-cache counters only behind the key (an open /metrics could confirm another user's prompt)
