@@ -222,6 +222,18 @@ def test_reduce_heads_per_program():
         assert h <= heads(32, 4, 128) and h & (h - 1) == 0
 
 
+@pytest.mark.parametrize("min_programs,heads_per_program", [(32, 2), (16, 4), (8, 8)])
+def test_decode_reduce_of_several_heads_a_program(min_programs, heads_per_program, monkeypatch):
+    # 32 query heads: the rule gives the reduce several heads a program at batches of 32 to 128 and more; a
+    # lower program floor makes two sequences take each variant (the interpreter stays quick)
+    monkeypatch.setattr(triton_decode, "REDUCE_MIN_PROGRAMS", min_programs)
+    seen = []
+    rule = triton_decode.reduce_heads_per_program
+    monkeypatch.setattr(triton_decode, "reduce_heads_per_program", lambda *a: seen.append(rule(*a)) or seen[-1])
+    check_attend(TritonBackend(num_splits=3), [1, 1], [11, 26], 32, 8, 16, 4, torch.float32, seed=24)
+    assert seen == [heads_per_program]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,prefix_blocks,q_lens,seq_lens,splits", [
     ((4, 2), 3, [1, 1, 1], [13, 20, 14], (2, 1)),          # prefix of 12 tokens; one suffix token for seq 0
