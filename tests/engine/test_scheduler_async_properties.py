@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_helpers import Scheduler, StepPlan
-from test_scheduler_properties import EOS, STOP, expected_output     # an Incarnation has a Spec's fields
+from test_scheduler_properties import EOS, STOP, configs, expected_output   # an Incarnation has a Spec's fields
 
 from kvfit.engine.request import Request, RequestStatus
 from kvfit.kv.manager import KVCacheManager
@@ -76,14 +76,8 @@ def incarnations(draw, request_id: str, max_model_len: int, prefixes: list[list[
 
 @st.composite
 def workloads(draw):
-    block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    max_model_len = draw(st.integers(2, 40))
-    min_blocks = -(-max_model_len // block_size)
-    num_blocks = draw(st.integers(min_blocks, min_blocks + 12))
-    config = dict(block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
-                  max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 24)),
-                  prefix_caching=draw(st.booleans()), num_steps=draw(st.sampled_from([1, 1, 2, 5])))
-    prefixes = [draw(st.lists(st.integers(1, 4), max_size=3 * block_size)) for _ in range(2)] + [[]]
+    config, prefixes = draw(configs())
+    max_model_len = config["max_model_len"]
     specs = []
     for i in range(draw(st.integers(1, 8))):
         first = draw(incarnations(f"r{i}", max_model_len, prefixes))

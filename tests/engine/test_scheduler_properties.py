@@ -58,7 +58,8 @@ def expected_output(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
 
 
 @st.composite
-def workloads(draw):
+def configs(draw) -> tuple[dict, list[list[int]]]:
+    """A scheduler config (the pool always fits one max_model_len request) and prompt prefixes to share."""
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
     max_model_len = draw(st.integers(2, 40))
     min_blocks = -(-max_model_len // block_size)
@@ -67,6 +68,13 @@ def workloads(draw):
                   max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 24)),
                   prefix_caching=draw(st.booleans()), num_steps=draw(st.sampled_from([1, 1, 2, 5])))
     prefixes = [draw(st.lists(st.integers(1, 4), max_size=3 * block_size)) for _ in range(2)] + [[]]
+    return config, prefixes
+
+
+@st.composite
+def workloads(draw):
+    config, prefixes = draw(configs())
+    max_model_len = config["max_model_len"]
     specs = []
     for i in range(draw(st.integers(1, 8))):
         prefix = draw(st.sampled_from(prefixes))

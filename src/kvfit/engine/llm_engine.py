@@ -183,13 +183,31 @@ class LLMEngine:
         token as single steps would (tokens sampled past the end are dropped).
         """
         self._check_open()
+        try:
+            ran = self._launch_and_read()
+        except BaseException:
+            # the step did not run to its tokens: the blocks scheduled for it hold no K/V
+            self.scheduler.forget_unrun_commits()
+            raise
+        if ran is None:
+            return []
+        delta, tokens = ran
+        for request_id, (first, entries) in tokens.prompt_logprobs.items():
+            req = self.scheduler.requests.get(request_id)
+            # a round read late (async scheduling) may name an id that ended and was re-added since
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.outputs.add_prompt_logprobs(req, first, entries)
+        outputs: dict[str, RequestOutput] = {}
+        for k in range(delta.max_num_steps):
+            self._apply(delta, tokens, k, stream, outputs)
+        return self._fold_samples(outputs, stream)
+
+    def _launch_and_read(self) -> tuple[StepDelta, SampledTokens] | None:
+        """The step to apply and its tokens (None: nothing to run). Async scheduling: the step is the one the
+        previous call launched, and the next one is launched before this one's tokens are read."""
         inflight, self._inflight = self._inflight, None     # async scheduling: launched by the previous step
         if inflight is not None and not self._still_running(inflight[0]):
-            try:
-                inflight[1]()           # every request of the round in flight has ended: read it, drop it
-            except BaseException:
-                self.scheduler.forget_unrun_commits()
-                raise
+            inflight[1]()               # every request of the round in flight has ended: read it, drop it
             inflight = None
         if inflight is not None:
             delta, pending = inflight
@@ -201,31 +219,15 @@ class LLMEngine:
                 assert not self.scheduler.waiting, "scheduler made no progress with requests waiting"
                 if delta.removed_ids:       # ended requests: the runner still drops their rows
                     self.workers.execute(delta)
-                return []
-            pending = None
-        try:
-            if pending is None:
-                pending = self._launch(self._with_bitmasks(delta))
-            if self.async_scheduling:
-                # the next step goes on the device before this one's tokens are read, so the device does
-                # not wait while the host applies them
-                after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
-                if after is not None:
-                    self._inflight = (after, self._launch(after))
-            tokens = pending()
-        except BaseException:
-            # the step did not run to its tokens: the blocks schedule() cached for it hold no K/V
-            self.scheduler.forget_unrun_commits()
-            raise
-        for request_id, (first, entries) in tokens.prompt_logprobs.items():
-            req = self.scheduler.requests.get(request_id)
-            # a round read late (async scheduling) may name an id that ended and was re-added since
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self.outputs.add_prompt_logprobs(req, first, entries)
-        outputs: dict[str, RequestOutput] = {}
-        for k in range(delta.max_num_steps):
-            self._apply(delta, tokens, k, stream, outputs)
-        return self._fold_samples(outputs, stream)
+                return None
+            pending = self._launch(self._with_bitmasks(delta))
+        if self.async_scheduling:
+            # the next step goes on the device before this one's tokens are read, so the device does
+            # not wait while the host applies them
+            after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
+            if after is not None:
+                self._inflight = (after, self._launch(after))
+        return delta, pending()
 
     def _still_running(self, delta: StepDelta) -> bool:
         requests = self.scheduler.requests

@@ -200,7 +200,6 @@ class Scheduler:
         grown = self._grow_all([(req, computed + n) for req, computed, _, n in targets]) if targets else []
         if grown is None:
             return None
-        self._step_commits = {}
         scheduled = []
         for (req, computed, total, n), blocks in zip(targets, grown):
             scheduled.append(_Scheduled(req, n, blocks, is_new=False, num_computed=computed, num_known=total))

@@ -28,7 +28,7 @@ def prompt_logprob_positions(num_computed: int, num_scheduled: int, num_prompt_t
 
 def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             jobs: list[tuple[str, int, int, int, list[int], int]], keep: bool,
-                            to_host: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                            to_host: Callable[[torch.Tensor], torch.Tensor],
                             ) -> Callable[[], dict[str, tuple[int, list[TokenLogprobs]]]]:
     """jobs: (request_id, first hidden row, first position, count, the request's token ids, k).
 
