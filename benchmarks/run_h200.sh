@@ -37,6 +37,9 @@ for s in "$@"; do case $s in
   vs-vllm-base) step vs-vllm-base 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --out "$OUT/vs-base.json" ;;
   vs-vllm-long) step vs-vllm-long 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --out "$OUT/vs-long.json" ;;
   kvfit-long-16k) step kvfit-long-16k 400 env KVFIT_BENCH_ARGS='{"max_num_batched_tokens": 16384}' python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-16k.json" ;;
+  kvfit-long-nocudnn) step kvfit-long-nocudnn 400 env KVFIT_CUDNN_PREFILL=0 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-nocudnn.json" ;;
+  prefill-route) step prefill-route 200 bash -c "python3 benchmarks/bench_prefill_attention.py && python3 benchmarks/bench_prefill_attention.py --q-heads 32" ;;
+  chunk-gpu) step chunk-gpu 400 python3 -m pytest tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider -k "cudnn or long_prompts or prefill" ;;
   kvfit-long) step kvfit-long 400 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long.json" ;;
   kvfit-long-prefill128) step kvfit-long-prefill128 400 env KVFIT_BENCH_PREFILL='[128, 128, 8, 3]' python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-prefill128.json" ;;
   attn-gpu) step attn-gpu 300 python3 -m pytest tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
@@ -44,6 +47,7 @@ for s in "$@"; do case $s in
   prefill-attn-8b) step prefill-attn-8b 200 python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32 ;;
   profile-long) step profile-long 400 python3 benchmarks/profile_vs_vllm.py --models qwen3-0.6b --workload long-context --out "$OUT/profile-long.json" ;;
   decode-long) step decode-long 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 16 --kv-heads 8 --sweep ;;
+  cudnn-probe) step cudnn-probe 240 bash -c "python3 benchmarks/probe_cudnn_attention.py && python3 benchmarks/probe_cudnn_attention.py --q-heads 32" ;;
   prefill-attn) step prefill-attn 300 bash -c "python3 benchmarks/bench_prefill_attention.py --sweep && python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32" ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -25,7 +25,7 @@ class TorchReferenceBackend(AttentionBackend):
         k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
         v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, key=None, value=None):
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
