@@ -101,8 +101,9 @@ def chunk_route(query, k_cache, v_cache, table, seq_lens, starts, max_q, seqs, a
     """The Triton backend as a model step calls it (the step's own K/V given), long chunks through cuDNN (built
     first): -> run(scale). Its K/V are read back from the cache, so outputs compare with the kernel's."""
     from kvfit.attention.base import AttentionMetadata
+    from kvfit.attention.cudnn_prefill import SUGGESTED_MIN_TOKENS, ChunkAttention
     from kvfit.attention.triton_backend import TritonBackend
-    backend = TritonBackend()
+    backend = TritonBackend(chunk_attention=ChunkAttention(SUGGESTED_MIN_TOKENS))     # the route is opt-in
     backend.warm_up([(args.q_heads, args.kv_heads, args.head_dim)], 8192, torch.bfloat16, query.device)
     page, tables = args.page, table.cpu()
     rows = [(i, p + j) for i, (q, p) in enumerate(seqs) for j in range(q)]

@@ -123,7 +123,7 @@ def _prompt_logprobs(output) -> list[float]:
 
 
 def test_long_prompts_through_cudnn_match_the_triton_kernel(tmp_path_factory, monkeypatch):
-    """bf16 engine, chunked prefill (2,048-token budget): chunks of >= 512 queries attend themselves through
+    """fp16 engine, chunked prefill (2,048-token budget): chunks of >= 512 queries attend themselves through
     cuDNN (fresh, over a cached prefix, beside decodes), and every prompt token's logprob matches the engine
     with the route off (the Triton kernel only)."""
     from tiny_models import make_tiny_model
@@ -141,7 +141,7 @@ def test_long_prompts_through_cudnn_match_the_triton_kernel(tmp_path_factory, mo
     for min_tokens in ("512", "0"):
         monkeypatch.setenv(cudnn_prefill.ENV, min_tokens)
         cudnn_prefill.min_tokens_from_env.cache_clear()
-        llm = LLM(folder, device="cuda", dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=4096,
+        llm = LLM(folder, device="cuda", dtype="float16", kv_cache_memory="1GiB", max_model_len=4096,
                   max_num_batched_tokens=2048, max_num_seqs=4)
         seen.clear()                                    # the warm-up's builds
         runs[min_tokens] = llm.generate(prompts, params, use_tqdm=False)
@@ -153,9 +153,11 @@ def test_long_prompts_through_cudnn_match_the_triton_kernel(tmp_path_factory, mo
         if min_tokens == "0":
             assert seen == []
         else:       # e.g. 3,000 = 2,048 fresh + 952 over them; 2,600 = 1,096 fresh (beside the 952) + 1,504 over
-            assert len(seen) >= 3 and min(seen) >= 512 and sum(seen) == 5600, seen
+            assert len(seen) >= 3 * 2 and min(seen) >= 512 and sum(seen) == 5600 * 2, seen     # 2 layers
     cudnn_prefill.min_tokens_from_env.cache_clear()
     for on, off in zip(runs["512"], runs["0"]):
         got, expected = _prompt_logprobs(on), _prompt_logprobs(off)
-        assert len(got) == len(expected) and all(abs(a - b) <= 0.05 for a, b in zip(got, expected)), \
-            max(abs(a - b) for a, b in zip(got, expected))
+        diffs = [abs(a - b) for a, b in zip(got, expected)]
+        print(f"prompt logprobs, cuDNN route vs Triton only: max |diff| {max(diffs):.4f}, "
+              f"mean {sum(diffs) / len(diffs):.5f} over {len(diffs)} tokens")
+        assert len(got) == len(expected) and max(diffs) <= 0.05 and sum(diffs) / len(diffs) <= 5e-3

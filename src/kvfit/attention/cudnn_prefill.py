@@ -13,8 +13,13 @@ Why this shape (benchmarks/probe_cudnn_attention.py on the H200, torch 2.11 / cu
 Padding rows sit after the chunk's last token, so causal masking hides them from its queries; they are
 zeros, so nothing non-finite reaches a real row. Only a chunk's own rows are read (no KV-cache offsets).
 
-`KVFIT_CUDNN_PREFILL` sets the smallest chunk routed here (tokens; default MIN_TOKENS; 0 turns it off), read
-once per process, for A/B measurements like KVFIT_PDL.
+Off by default (MIN_TOKENS = 0). Measured on the H200 (2026-12-04, docs/benchmarks.md): the attention of a fresh
+8,000-token prompt takes 0.58 ms this way against the Triton kernel's 0.78 ms (1.35x, pads and merge included),
+but the long-context workload ran 1.7% *slower* end to end with chunks of >= 2,048 tokens routed here
+(qwen3-0.6b shape, 2,396-2,409 tok/s against 2,434-2,449, interleaved runs in one device call) and start-up
+took ~0.9 s longer (the graph builds). Until a profile says where the end-to-end time goes,
+`KVFIT_CUDNN_PREFILL=<tokens>` (e.g. 2048) turns it on for chunks of at least that many tokens, read once per
+process, for A/B measurements like KVFIT_PDL.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from kvfit.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 ENV = "KVFIT_CUDNN_PREFILL"
-# Chunks shorter than this stay in the Triton kernel: per chunk the route adds ~6 launches of host work
-# (pads, the cuDNN call, the merge), which below a few thousand tokens costs more host time per layer than
-# the attention it speeds up (an 8-request step of 1,024-token prompts would be host-bound).
-MIN_TOKENS = 2048
+# 0: the route is off unless KVFIT_CUDNN_PREFILL sets a size (see the module docstring for why). When on, keep
+# it at a few thousand tokens: per chunk the route adds ~8 launches of host work (pads, the cuDNN call with
+# ~0.1 ms of host time, the merge), more than the attention it speeds up below that.
+MIN_TOKENS = 0
+SUGGESTED_MIN_TOKENS = 2048
 # Buckets: a length rounds up to a multiple of 1/8 of its power of two (never under 128 rows).
 BUCKETS_PER_OCTAVE = 8
 MAX_HEAD_DIM = 128          # probed on the H200; larger head dims stay in the Triton kernel
@@ -53,8 +59,8 @@ def min_tokens_from_env() -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ConfigError(f"{ENV}={raw!r} is not a token count; set it to 0 (off) or the smallest prefill "
-                          f"chunk to attend through cuDNN (default {MIN_TOKENS})")
+        raise ConfigError(f"{ENV}={raw!r} is not a token count; set it to 0 (off, the default) or the smallest "
+                          f"prefill chunk to attend through cuDNN (e.g. {SUGGESTED_MIN_TOKENS})")
     return value
 
 

@@ -2,9 +2,10 @@
 
 Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel (with meta.prefix_len, the
 shared prefix first, once for all sequences: cascade), every other step
-(prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel; there a chunk of
-at least ChunkAttention.min_tokens queries attends itself through cuDNN instead (from the step's own K/V),
-and its cached prefix in the prefill kernel, merged by log-sum-exp (cudnn_prefill.py).
+(prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel; there, opt-in
+(KVFIT_CUDNN_PREFILL; off by default: slower end to end so far), a chunk of at least ChunkAttention.min_tokens
+queries attends itself through cuDNN instead (from the step's own K/V), and its cached prefix in the prefill
+kernel, merged by log-sum-exp (cudnn_prefill.py).
 Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
 attend never synchronises with the device. Every kernel offset is int64 (triton_kernels.py).
 """
