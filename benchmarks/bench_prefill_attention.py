@@ -102,19 +102,15 @@ def chunk_route(query, k_cache, v_cache, table, seq_lens, starts, max_q, seqs, a
     first): -> run(scale). Its K/V are read back from the cache, so outputs compare with the kernel's."""
     from kvfit.attention.base import AttentionMetadata
     from kvfit.attention.cudnn_prefill import SUGGESTED_MIN_TOKENS, ChunkAttention
+    from kvfit.attention.torch_ref import step_kv
     from kvfit.attention.triton_backend import TritonBackend
     backend = TritonBackend(chunk_attention=ChunkAttention(SUGGESTED_MIN_TOKENS))     # the route is opt-in
     backend.warm_up([(args.q_heads, args.kv_heads, args.head_dim)], 8192, torch.bfloat16, query.device)
-    page, tables = args.page, table.cpu()
-    rows = [(i, p + j) for i, (q, p) in enumerate(seqs) for j in range(q)]
-    blocks = torch.tensor([int(tables[i, pos // page]) for i, pos in rows], device=query.device)
-    within = torch.tensor([pos % page for _, pos in rows], device=query.device)
-    key, value = k_cache[blocks, within], v_cache[blocks, within]                     # [T, Hkv, D]
-    host_starts = starts.tolist()
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=starts,
                              seq_lens=seq_lens, block_tables=table, max_query_len=max_q,
-                             max_seq_len=max(q + p for q, p in seqs), query_start_loc_host=host_starts,
+                             max_seq_len=max(q + p for q, p in seqs), query_start_loc_host=starts.tolist(),
                              seq_lens_host=seq_lens.tolist())
+    key, value = step_kv(k_cache, v_cache, meta)                                       # [T, Hkv, D]
     return lambda scale: backend.attend(query, k_cache, v_cache, meta, scale, key=key, value=value)
 
 

@@ -18,7 +18,7 @@ from test_triton_backend import (DEVICE, TOLERANCE, TritonBackend, filled_caches
                                  make_meta)
 from kvfit.attention import cudnn_prefill  # noqa: E402
 from kvfit.attention.cudnn_prefill import ChunkAttention, bucket_tokens, buckets_up_to  # noqa: E402
-from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from kvfit.attention.torch_ref import TorchReferenceBackend, step_kv  # noqa: E402
 from kvfit.attention.triton_prefill import paged_prefill_attention  # noqa: E402
 from kvfit.errors import ConfigError  # noqa: E402
 
@@ -177,11 +177,7 @@ def test_the_backend_attends_long_chunks_through_chunk_attention(q_lens, seq_len
     k_cache, v_cache, table = filled_caches(seq_lens, page, num_kv_heads, head_dim, dtype, gen)
     meta = make_meta(q_lens, seq_lens, table)
     query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    # this step's own K/V, as write_kv stored them: read back from the cache through the tables
-    rows = [(i, p) for i, (n, total) in enumerate(zip(q_lens, seq_lens)) for p in range(total - n, total)]
-    blocks = torch.tensor([int(table[i, p // page]) for i, p in rows])
-    within = torch.tensor([p % page for _, p in rows])
-    key, value = k_cache[blocks, within], v_cache[blocks, within]                   # [T, Hkv, D]
+    key, value = step_kv(k_cache, v_cache, meta)                 # this step's own K/V, as write_kv stored them
     chunks = ReferenceChunks(min_tokens=16)
     backend = TritonBackend(chunk_attention=chunks)
     backend.warm_up([(num_q_heads, num_kv_heads, head_dim)], 64, dtype, DEVICE)

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from kvfit.attention.base import AttentionMetadata  # noqa: E402
 from kvfit.attention.cudnn_prefill import ChunkAttention  # noqa: E402
-from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from kvfit.attention.torch_ref import TorchReferenceBackend, step_kv  # noqa: E402
 from kvfit.attention.triton_backend import TritonBackend  # noqa: E402
 from kvfit.kv.spec import PADDING_SLOT_ID  # noqa: E402
 
@@ -51,17 +51,6 @@ def make_step(q_lens, seq_lens, page, num_kv_heads, head_dim, cache_dtype, gen, 
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_host=starts,
         seq_lens_host=list(seq_lens))
     return k_cache, v_cache, meta
-
-
-def step_kv(k_cache, v_cache, meta):
-    """This step's own K/V [T, Hkv, D] (each sequence's last q_len positions), read back through the tables."""
-    starts, page = meta.query_start_loc_host, k_cache.shape[1]
-    rows = [(i, p) for i, total in enumerate(meta.seq_lens_host)
-            for p in range(total - (starts[i + 1] - starts[i]), total)]
-    tables = meta.block_tables.cpu()
-    blocks = torch.tensor([int(tables[i, p // page]) for i, p in rows], device=DEVICE)
-    within = torch.tensor([p % page for _, p in rows], device=DEVICE)
-    return k_cache[blocks, within], v_cache[blocks, within]
 
 
 def check(backend, q_lens, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page=16,

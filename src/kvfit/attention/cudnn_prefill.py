@@ -79,6 +79,7 @@ def buckets_up_to(low: int, high: int) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def op_available() -> bool:
     """torch has the dense cuDNN attention op and cuDNN is usable."""
     return (hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")

@@ -117,7 +117,7 @@ class TritonBackend(AttentionBackend):
         """(first query token, tokens, cached prefix tokens) of each sequence whose chunk attends itself through
         chunk_attention (at least min_tokens queries; host ints only) -> [] when none does."""
         chunked = self.chunk_attention
-        if (key is None or meta.max_query_len < max(chunked.min_tokens, 1)
+        if (not chunked.min_tokens or key is None or meta.max_query_len < chunked.min_tokens
                 or meta.query_start_loc_host is None or meta.seq_lens_host is None
                 or not chunked.supports(query, k_cache.dtype)
                 or not chunked.ready(ChunkAttention.shape(query, k_cache.shape[2]))):
