@@ -57,17 +57,23 @@ def kind_of(name: str) -> str:
 def kernel_summary(prof, top: int) -> dict:
     import torch
     per_name = defaultdict(lambda: [0.0, 0])
+    runtime = defaultdict(lambda: [0.0, 0])     # host-side CUDA runtime/driver calls (syncs, mallocs, launches)
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             per_name[evt.name][0] += evt.device_time_total
             per_name[evt.name][1] += 1
+        elif evt.name.startswith(("cuda", "cu")):
+            runtime[evt.name][0] += evt.cpu_time_total
+            runtime[evt.name][1] += 1
     kinds = defaultdict(float)
     for name, (us, _) in per_name.items():
         kinds[kind_of(name)] += us
     return {"busy_s": sum(t for t, _ in per_name.values()) / 1e6,
             "kinds_s": {k: v / 1e6 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:120], "s": t / 1e6, "count": c, "kind": kind_of(n)}
-                    for n, (t, c) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]]}
+                    for n, (t, c) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]],
+            "runtime": [{"name": n[:60], "s": t / 1e6, "count": c}
+                        for n, (t, c) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:8]]}
 
 
 def watch_steps(engine_name: str, engine) -> list[tuple[int, int, int]]:
@@ -190,6 +196,9 @@ def report(r: dict) -> str:
                      + ", ".join(f"#{w['step']} {w['first_ms']:.1f}/{w['second_ms']:.1f}" for w in fr["worst"]))
     lines += [f"  {kind:12s} {s:7.3f} s {100 * s / r['busy_s']:5.1f}%" for kind, s in r["kinds_s"].items()]
     lines += [f"    {k['s']:7.3f} s x{k['count']:<7d} [{k['kind']}] {k['name']}" for k in r["top"]]
+    if r.get("runtime"):        # host time in CUDA API calls: a synchronize or cudaFree here stalls the host
+        lines.append("  host CUDA API calls: " + ", ".join(f"{k['name']} {k['s']:.3f} s x{k['count']}"
+                                                          for k in r["runtime"]))
     return "\n".join(lines)
 
 
