@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+COMPILE_CHECK = __name__ == "__main__" and sys.argv[1:] == ["--compile-check"]
+if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from kvfit.models import gemv  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not COMPILE_CHECK:
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+    if not isinstance(gemv._gemv_kernel, InterpretedFunction):     # imported before TRITON_INTERPRET was set
+        gemv = importlib.reload(gemv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,3 +64,71 @@ def test_linear_falls_back_to_torch_off_cuda_or_with_more_rows():
         assert gemv.gemv_applies(xc, wc)
         torch.testing.assert_close(gemv.linear(xc, wc, bc), torch.nn.functional.linear(xc, wc, bc),
                                    rtol=1e-4, atol=1e-4)
+
+
+def silu_mul_reference(x, gate_up, bias, dtype):
+    """silu(gate) * up as the unfused path computes it: the matmul rounded to dtype, then fp32 math."""
+    y = (x.double() @ gate_up.double().T + (0 if bias is None else bias.double())).to(dtype).float()
+    gate, up = y.chunk(2, dim=1)
+    return (gate / (1.0 + torch.exp(-gate)) * up).to(dtype)
+
+
+@pytest.mark.parametrize("n,k,config", [(37, 100, (4, 64, 4, 1)), (64, 512, (2, 512, 4, 1)), (5, 1030, None),
+                                        (9, 300, (1, 128, 4, 1)), (16, 8200, None), (130, 96, (16, 128, 4, 1))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_silu_mul_matches_the_two_kernel_path(n, k, config, bias):
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(DEVICE)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(DEVICE)
+    b = torch.randn(2 * n, generator=g).to(DEVICE) if bias else None
+    got = gemv.gemv_silu_mul(x, w, b, config=config)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got, silu_mul_reference(x, w, b, torch.float32), rtol=1e-4, atol=1e-4)
+    # bf16: the gate/up values round to bf16 before the SiLU, as the unfused matmul stores them (a rounding
+    # that falls the other way in fp32 than in float64 moves the product by up to ~3 bf16 steps)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    bb = b.bfloat16() if bias else None
+    got = gemv.gemv_silu_mul(xb, wb, bb, config=config)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), silu_mul_reference(xb, wb, bb, torch.bfloat16).float(),
+                               rtol=2.5e-2, atol=1e-2)
+    # and the two-kernel path it replaces (the GEMV, then SiLU and product in fp32), on the same sums
+    two = gemv.gemv(xb, wb, bb).float()
+    gate, up = two.chunk(2, dim=1)
+    torch.testing.assert_close(got, (gate / (1.0 + torch.exp(-gate)) * up).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+def test_gemv_silu_mul_reads_a_shards_rows():
+    # a rank's fused [gate shard; up shard] is its own tensor; a row slice (stride(0) > K) also works
+    big = torch.randn(12, 80).to(DEVICE)
+    w = big[:, 8:72]
+    x = torch.randn(1, 64).to(DEVICE)
+    torch.testing.assert_close(gemv.gemv_silu_mul(x, w, config=(2, 32, 4, 1)),
+                               silu_mul_reference(x, w, None, torch.float32), rtol=1e-4, atol=1e-4)
+
+
+def _compile_check() -> None:
+    """Both GEMV kernels compiled for sm_90 with PDL at the 8B shapes' configs; ptxas: no spills."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
+    from triton_interpreter import compile_sm90
+    for kernel, (rows, k) in ((gemv._gemv_kernel, (6144, 4096)), (gemv._gemv_kernel, (4096, 14336)),
+                              (gemv._gemv_kernel, (128256, 4096)), (gemv._gemv_silu_mul_kernel, (28672, 4096))):
+        block_n, block_k, warps, _ = gemv.config_for(rows, k)
+        if kernel is gemv._gemv_silu_mul_kernel:
+            block_n //= 2
+        consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PDL=True)
+        sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+        _, spills, report = compile_sm90(kernel, sig, consts, {n for n in sig if sig[n].startswith("*")},
+                                         {"num_warps": warps})
+        print(f"{kernel.__name__} [{rows}, {k}]: spills {spills} B")
+        assert spills == 0, report
+    print("ok: gemv kernels compile for sm_90")
+
+
+def test_kernels_compile_for_sm90():
+    from triton_interpreter import run_compile_check
+    run_compile_check(__file__, "ok: gemv kernels compile")
+
+
+if COMPILE_CHECK:
+    _compile_check()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvfit.models import fused_ops
 from kvfit.models.fusion import fuse_rows
-from kvfit.models.gemv import linear
+from kvfit.models.gemv import gemv_applies, gemv_silu_mul, linear
 from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
 
 
@@ -55,6 +55,8 @@ class SwiGLU(torch.nn.Module):
         # x: [T, hidden] -> [T, hidden]
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if gemv_applies(x, self.gate_up_weight):          # one token: gate/up, SiLU and product in one kernel
+            return self.down_proj(gemv_silu_mul(x, self.gate_up_weight, self.gate_up_bias))
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)               # [T, 2 I]
         if fused_ops.available(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))
