@@ -40,13 +40,12 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-        # K is a compile-time constant: one kernel per weight shape, static loop bounds
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+    def _rows_times_x(x_ptr, w_ptr, rows, row_mask, bias_ptr, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        """fp32 (W[rows] @ x + bias[rows]) for a program's rows (int64 indices; K a compile-time constant:
+        static loop bounds)."""
         cols = tl.arange(0, BLOCK_K)
-        w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        w_row = w_ptr + rows[:, None] * stride_wn
         # the first weight tile is read-only data: with PDL it streams in while the previous kernel ends
         w = tl.load(w_row + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
         if PDL:
@@ -63,10 +62,16 @@ if triton is not None:
         y = tl.sum(acc, 1)
         if HAS_BIAS:    # added in fp32 before the one rounding, as cuBLAS's epilogue does
             y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        y = _rows_times_x(x_ptr, w_ptr, rows.to(tl.int64), row_mask, bias_ptr, stride_wn, K, BLOCK_K, HAS_BIAS, PDL)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-
-if triton is not None:
     @triton.jit
     def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
@@ -74,25 +79,8 @@ if triton is not None:
         # them (tile row r: output row r // 2, gate for even r, up for odd), so it writes silu(gate) * up itself
         r = tl.arange(0, 2 * BLOCK_N)
         out_rows = tl.program_id(0) * BLOCK_N + r // 2
-        row_mask = out_rows < N
         rows = out_rows.to(tl.int64) + (r % 2).to(tl.int64) * N
-        cols = tl.arange(0, BLOCK_K)
-        w_row = w_ptr + rows[:, None] * stride_wn
-        w = tl.load(w_row + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
-        if PDL:
-            gdc_wait()
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        acc = w.to(tl.float32) * x[None, :]
-        for k in range(BLOCK_K, K, BLOCK_K):
-            k_mask = (k + cols) < K
-            x = tl.load(x_ptr + k + cols, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_row + (k + cols)[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        if PDL:
-            gdc_launch_dependents()
-        y = tl.sum(acc, 1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        y = _rows_times_x(x_ptr, w_ptr, rows, out_rows < N, bias_ptr, stride_wn, K, BLOCK_K, HAS_BIAS, PDL)
         # rounded to the output dtype first, as the unfused gate/up matmul stores them, then as silu_mul
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
