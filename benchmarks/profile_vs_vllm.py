@@ -46,6 +46,9 @@ KINDS = [
 ]
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
 def kind_of(name: str) -> str:
     low = name.lower()
     for kind, pattern in KINDS:
@@ -174,11 +177,14 @@ def worker(engine_name: str, model: str, name: str, top: int) -> None:
         result["second_wall_s"] = time.perf_counter() - t0
         result["first_run"] = first_run_report(first, step_times)
     fresh_cache()
+    alloc = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTS}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         engine.generate(prompts, outs)
         torch.cuda.synchronize()
         result["profiled_wall_s"] = time.perf_counter() - t0
+    # cudaMalloc/cudaFree and the allocator's free-everything-and-retry during the profiled run: each stalls the host
+    result["allocator"] = {k: torch.cuda.memory_stats().get(k, 0) - v for k, v in alloc.items()}
     result.update(kernel_summary(prof, top))
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -196,6 +202,8 @@ def report(r: dict) -> str:
                      + ", ".join(f"#{w['step']} {w['first_ms']:.1f}/{w['second_ms']:.1f}" for w in fr["worst"]))
     lines += [f"  {kind:12s} {s:7.3f} s {100 * s / r['busy_s']:5.1f}%" for kind, s in r["kinds_s"].items()]
     lines += [f"    {k['s']:7.3f} s x{k['count']:<7d} [{k['kind']}] {k['name']}" for k in r["top"]]
+    if r.get("allocator"):
+        lines.append("  allocator during the profiled run: " + ", ".join(f"{k} {v}" for k, v in r["allocator"].items()))
     if r.get("runtime"):        # host time in CUDA API calls: a synchronize or cudaFree here stalls the host
         lines.append("  host CUDA API calls: " + ", ".join(f"{k['name']} {k['s']:.3f} s x{k['count']}"
                                                           for k in r["runtime"]))
