@@ -213,6 +213,12 @@ def _compile_check() -> None:
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 1024)):     # each of config_for's choices
         block_n, block_k, warps, stages = gemv.config_for(n, k)
         build(gemv._gemv_kernel, dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PDL=True), warps, stages)
+    # the one-token kernels with fused epilogues, at the 8B shapes' configs (two weight rows a program)
+    _, block_k, warps, stages = gemv.config_for(28672, 4096)
+    build(gemv._gemv_silu_mul_kernel, dict(K=4096, BLOCK_N=1, BLOCK_K=block_k, HAS_BIAS=False, PDL=True), warps, stages)
+    _, block_k, warps, stages = gemv.config_for(6144, 4096)
+    build(gemv._gemv_rope_write_kernel, dict(NUM_Q=32, NUM_KV=8, HALF=64, K=4096, BLOCK_P=1, BLOCK_K=block_k,
+                                             HAS_BIAS=True, PAGE=16, PAD_SLOT=-1, PDL=True), warps, stages)
     print("ok: fused kernels and GEMV compile for sm_90 with PDL")
 
 

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-COMPILE_CHECK = __name__ == "__main__" and sys.argv[1:] == ["--compile-check"]
-if not torch.cuda.is_available() and not COMPILE_CHECK:
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvfit.models import gemv  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1" and not COMPILE_CHECK:
-    import importlib
-
-    from triton.runtime.interpreter import InterpretedFunction
-    if not isinstance(gemv._gemv_kernel, InterpretedFunction):     # imported before TRITON_INTERPRET was set
-        gemv = importlib.reload(gemv)
+from kvfit.models import fused_ops, gemv  # noqa: E402
+from kvfit.kv.spec import PADDING_SLOT_ID  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -107,28 +99,112 @@ def test_gemv_silu_mul_reads_a_shards_rows():
                                silu_mul_reference(x, w, None, torch.float32), rtol=1e-4, atol=1e-4)
 
 
-def _compile_check() -> None:
-    """Both GEMV kernels compiled for sm_90 with PDL at the 8B shapes' configs; ptxas: no spills."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
-    from triton_interpreter import compile_sm90
-    for kernel, (rows, k) in ((gemv._gemv_kernel, (6144, 4096)), (gemv._gemv_kernel, (4096, 14336)),
-                              (gemv._gemv_kernel, (128256, 4096)), (gemv._gemv_silu_mul_kernel, (28672, 4096))):
-        block_n, block_k, warps, _ = gemv.config_for(rows, k)
-        if kernel is gemv._gemv_silu_mul_kernel:
-            block_n //= 2
-        consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PDL=True)
-        sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-        _, spills, report = compile_sm90(kernel, sig, consts, {n for n in sig if sig[n].startswith("*")},
-                                         {"num_warps": warps})
-        print(f"{kernel.__name__} [{rows}, {k}]: spills {spills} B")
-        assert spills == 0, report
-    print("ok: gemv kernels compile for sm_90")
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (1, 1)])
+@pytest.mark.parametrize("dtype,cache_dtype,bias", [(torch.float32, torch.float32, True),
+                                                    (torch.bfloat16, torch.bfloat16, False),
+                                                    (torch.bfloat16, torch.float8_e4m3fn, True)])
+@pytest.mark.parametrize("slot", [13, PADDING_SLOT_ID])
+def test_gemv_rope_write_kv_equals_the_projection_then_the_fused_rope_write(heads, dtype, cache_dtype, bias, slot):
+    # bit-identical to what it replaces: gemv(), then qk_norm_rope_write_kv_ (no norms) on the row's q/k/v views
+    num_q, num_kv = heads
+    dim, k, page, num_blocks = 32, 200, 4, 5
+    g = torch.Generator().manual_seed(num_q * 31 + num_kv + slot)
+    rows = (num_q + 2 * num_kv) * dim
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(rows, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(rows, generator=g).to(DEVICE, dtype) if bias else None
+    pos = torch.tensor([4095]).to(DEVICE)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    slots = torch.tensor([slot], dtype=torch.int64).to(DEVICE)
+    k_start = torch.randn(num_blocks, page, num_kv, dim, generator=g).to(DEVICE, cache_dtype)
+    v_start = torch.randn(num_blocks, page, num_kv, dim, generator=g).to(DEVICE, cache_dtype)
+    config = (2, 64, 4, 1)
+    ref = gemv.gemv(x, w, b, config=config)
+    ref_k, ref_v = k_start.clone(), v_start.clone()
+    views = (ref[:, :num_q * dim].view(1, num_q, dim), ref[:, num_q * dim:(num_q + num_kv) * dim].view(1, num_kv, dim),
+             ref[:, (num_q + num_kv) * dim:].view(1, num_kv, dim))
+    assert fused_ops.qk_norm_rope_write_kv_(*views, pos, freqs, None, None, 0.0, ref_k, ref_v, slots)
+    got_k, got_v = k_start.clone(), v_start.clone()
+    got = gemv.gemv_rope_write_kv(x, w, b, pos, freqs, got_k, got_v, slots, num_q, num_kv, config=config)
+    assert torch.equal(got, ref)
+    assert torch.equal(got_k.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), ref_v.view(torch.uint8))
+    if slot == PADDING_SLOT_ID:
+        assert torch.equal(got_k.view(torch.uint8), k_start.view(torch.uint8))
 
 
-def test_kernels_compile_for_sm90():
-    from triton_interpreter import run_compile_check
-    run_compile_check(__file__, "ok: gemv kernels compile")
+def test_gemv_rope_write_kv_pairs_per_program_and_default_config():
+    # several pairs a program (the tile's rows span heads and the q/k/v boundaries) and the shape's own config
+    num_q, num_kv, dim, k = 6, 2, 16, 96
+    g = torch.Generator().manual_seed(3)
+    rows = (num_q + 2 * num_kv) * dim
+    x, w = torch.randn(1, k, generator=g).to(DEVICE), torch.randn(rows, k, generator=g).to(DEVICE)
+    pos, slots = torch.tensor([7]).to(DEVICE), torch.tensor([5], dtype=torch.int64).to(DEVICE)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    caches = [torch.zeros(3, 4, num_kv, dim).to(DEVICE) for _ in range(4)]
+    ref = x @ w.T
+    views = (ref[:, :num_q * dim].view(1, num_q, dim), ref[:, num_q * dim:(num_q + num_kv) * dim].view(1, num_kv, dim),
+             ref[:, (num_q + num_kv) * dim:].view(1, num_kv, dim))
+    assert fused_ops.qk_norm_rope_write_kv_(*views, pos, freqs, None, None, 0.0, caches[0], caches[1], slots)
+    for config in ((8, 32, 4, 1), (4, 64, 4, 1), None):
+        for c in caches[2:]:
+            c.zero_()
+        got = gemv.gemv_rope_write_kv(x, w, None, pos, freqs, caches[2], caches[3], slots, num_q, num_kv,
+                                      config=config)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[2], caches[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[3], caches[1], rtol=1e-4, atol=1e-4)
 
 
-if COMPILE_CHECK:
-    _compile_check()
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_path(monkeypatch, qkv_bias):
+    # llama.Attention and SwiGLU with the one-token GEMVs (the gate opened for CPU tensors here) against the
+    # same modules on the plain path: same output, same cache contents
+    from kvfit.attention.base import AttentionMetadata
+    from kvfit.attention.torch_ref import TorchReferenceBackend
+    from kvfit.models import layers, llama
+    from kvfit.models.rope import inv_freq, rope_config_from_raw
+
+    class PlainWriteReference(TorchReferenceBackend):
+        plain_cache_write = True                        # as the Triton backend: the fused write may stand in
+
+    num_q, num_kv, dim, hidden, page = 4, 2, 16, 64, 4
+    cfg = llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
+                              intermediate_size=96, vocab_size=10, rms_norm_eps=1e-6, qkv_bias=qkv_bias,
+                              o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+                              rope=rope_config_from_raw({}, dim))
+    torch.manual_seed(4)
+    attn = llama.Attention(cfg, PlainWriteReference(), torch.float32, DEVICE, 0, 1)
+    mlp = layers.SwiGLU(hidden, 96, False, torch.float32, DEVICE)
+    for module in (attn, mlp):
+        for p in module.parameters():
+            p.data.normal_(0, 0.2)
+        module.fuse_projections()
+    freqs = inv_freq(cfg.rope, DEVICE)
+    context = 9                                   # 8 cached tokens and this one
+    cache_init = [torch.randn(4, page, num_kv, dim).to(DEVICE) for _ in range(2)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor([8], dtype=torch.int64), query_start_loc=torch.tensor([0, 1]),
+                             seq_lens=torch.tensor([context]), block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+                             max_query_len=1, max_seq_len=context, query_start_loc_host=[0, 1],
+                             seq_lens_host=[context])
+    x, positions = torch.randn(1, hidden).to(DEVICE), torch.tensor([context - 1]).to(DEVICE)
+    calls = []
+    for module, name in ((llama, "gemv_rope_write_kv"), (layers, "gemv_silu_mul")):
+        inner = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, inner=inner, name=name, **k: (calls.append(name),
+                                                                                 inner(*a, **k))[1])
+    results = {}
+    for fused in (False, True):
+        gate = (lambda t, w: t.dim() == 2 and t.shape[0] == 1) if fused else (lambda t, w: False)
+        monkeypatch.setattr(llama, "gemv_applies", gate)
+        monkeypatch.setattr(layers, "gemv_applies", gate)
+        caches = tuple(c.clone() for c in cache_init)
+        out = attn(x, positions, caches, meta, freqs)
+        results[fused] = (out, mlp(out), caches)
+    (out, mlp_out, caches), (f_out, f_mlp_out, f_caches) = results[False], results[True]
+    torch.testing.assert_close(f_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(f_mlp_out, mlp_out, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(f_caches, caches):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert calls == ["gemv_rope_write_kv", "gemv_silu_mul"]      # the fused run, once each
+    assert not torch.equal(caches[0], cache_init[0])          # the token was written (block 2, offset 0)

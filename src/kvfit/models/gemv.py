@@ -88,6 +88,50 @@ if triton is not None:
         tl.store(out_ptr + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
+if triton is not None:
+    @triton.jit
+    def _gemv_rope_write_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, freq_ptr, k_cache_ptr, v_cache_ptr,
+                                slot_ptr, num_pairs, stride_wn, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                                stride_vcs, stride_vch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                                HALF: tl.constexpr, K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr,
+                                PDL: tl.constexpr):
+        # w: the fused [q; k; v] projection, heads of 2 * HALF rows. Pair p is column j = p % HALF of head
+        # p // HALF: rows j and j + HALF, the two RoPE rotates together (tile row r: pair r // 2, half r % 2).
+        # q and k heads are rotated, v heads not; k and v go to the token's cache slot, as the backend's
+        # plain write would, and all of q, k, v to out (the qkv row after RoPE, as qk_norm_rope_ leaves it)
+        r = tl.arange(0, 2 * BLOCK_P)
+        pair = tl.program_id(0) * BLOCK_P + r // 2
+        head = pair // HALF
+        rows = (head * 2 * HALF + pair % HALF + (r % 2) * HALF).to(tl.int64)
+        y = _rows_times_x(x_ptr, w_ptr, rows, pair < num_pairs, bias_ptr, stride_wn, K, BLOCK_K, HAS_BIAS, PDL)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)         # the projection's output, as stored unfused
+        a, b = tl.split(tl.reshape(y, [BLOCK_P, 2]))               # halves j and j + HALF of each pair
+        pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        heads, j = pairs // HALF, pairs % HALF
+        mask = pairs < num_pairs
+        angle = tl.load(pos_ptr).to(tl.float32) * tl.load(freq_ptr + j, mask=mask, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        rotate = heads < NUM_Q + NUM_KV
+        o1 = tl.where(rotate, a * cos - b * sin, a).to(out_ptr.dtype.element_ty)
+        o2 = tl.where(rotate, b * cos + a * sin, b).to(out_ptr.dtype.element_ty)
+        first = heads.to(tl.int64) * 2 * HALF + j
+        tl.store(out_ptr + first, o1, mask=mask)
+        tl.store(out_ptr + first + HALF, o2, mask=mask)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        blk, within = slot // PAGE, slot % PAGE
+        kv_head = (heads - NUM_Q).to(tl.int64)
+        is_k = mask & (kv_head >= 0) & (kv_head < NUM_KV) & (slot != PAD_SLOT)
+        k_row = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kv_head * stride_kch + j
+        tl.store(k_row, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+        tl.store(k_row + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+        v_head = kv_head - NUM_KV
+        is_v = mask & (v_head >= 0) & (v_head < NUM_KV) & (slot != PAD_SLOT)
+        v_row = v_cache_ptr + blk * stride_vcb + within * stride_vcs + v_head * stride_vch + j
+        tl.store(v_row, o1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+        tl.store(v_row + HALF, o2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x: [1, K] (contiguous), weight: [N, K] with unit stride along K, bias [N] -> [1, N] in x's dtype.
@@ -133,4 +177,38 @@ def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | N
     _gemv_silu_mul_kernel[(triton.cdiv(n, block_n),)](
         x, gate_up, bias if bias is not None else x, out, n, gate_up.stride(0), K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+    return out
+
+
+def gemv_rope_write_kv(x: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                       freqs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       num_q_heads: int, num_kv_heads: int, config: tuple[int, int, int, int] | None = None
+                       ) -> torch.Tensor:
+    """One token's fused q/k/v projection, RoPE of q and k, and the KV-cache write of k and v, in one launch.
+
+    x [1, K]; qkv [(Hq + 2 Hkv) D, K] (q rows, then k, then v; unit stride along K), bias or None; positions [1];
+    freqs [D / 2] fp32; caches [num_blocks, block_size, Hkv, D] (written as the backend's plain write does: cast
+    to the cache dtype; a PADDING_SLOT_ID slot is skipped); slot_mapping [1]. -> [1, (Hq + 2 Hkv) D]: the
+    projection after RoPE, equal to linear() then fused_ops.qk_norm_rope_write_kv_ without q/k norms.
+    """
+    from kvfit.attention.triton_kernels import check_cache_pair
+    from kvfit.kv.spec import PADDING_SLOT_ID
+    rows, k = qkv.shape
+    head_dim = k_cache.shape[3]
+    assert x.shape == (1, k) and qkv.stride(1) == 1 and head_dim % 2 == 0, (x.shape, qkv.shape, k_cache.shape)
+    assert rows == (num_q_heads + 2 * num_kv_heads) * head_dim and k_cache.shape[2] == num_kv_heads, (
+        qkv.shape, k_cache.shape, num_q_heads, num_kv_heads)
+    assert positions.numel() == 1 and slot_mapping.numel() == 1 and freqs.numel() == head_dim // 2
+    check_cache_pair(k_cache, v_cache)
+    block_rows, block_k, warps, stages = config or config_for(rows, k)
+    block_p = max(block_rows // 2, 1)                          # pairs: two rows each
+    x = x.contiguous()
+    out = torch.empty((1, rows), dtype=x.dtype, device=x.device)
+    num_pairs = rows // 2
+    _gemv_rope_write_kernel[(triton.cdiv(num_pairs, block_p),)](
+        x, qkv, bias if bias is not None else x, out, positions, freqs, k_cache, v_cache, slot_mapping,
+        num_pairs, qkv.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HALF=head_dim // 2, K=k, BLOCK_P=block_p, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, PAGE=k_cache.shape[1], PAD_SLOT=PADDING_SLOT_ID, num_warps=warps,
+        num_stages=stages, **pdl.launch_args(x))
     return out

@@ -21,7 +21,7 @@ from kvfit.errors import ConfigError
 from kvfit.model_facts import ModelFacts
 from kvfit.models import fused_ops
 from kvfit.models.fusion import fuse_rows
-from kvfit.models.gemv import linear
+from kvfit.models.gemv import gemv_applies, gemv_rope_write_kv, linear
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
 from kvfit.models.parallel import (ColumnLinear, RowLinear, Shard, VocabEmbedding, gather_vocab, kv_head_range,
                                    make_param, read_shard, source_shape, split_evenly)
@@ -98,35 +98,56 @@ class Attention(torch.nn.Module):
         return self.num_heads, self.num_kv_heads, self.head_dim
 
     def _qkv(self, x: torch.Tensor):
-        num_tokens, d = x.shape[0], self.head_dim
         if self.qkv_weight is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)                    # [T, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
+            return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return self._split_heads(linear(x, self.qkv_weight, self.qkv_bias))        # [T, (Hq + 2 Hkv) D]
+
+    def _split_heads(self, q, k=None, v=None):
+        """[T, Hq, D], [T, Hkv, D], [T, Hkv, D] views of the fused projection's rows (or of q, k, v given)."""
+        d = self.head_dim
+        if k is None:
+            q, k, v = q.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
+        num_tokens = q.shape[0]
         return (q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d),
                 v.view(num_tokens, self.num_kv_heads, d))
+
+    def _norm_rope(self, q, k, v, positions, kv_cache, meta: AttentionMetadata, freqs):
+        """q/k norms (Qwen3) and RoPE -> (q, k, whether k and v are in the cache already)."""
+        if not fused_ops.available(q):
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return (*apply_rope(q, k, positions, freqs), False)
+        # q/k norm and RoPE in one launch, in place on the qkv output, with the cache write when the backend's
+        # is a plain one
+        norm = self.q_norm is not None
+        args = (positions, freqs, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                self.q_norm.eps if norm else 0.0)
+        if kv_cache is not None and self.backend.plain_cache_write:
+            if fused_ops.qk_norm_rope_write_kv_(q, k, v, *args, *kv_cache, meta.slot_mapping):
+                return q, k, True
+        return (*fused_ops.qk_norm_rope_(q, k, *args), False)
+
+    def _one_token_fused(self, x: torch.Tensor, kv_cache, freqs: torch.Tensor) -> bool:
+        """The one-token GEMV does the projection, RoPE and the cache write: fused q/k/v weights, no q/k norm
+        (a norm needs a whole head in one program), RoPE over the whole head, the backend's plain cache write,
+        one token on CUDA."""
+        return (kv_cache is not None and self.qkv_weight is not None and self.q_norm is None
+                and self.backend.plain_cache_write and 2 * freqs.numel() == self.head_dim
+                and gemv_applies(x, self.qkv_weight))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 freqs: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
-        q, k, v = self._qkv(x)                  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
-        written = False                         # this step's k and v in the cache already
-        if fused_ops.available(q):
-            # q/k norm (Qwen3) and RoPE in one launch, in place on the qkv output, with the cache write
-            # when the backend's is a plain one
-            norm = self.q_norm is not None
-            args = (positions, freqs, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                    self.q_norm.eps if norm else 0.0)
-            if kv_cache is not None and self.backend.plain_cache_write:
-                written = fused_ops.qk_norm_rope_write_kv_(q, k, v, *args, *kv_cache, meta.slot_mapping)
-            if not written:
-                q, k = fused_ops.qk_norm_rope_(q, k, *args)
+        if self._one_token_fused(x, kv_cache, freqs):
+            # one token (batch-1 decode): projection, RoPE and the cache write in one GEMV launch
+            q, k, v = self._split_heads(gemv_rope_write_kv(x, self.qkv_weight, self.qkv_bias, positions, freqs,
+                                                           *kv_cache, meta.slot_mapping, self.num_heads,
+                                                           self.num_kv_heads))
+            written = True                      # this step's k and v in the cache already
         else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, k, positions, freqs)
+            q, k, v = self._qkv(x)              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
+            q, k, written = self._norm_rope(q, k, v, positions, kv_cache, meta, freqs)
         if kv_cache is None:
             starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
             out = causal_attention(q, k, v, starts, self.scale)
