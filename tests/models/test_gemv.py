@@ -184,8 +184,10 @@ def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_
     freqs = inv_freq(cfg.rope, DEVICE)
     context = 9                                   # 8 cached tokens and this one
     cache_init = [torch.randn(4, page, num_kv, dim).to(DEVICE) for _ in range(2)]
-    meta = AttentionMetadata(slot_mapping=torch.tensor([8], dtype=torch.int64), query_start_loc=torch.tensor([0, 1]),
-                             seq_lens=torch.tensor([context]), block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+    meta = AttentionMetadata(slot_mapping=torch.tensor([8], dtype=torch.int64, device=DEVICE),
+                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                             seq_lens=torch.tensor([context], dtype=torch.int32, device=DEVICE),
+                             block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE),
                              max_query_len=1, max_seq_len=context, query_start_loc_host=[0, 1],
                              seq_lens_host=[context])
     x, positions = torch.randn(1, hidden).to(DEVICE), torch.tensor([context - 1]).to(DEVICE)
