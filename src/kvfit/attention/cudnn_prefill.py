@@ -17,9 +17,14 @@ Off by default (MIN_TOKENS = 0). Measured on the H200 (2026-12-04, docs/benchmar
 8,000-token prompt takes 0.58 ms this way against the Triton kernel's 0.78 ms (1.35x, pads and merge included),
 but the long-context workload ran 1.7% *slower* end to end with chunks of >= 2,048 tokens routed here
 (qwen3-0.6b shape, 2,396-2,409 tok/s against 2,434-2,449, interleaved runs in one device call) and start-up
-took ~0.9 s longer (the graph builds). Until a profile says where the end-to-end time goes,
-`KVFIT_CUDNN_PREFILL=<tokens>` (e.g. 2048) turns it on for chunks of at least that many tokens, read once per
-process, for A/B measurements like KVFIT_PDL.
+took ~0.9 s longer (the graph builds). The profile of that workload with the route on and off (H100, 2026-12-05,
+`run_h200.sh profile-long-ab`) says why: the big chunks' own attention took 0.301 s in cuDNN against 0.375 s in
+the Triton kernel (padding included; the Triton kernel still attends the cached prefixes), the three pads
+cost 0.10 s of fill and copy kernels, so the device time was 4.12 s against 4.08 s; and the run took 0.19 s
+longer (4.32 vs 4.13 s unprofiled; device busy 86% against 98% under the profiler): the per-chunk host work
+(pads, the cuDNN call, the merge; 1,484 cuDNN calls) leaves the GPU waiting in the mixed steps. So it stays
+off; `KVFIT_CUDNN_PREFILL=<tokens>` (e.g. 2048) turns it on for chunks of at least that many tokens, read once
+per process, for A/B measurements like KVFIT_PDL.
 """
 
 from __future__ import annotations
