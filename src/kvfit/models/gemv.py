@@ -3,8 +3,10 @@
 At one token per step every linear layer is a matrix-vector product bound by reading its weight;
 program n reads BLOCK_N whole rows of W (contiguous along K, so loads are wide and coalesced) and
 reduces them against x in fp32. Offsets are int64 (row * stride), as everywhere in kvfit.
-The MLP's fused gate/up weight has its own kernel (gemv_silu_mul): each program reads a gate row and the
-matching up row and writes silu(gate) * up, so a decode step has no separate SiLU-and-multiply launch.
+Two variants carry their layer's next op in the epilogue, so a one-token step has fewer launches: the MLP's
+fused gate/up weight (gemv_silu_mul: a program reads a gate row and its up row and writes silu(gate) * up) and
+the fused q/k/v weight (gemv_rope_write_kv: a program reads the two rows RoPE rotates together, rotates q and k
+and writes k and v to the token's KV-cache slot).
 """
 
 from __future__ import annotations
