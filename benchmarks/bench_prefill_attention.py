@@ -97,23 +97,6 @@ def sdpa_reference(seqs, args, do_bench, backend: str = "FLASH_ATTENTION"):
         return time_fn(fn, do_bench)
 
 
-def chunk_route(query, k_cache, v_cache, table, seq_lens, starts, max_q, seqs, args):
-    """The Triton backend as a model step calls it (the step's own K/V given), long chunks through cuDNN (built
-    first): -> run(scale). Its K/V are read back from the cache, so outputs compare with the kernel's."""
-    from kvfit.attention.base import AttentionMetadata
-    from kvfit.attention.cudnn_prefill import SUGGESTED_MIN_TOKENS, ChunkAttention
-    from kvfit.attention.torch_ref import step_kv
-    from kvfit.attention.triton_backend import TritonBackend
-    backend = TritonBackend(chunk_attention=ChunkAttention(SUGGESTED_MIN_TOKENS))     # the route is opt-in
-    backend.warm_up([(args.q_heads, args.kv_heads, args.head_dim)], 8192, torch.bfloat16, query.device)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=starts,
-                             seq_lens=seq_lens, block_tables=table, max_query_len=max_q,
-                             max_seq_len=max(q + p for q, p in seqs), query_start_loc_host=starts.tolist(),
-                             seq_lens_host=seq_lens.tolist())
-    key, value = step_kv(k_cache, v_cache, meta)                                       # [T, Hkv, D]
-    return lambda scale: backend.attend(query, k_cache, v_cache, meta, scale, key=key, value=value)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--q-heads", type=int, default=16)
@@ -151,11 +134,8 @@ def main() -> int:
             print(f"{case}: torch SDPA cuDNN {cudnn[0] * 1e3:.3f} ms ({work / cudnn[0] / 1e12:.0f} TFLOP/s, "
                   f"spread {cudnn[1]:.1%})", flush=True)
         expected = None
-        chunked = chunk_route(query, k_cache, v_cache, table, seq_lens, starts, max_q, seqs, args)
-        for name, kwargs in configs + [("backend, long chunks through cuDNN", None)]:
+        for name, kwargs in configs:
             def run(kwargs=kwargs):
-                if kwargs is None:
-                    return chunked(scale)
                 return paged_prefill_attention(query, k_cache, v_cache, table, seq_lens, starts, max_q, scale,
                                                **kwargs)
             got = run().float()
@@ -169,8 +149,6 @@ def main() -> int:
             rows.append(dict(case=case, config=name, kwargs=kwargs, seconds=seconds, spread=spread,
                              tflops=work / seconds / 1e12, sdpa_seconds=ref[0] if ref else None,
                              sdpa_cudnn_seconds=cudnn[0] if cudnn else None, max_diff=err))
-            if kwargs is None:
-                continue                             # not a kernel config: reported, never "best"
             if err < 3e-2:
                 totals[name] = totals.get(name, 0.0) + seconds
             else:

@@ -1,4 +1,5 @@
-"""What torch's cuDNN attention does on this device, before the engine routes prefill chunks through it.
+"""What torch's cuDNN attention does on this device: the question before routing prefill chunks through it.
+(Sessions 11-12 built that route and measured it slower end to end; it was removed, docs/benchmarks.md says why.)
 
 Questions (each answered by a printed line; nothing is assumed):
 1. Does the dense op (`aten._scaled_dot_product_cudnn_attention`) take the engine's layout: q/k/v as strided

@@ -37,11 +37,6 @@ for s in "$@"; do case $s in
   vs-vllm-base) step vs-vllm-base 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --out "$OUT/vs-base.json" ;;
   vs-vllm-long) step vs-vllm-long 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --out "$OUT/vs-long.json" ;;
   kvfit-long-16k) step kvfit-long-16k 400 env KVFIT_BENCH_ARGS='{"max_num_batched_tokens": 16384}' python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-16k.json" ;;
-  kvfit-long-nocudnn) step kvfit-long-nocudnn 400 env KVFIT_CUDNN_PREFILL=0 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-nocudnn.json" ;;
-  prefill-route) step prefill-route 200 bash -c "python3 benchmarks/bench_prefill_attention.py && python3 benchmarks/bench_prefill_attention.py --q-heads 32" ;;
-  long-ab-small) step long-ab-small 400 bash -c "for v in 0 2048 0 2048; do echo KVFIT_CUDNN_PREFILL=\$v; KVFIT_CUDNN_PREFILL=\$v python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b --groups long --engines kvfit --reps 2 --out $OUT/long-ab-\$v.json 2>&1 | grep -v '^|'; done" ;;
-  profile-long-ab) step profile-long-ab 500 bash -c "for v in 2048 0; do echo KVFIT_CUDNN_PREFILL=\$v; KVFIT_CUDNN_PREFILL=\$v python3 benchmarks/profile_vs_vllm.py --models qwen3-0.6b --workload long-context --engines kvfit --out $OUT/profile-long-\$v.json; done" ;;
-  chunk-gpu) step chunk-gpu 400 python3 -m pytest tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider -k "cudnn or long_prompts or prefill" ;;
   kvfit-long) step kvfit-long 400 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long.json" ;;
   kvfit-long-prefill128) step kvfit-long-prefill128 400 env KVFIT_BENCH_PREFILL='[128, 128, 8, 3]' python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --engines kvfit --out "$OUT/kvfit-long-prefill128.json" ;;
   attn-gpu) step attn-gpu 300 python3 -m pytest tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;

@@ -421,11 +421,11 @@ def _compile_check() -> None:
     cannot see, and register spills. Needs no GPU. Runs without TRITON_INTERPRET (a subprocess)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
     from triton_interpreter import compile_sm90
-    from kvfit.attention import cudnn_prefill, triton_decode as dec, triton_kernels as ker, triton_prefill as pre
+    from kvfit.attention import triton_decode as dec, triton_kernels as ker, triton_prefill as pre
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
     def build(kernel, qd, cd, consts, warps=4):
-        ptr = {"q": qd, "out": qd, "chunk": qd, "key": qd, "value": qd, "k_cache": cd, "v_cache": cd, "slot": "i64",
+        ptr = {"q": qd, "out": qd, "key": qd, "value": qd, "k_cache": cd, "v_cache": cd, "slot": "i64",
                "prefix_len": "i32", "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
         sig = {n: "constexpr" if n in consts else f"*{ptr.get(n[:-4], 'fp32')}" if n.endswith("_ptr")
                else "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
@@ -450,11 +450,9 @@ def _compile_check() -> None:
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
             ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True))
-        for prefix_only in (False, True):
-            build(pre._prefill_kernel, qd, cache, dict(
-                GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
-                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, PREFIX_ONLY=prefix_only))
-    build(cudnn_prefill._merge_kernel, bf, bf, dict(HEAD_DIM=128, D_PAD=128, BLOCK_T=32))
+        build(pre._prefill_kernel, qd, cache, dict(
+            GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
+            BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

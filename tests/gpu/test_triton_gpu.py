@@ -15,8 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 triton = pytest.importorskip("triton")
 
 from kvfit.attention.base import AttentionMetadata  # noqa: E402
-from kvfit.attention.cudnn_prefill import ChunkAttention  # noqa: E402
-from kvfit.attention.torch_ref import TorchReferenceBackend, step_kv  # noqa: E402
+from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvfit.attention.triton_backend import TritonBackend  # noqa: E402
 from kvfit.kv.spec import PADDING_SLOT_ID  # noqa: E402
 
@@ -54,13 +53,12 @@ def make_step(q_lens, seq_lens, page, num_kv_heads, head_dim, cache_dtype, gen, 
 
 
 def check(backend, q_lens, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page=16,
-          dtype=torch.bfloat16, cache_dtype=None, seed=0, new_kv=False):
+          dtype=torch.bfloat16, cache_dtype=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, meta = make_step(q_lens, seq_lens, page, num_kv_heads, head_dim, cache_dtype or dtype, gen)
     query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(DEVICE, dtype)
     scale = head_dim ** -0.5
-    kw = dict(zip(("key", "value"), step_kv(k_cache, v_cache, meta))) if new_kv else {}
-    got = backend.attend(query, k_cache, v_cache, meta, scale, **kw)
+    got = backend.attend(query, k_cache, v_cache, meta, scale)
     expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale)
     assert got.dtype == dtype and not got.isnan().any()
     tol = TOLERANCE[dtype]
@@ -105,40 +103,6 @@ def test_prefill_over_cached_prefix_and_mixed(page):
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 64), (torch.float32, 128), (torch.bfloat16, 96)])
 def test_prefill_dtypes_and_head_dims(dtype, head_dim):
     check(TritonBackend(), [200, 1, 65], [200, 900, 1065], head_dim=head_dim, dtype=dtype, seed=12)
-
-
-def chunk_backend(shape, min_tokens=2048, max_tokens=8192, dtype=torch.bfloat16):
-    """A Triton backend whose long chunks attend themselves through cuDNN (built now); counts those chunks."""
-    chunks = ChunkAttention(min_tokens)
-    backend = TritonBackend(chunk_attention=chunks)
-    backend.warm_up([shape], max_tokens, dtype, DEVICE)
-    assert chunks.failed is None, chunks.failed
-    seen = []
-    attend = chunks.attend
-    chunks.attend = lambda q, k, v, scale: (seen.append(q.shape[0]), attend(q, k, v, scale))[1]
-    return backend, seen
-
-
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 8, 128), (8, 8, 64)])
-def test_long_chunks_through_cudnn_match_the_reference(num_q_heads, num_kv_heads, head_dim):
-    # a fresh 4,100-token prompt, decodes, a 2,500-token chunk over 3,000 cached, a short chunk, an 8k chunk
-    q_lens = [4100, 1, 2500, 300, 1, 8000]
-    seq_lens = [4100, 5000, 5500, 1300, 64, 8192]
-    backend, seen = chunk_backend((num_q_heads, num_kv_heads, head_dim))
-    check(backend, q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, seed=30, new_kv=True)
-    assert seen == [4100, 2500, 8000]
-    check(backend, [2048], [2048], num_q_heads, num_kv_heads, head_dim, seed=31, new_kv=True)     # alone, fresh
-    check(backend, [3000, 2049], [3000, 2100], num_q_heads, num_kv_heads, head_dim, seed=32, new_kv=True)
-    assert seen[3:] == [2048, 3000, 2049]
-
-
-def test_long_chunks_through_cudnn_fp16_and_an_fp8_cache_stays_in_triton():
-    backend, seen = chunk_backend((32, 8, 128), dtype=torch.float16)
-    check(backend, [3000, 1], [3500, 700], dtype=torch.float16, seed=33, new_kv=True)
-    assert seen == [3000]
-    backend, seen = chunk_backend((32, 8, 128))
-    check(backend, [3000, 1], [3500, 700], cache_dtype=torch.float8_e4m3fn, seed=34, new_kv=True)
-    assert seen == []
 
 
 def test_fp8_cache_write_and_attend():

@@ -64,9 +64,6 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None) -> torch.Tensor:
-        """query: [T, Hq, D] -> output [T, Hq, D] in query's dtype. key, value: this step's [T, Hkv, D], as
-        write_kv stored them (None: read them from the cache); a backend may attend a sequence's new tokens
-        through these instead of the cache (only where the cache holds them in the query's dtype)."""
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [T, Hq, D] -> output [T, Hq, D] in query's dtype."""
         raise NotImplementedError

@@ -9,21 +9,6 @@ from kvfit.attention.registry import backend_max_offset
 from kvfit.kv.spec import PADDING_SLOT_ID
 
 
-def step_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's own K/V ([T, Hkv, D] each: every sequence's last q_len positions), read back from the cache
-    through the block tables: what attend(key=, value=) gets from a model step, for tests and benchmarks."""
-    starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
-    lens = meta.seq_lens_host or meta.seq_lens.tolist()
-    page = k_cache.shape[1]
-    seqs = [(i, p) for i, total in enumerate(lens) for p in range(total - (starts[i + 1] - starts[i]), total)]
-    seq = torch.tensor([i for i, _ in seqs], dtype=torch.long)
-    pos = torch.tensor([p for _, p in seqs], dtype=torch.long)
-    blocks = meta.block_tables.cpu().long()[seq, pos // page].to(k_cache.device)
-    within = (pos % page).to(k_cache.device)
-    return k_cache[blocks, within], v_cache[blocks, within]
-
-
 class TorchReferenceBackend(AttentionBackend):
     """Gathers each sequence's K/V from its block table and runs masked softmax attention."""
 
@@ -40,7 +25,7 @@ class TorchReferenceBackend(AttentionBackend):
         k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
         v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, key=None, value=None):
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -2,10 +2,7 @@
 
 Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel (with meta.prefix_len, the
 shared prefix first, once for all sequences: cascade), every other step
-(prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel; there, opt-in
-(KVFIT_CUDNN_PREFILL; off by default: slower end to end so far), a chunk of at least ChunkAttention.min_tokens
-queries attends itself through cuDNN instead (from the step's own K/V), and its cached prefix in the prefill
-kernel, merged by log-sum-exp (cudnn_prefill.py).
+(prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel.
 Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
 attend never synchronises with the device. Every kernel offset is int64 (triton_kernels.py).
 """
@@ -17,7 +14,6 @@ import os
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
-from kvfit.attention.cudnn_prefill import ChunkAttention, merge_into
 from kvfit.attention.registry import backend_max_offset
 from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_READS, CASCADE_MIN_TOKENS,
                                            choose_num_splits,
@@ -42,11 +38,10 @@ class TritonBackend(AttentionBackend):
     max_element_offset = backend_max_offset("triton")
     plain_cache_write = True        # write_kv_cache: a cast copy to the slot (fp8 at scale 1.0)
 
-    def __init__(self, num_splits: int | None = None, chunk_attention: ChunkAttention | None = None):
+    def __init__(self, num_splits: int | None = None):
         if num_splits is not None and num_splits < 1:
             raise ConfigError(f"num_splits must be >= 1 or None, got {num_splits}")
         self.num_splits = num_splits
-        self.chunk_attention = chunk_attention or ChunkAttention()
         self._num_sms: dict[torch.device, int] = {}   # per device, read once (no device sync)
 
     def _check_device(self, t: torch.Tensor) -> None:
@@ -82,8 +77,8 @@ class TritonBackend(AttentionBackend):
         self._check_device(key)
         write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, key=None, value=None):
-        # query: [T, Hq, D] -> [T, Hq, D] in query's dtype; key/value: this step's [T, Hkv, D] (or None)
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # query: [T, Hq, D] -> [T, Hq, D] in query's dtype
         self._check_device(query)
         num_kv_heads = k_cache.shape[2]
         assert query.shape[1] % num_kv_heads == 0, (query.shape, k_cache.shape)
@@ -97,52 +92,6 @@ class TritonBackend(AttentionBackend):
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 num_splits=self.decode_num_splits(meta, query, num_kv_heads), prefix_len=meta.prefix_len,
                 prefix_splits=prefix_splits)
-        chunks = self._long_chunks(query, k_cache, meta, key)
-        if not chunks:
-            return paged_prefill_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                max_query_len=meta.max_query_len, scale=scale)
-        return self._attend_long_chunks(query, k_cache, v_cache, meta, scale, key, value, chunks)
-
-    # long prefill chunks: their attention to themselves through cuDNN (cudnn_prefill.py) ---------------
-    def warm_up(self, shapes, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Before serving: build the chunk attention of each (heads, kv heads, head dim) a model attends with,
-        for chunks of up to max_tokens, where this device runs it."""
-        for num_heads, num_kv_heads, head_dim in shapes:
-            probe = torch.empty(0, num_heads, head_dim, dtype=dtype, device=device)
-            if self.chunk_attention.supports(probe, dtype):
-                self.chunk_attention.warm_up(ChunkAttention.shape(probe, num_kv_heads), max_tokens)
-
-    def _long_chunks(self, query, k_cache, meta: AttentionMetadata, key) -> list[tuple[int, int, int]]:
-        """(first query token, tokens, cached prefix tokens) of each sequence whose chunk attends itself through
-        chunk_attention (at least min_tokens queries; host ints only) -> [] when none does."""
-        chunked = self.chunk_attention
-        if (not chunked.min_tokens or key is None or meta.max_query_len < chunked.min_tokens
-                or meta.query_start_loc_host is None or meta.seq_lens_host is None
-                or not chunked.supports(query, k_cache.dtype)
-                or not chunked.ready(ChunkAttention.shape(query, k_cache.shape[2]))):
-            return []
-        starts, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
-        return [(starts[i], starts[i + 1] - starts[i], seq_lens[i] - (starts[i + 1] - starts[i]))
-                for i in range(len(seq_lens)) if starts[i + 1] - starts[i] >= chunked.min_tokens]
-
-    def _attend_long_chunks(self, query, k_cache, v_cache, meta, scale, key, value, chunks):
-        # the Triton kernel attends every other sequence whole and the long chunks' cached prefixes (with their
-        # LSE); each long chunk's attention to itself then comes from chunk_attention, merged in by LSE
-        num_tokens, num_heads, _ = query.shape
-        if len(chunks) == meta.num_seqs and not any(prefix for _, _, prefix in chunks):
-            out = torch.empty_like(query)                      # nothing for the Triton kernel to do
-        else:
-            lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)     # [T, Hq]
-            out = paged_prefill_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                max_query_len=meta.max_query_len, scale=scale, prefix_only_tokens=self.chunk_attention.min_tokens,
-                lse=lse)
-        for start, n, prefix in chunks:
-            rows = slice(start, start + n)
-            chunk_out, chunk_lse = self.chunk_attention.attend(query[rows], key[rows], value[rows], scale)
-            if prefix == 0:
-                out[rows].copy_(chunk_out)
-            else:
-                merge_into(out[rows], lse[rows], chunk_out, chunk_lse)
-        return out
+        return paged_prefill_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            max_query_len=meta.max_query_len, scale=scale)

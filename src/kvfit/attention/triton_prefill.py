@@ -20,40 +20,29 @@ from kvfit.attention.triton_decode import LOG2_E
 from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
                                              kv_tile_tokens, on_gpu, padded_head_dim)
 
-LN_2 = tl.constexpr(0.6931471805599453)
-
 
 # stride_bt is the step's block-table width: not specialized, so a long step never compiles a new
 # variant (== 1, divisible by 16) in the middle of serving (see _decode_split_kernel)
-@triton.jit(do_not_specialize=["stride_bt", "prefix_only_tokens"])
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, prefix_only_tokens,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-    PREFIX_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_start = tl.program_id(1) * BLOCK_M
     kv_head = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+    if row_start >= q_len * GROUP:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
-    # PREFIX_ONLY: a sequence of >= prefix_only_tokens queries attends its cached prefix only (its chunk's
-    # attention to itself is another kernel's, merged by the LSE stored here); with no prefix, nothing
-    skip = row_start >= q_len * GROUP
-    if PREFIX_ONLY:
-        prefix_only = q_len >= prefix_only_tokens
-        skip = skip | (prefix_only & (prefix_len == 0))
-    else:
-        prefix_only = False
-    if skip:
-        return
 
     rows = row_start + tl.arange(0, BLOCK_M)
     tok = rows // GROUP                                   # token index within this sequence's queries
@@ -73,12 +62,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     last_tok = tl.minimum((row_start + BLOCK_M - 1) // GROUP, q_len - 1)
     kv_hi = prefix_len + last_tok + 1                     # keys any row of this tile may see
-    if prefix_only:
-        kv_hi = prefix_len                                # every row sees all of them: no causal cut
     table_row = block_tables_ptr + seq * stride_bt
     # SPLIT: the whole tiles every row of this tile sees (keys < the first row's position + 1) go
     # first, without masks; only the tiles on the causal diagonal pay for them
-    kv_full = tl.minimum(prefix_len + row_start // GROUP + 1, kv_hi) // BLOCK_N * BLOCK_N if SPLIT else 0
+    kv_full = (prefix_len + row_start // GROUP + 1) // BLOCK_N * BLOCK_N if SPLIT else 0
     for start in range(0, kv_full, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = attend_paged_tile(
@@ -99,10 +86,6 @@ def _prefill_kernel(
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    if prefix_only:
-        # natural-log sum of exp of the scores (the running max and sum are in log2 units)
-        lse = (m_i + tl.log2(l_i)) * LN_2
-        tl.store(lse_ptr + q_tok * stride_lt + heads, lse, mask=row_mask)
 
 
 def prefill_tile_rows(elem_bytes: int, gpu: bool) -> int:
@@ -125,17 +108,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             max_query_len: int, scale: float, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             out: torch.Tensor | None = None, num_stages: int | None = None,
-                            split: bool | None = None, prefix_only_tokens: int | None = None,
-                            lse: torch.Tensor | None = None) -> torch.Tensor:
+                            split: bool | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32; query_start_loc: [B + 1] int32 -> out [T, Hq, D] in query's dtype.
     split: walk the tiles below the causal diagonal without masks (default: on, except fp32, whose IEEE
     dots spill with the second loop on Hopper).
-    prefix_only_tokens: a sequence with at least this many queries attends only its cached prefix (keys
-    before its first query), and its rows of lse ([T, Hq] fp32) get the natural-log LSE of those scores; one
-    with no prefix gets neither out nor lse rows (attention/cudnn_prefill.py attends the rest and merges).
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -155,18 +134,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     stages = {} if num_stages is None else {"num_stages": num_stages}
     ieee = dot_ieee(query.dtype)
     split = not ieee if split is None else split
-    prefix_only = prefix_only_tokens is not None
-    if prefix_only:
-        assert lse is not None and lse.shape == query.shape[:2] and lse.stride(1) == 1, "lse: [T, Hq] fp32"
-        assert lse.dtype == torch.float32, lse.dtype
     grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, lse if prefix_only else out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E, prefix_only_tokens if prefix_only else 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0) if prefix_only else 0,
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=ieee, SPLIT=split, PREFIX_ONLY=prefix_only, num_warps=num_warps, **stages,
+        IEEE=ieee, SPLIT=split, num_warps=num_warps, **stages,
     )
     return out

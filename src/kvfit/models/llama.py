@@ -93,10 +93,6 @@ class Attention(torch.nn.Module):
     def fuse_projections(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
 
-    def attention_heads(self) -> tuple[int, int, int]:
-        """(query heads, KV heads, head dim) on this rank: the shape the backend attends with."""
-        return self.num_heads, self.num_kv_heads, self.head_dim
-
     def _qkv(self, x: torch.Tensor):
         if self.qkv_weight is None:
             return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
@@ -155,7 +151,7 @@ class Attention(torch.nn.Module):
             k_cache, v_cache = kv_cache
             if not written:
                 self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, key=k, value=v)      # [T, Hq, D]
+            out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)      # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -99,7 +99,6 @@ class ModelRunner:
         warm_up = getattr(self.model, "warm_up", None)     # kernels with per-size configs compile here
         if warm_up is not None:
             warm_up(num_tokens)
-        self._warm_up_attention(min(sched.max_num_batched_tokens, max_len))
         wide = max(min(sched.max_num_seqs, num_tokens), 1)
         long = max(-(-num_tokens // max_len), 1)
         deltas = [self._profile_delta(num_tokens, n) for n in dict.fromkeys((wide, long))]
@@ -112,14 +111,6 @@ class ModelRunner:
         finally:
             del scratch
         return num_blocks * self.spec.bytes_per_block
-
-    def _warm_up_attention(self, max_chunk_tokens: int) -> None:
-        """Let the backend prepare what it builds per shape (cuDNN graphs for long chunks) before serving, for
-        every attention shape of the model (modules with attention_heads(): (heads, kv heads, head dim))."""
-        warm_up = getattr(self.backend, "warm_up", None)
-        shapes = sorted({m.attention_heads() for m in self.model.modules() if hasattr(m, "attention_heads")})
-        if warm_up is not None and shapes:
-            warm_up(shapes, max_chunk_tokens, self.dtype, self.device)
 
     def _profile_delta(self, num_tokens: int, num_seqs: int) -> StepDelta:
         per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
