@@ -27,6 +27,29 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # the math a fused epilogue shares with these kernels (models/gemv.py's one-token GEMVs), written once so
+    # the fused and unfused paths stay bit-identical
+    @triton.jit
+    def silu_times(gate, up):
+        """silu(gate) * up in fp32."""
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
+    def rotate_halves(a, b, angle):
+        """RoPE of a head's two halves (fp32) at angle = position * inverse frequency."""
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        return a * cos - b * sin, b * cos + a * sin
+
+    @triton.jit
+    def store_kv_halves(cache_ptr, slot, head, num_heads, col, first, second, mask, stride_b, stride_s, stride_h,
+                        PAGE: tl.constexpr, HALF: tl.constexpr, PAD_SLOT: tl.constexpr):
+        """The plain cache write of a head's two halves at cache slot `slot` (int64), cast to the cache dtype;
+        nothing for heads outside 0..num_heads-1 or the padding slot."""
+        keep = mask & (head >= 0) & (head < num_heads) & (slot != PAD_SLOT)
+        row = cache_ptr + (slot // PAGE) * stride_b + (slot % PAGE) * stride_s + head * stride_h + col
+        tl.store(row, first.to(cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(row + HALF, second.to(cache_ptr.dtype.element_ty), mask=keep)
+
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                              stride_res_out, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -84,10 +107,8 @@ if triton is not None:
             x2 = ((b32 * r[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
         pos = tl.load(pos_ptr + tok).to(tl.float32)
         angle = pos * tl.load(freq_ptr + i, mask=d_mask, other=0.0)
-        cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = (a * cos - b * sin).to(x_ptr.dtype.element_ty)
-        o2 = (b * cos + a * sin).to(x_ptr.dtype.element_ty)
+        o1, o2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), angle[None, :])
+        o1, o2 = o1.to(x_ptr.dtype.element_ty), o2.to(x_ptr.dtype.element_ty)
         if WRITE_KV:
             rotated = mask & (heads < num_first + num_kv)[:, None]
         else:
@@ -96,18 +117,11 @@ if triton is not None:
         tl.store(base + HALF, o2, mask=rotated)
         if WRITE_KV:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
-            blk = slot // PAGE
-            within = slot % PAGE
-            kv_head = (heads - num_first).to(tl.int64)                        # k rows: 0..num_kv-1
-            is_k = mask & ((kv_head >= 0) & (kv_head < num_kv))[:, None] & (slot != PAD_SLOT)
-            k_row = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kv_head[:, None] * stride_kch + i[None, :]
-            tl.store(k_row, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-            tl.store(k_row + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-            v_head = kv_head - num_kv                                            # v rows: 0..num_kv-1
-            is_v = mask & ((v_head >= 0) & (v_head < num_kv))[:, None] & (slot != PAD_SLOT)
-            v_row = v_cache_ptr + blk * stride_vcb + within * stride_vcs + v_head[:, None] * stride_vch + i[None, :]
-            tl.store(v_row, v1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
-            tl.store(v_row + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+            kv_head = (heads - num_first).to(tl.int64)[:, None]                  # k rows: 0..num_kv-1
+            store_kv_halves(k_cache_ptr, slot, kv_head, num_kv, i[None, :], o1, o2, mask,
+                            stride_kcb, stride_kcs, stride_kch, PAGE, HALF, PAD_SLOT)
+            store_kv_halves(v_cache_ptr, slot, kv_head - num_kv, num_kv, i[None, :], v1, v2, mask,   # v rows
+                            stride_vcb, stride_vcs, stride_vch, PAGE, HALF, PAD_SLOT)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -119,8 +133,7 @@ if triton is not None:
         mask = col < n_cols
         g = tl.load(gu_ptr + row * stride_gu + col, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + n_cols + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + col, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + row * stride_out + col, silu_times(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -16,10 +16,14 @@ import torch.nn.functional as F
 
 from kvfit.attention import pdl
 
+from kvfit.kv.spec import PADDING_SLOT_ID
+
 try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from kvfit.models.fused_ops import rotate_halves, silu_times, store_kv_halves
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -87,7 +91,7 @@ if triton is not None:
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_N, 2]))
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=offs < N)
+        tl.store(out_ptr + offs, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
 if triton is not None:
@@ -113,25 +117,19 @@ if triton is not None:
         heads, j = pairs // HALF, pairs % HALF
         mask = pairs < num_pairs
         angle = tl.load(pos_ptr).to(tl.float32) * tl.load(freq_ptr + j, mask=mask, other=0.0)
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        rotate = heads < NUM_Q + NUM_KV
-        o1 = tl.where(rotate, a * cos - b * sin, a).to(out_ptr.dtype.element_ty)
-        o2 = tl.where(rotate, b * cos + a * sin, b).to(out_ptr.dtype.element_ty)
+        r1, r2 = rotate_halves(a, b, angle)
+        rotate = heads < NUM_Q + NUM_KV                          # q and k heads; v heads keep their values
+        o1 = tl.where(rotate, r1, a).to(out_ptr.dtype.element_ty)
+        o2 = tl.where(rotate, r2, b).to(out_ptr.dtype.element_ty)
         first = heads.to(tl.int64) * 2 * HALF + j
         tl.store(out_ptr + first, o1, mask=mask)
         tl.store(out_ptr + first + HALF, o2, mask=mask)
         slot = tl.load(slot_ptr).to(tl.int64)
-        blk, within = slot // PAGE, slot % PAGE
         kv_head = (heads - NUM_Q).to(tl.int64)
-        is_k = mask & (kv_head >= 0) & (kv_head < NUM_KV) & (slot != PAD_SLOT)
-        k_row = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kv_head * stride_kch + j
-        tl.store(k_row, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-        tl.store(k_row + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-        v_head = kv_head - NUM_KV
-        is_v = mask & (v_head >= 0) & (v_head < NUM_KV) & (slot != PAD_SLOT)
-        v_row = v_cache_ptr + blk * stride_vcb + within * stride_vcs + v_head * stride_vch + j
-        tl.store(v_row, o1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
-        tl.store(v_row + HALF, o2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+        store_kv_halves(k_cache_ptr, slot, kv_head, NUM_KV, j, o1, o2, mask, stride_kcb, stride_kcs, stride_kch,
+                        PAGE, HALF, PAD_SLOT)
+        store_kv_halves(v_cache_ptr, slot, kv_head - NUM_KV, NUM_KV, j, o1, o2, mask, stride_vcb, stride_vcs,
+                        stride_vch, PAGE, HALF, PAD_SLOT)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -193,8 +191,7 @@ def gemv_rope_write_kv(x: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | 
     to the cache dtype; a PADDING_SLOT_ID slot is skipped); slot_mapping [1]. -> [1, (Hq + 2 Hkv) D]: the
     projection after RoPE, equal to linear() then fused_ops.qk_norm_rope_write_kv_ without q/k norms.
     """
-    from kvfit.attention.triton_kernels import check_cache_pair
-    from kvfit.kv.spec import PADDING_SLOT_ID
+    from kvfit.attention.triton_kernels import check_cache_pair      # (needs Triton, as this path does)
     rows, k = qkv.shape
     head_dim = k_cache.shape[3]
     assert x.shape == (1, k) and qkv.stride(1) == 1 and head_dim % 2 == 0, (x.shape, qkv.shape, k_cache.shape)
