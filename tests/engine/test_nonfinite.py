@@ -10,10 +10,15 @@ from kvfit.models.llama import CausalLM
 KW = dict(device="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=4, max_model_len=64)
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_nan_logits_end_one_request_and_the_others_finish(tiny_llama, monkeypatch, num_scheduler_steps):
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# issue 27 (7): top_p < 1 took the whole step down (filter_thresholds indexed -1 on the NaN row)
+TOP_P = [SamplingParams(temperature=1.0, top_p=0.5, seed=7, max_tokens=12, ignore_eos=True),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=12, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("num_scheduler_steps,params", [(1, GREEDY), (4, GREEDY), (1, TOP_P)])
+def test_nan_logits_end_one_request_and_the_others_finish(tiny_llama, monkeypatch, num_scheduler_steps, params):
     llm = LLM(tiny_llama, num_scheduler_steps=num_scheduler_steps, **KW)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10]]
     expected = llm.generate(prompts, params, use_tqdm=False)
     real = CausalLM.compute_logits

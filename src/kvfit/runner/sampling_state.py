@@ -112,7 +112,10 @@ def filter_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)                                      # [F, n]
         mass_before = torch.cumsum(probs, dim=-1).sub_(probs)                            # [F, n] nondecreasing
-        within = (mass_before <= top_p[:, None]).sum(dim=-1)                              # [F]; rank 0 always
+        # [F]; rank 0 always: a finite row's mass before it is 0, and a row with a NaN or inf logit (whose
+        # probabilities are all NaN) keeps one rank too, so it cannot index -1 and fail the whole step; its
+        # token is NONFINITE_TOKEN anyway (_count), and its request ends alone
+        within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
         # top_p 1 is off: rounding can push the mass before the tail over 1.0, which must not drop it
         num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
     return sorted_logits.gather(1, (num_keep - 1)[:, None]).squeeze(1)                    # rank < k: unmasked

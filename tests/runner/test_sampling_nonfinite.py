@@ -1,0 +1,46 @@
+"""A row whose logits are not finite gets NONFINITE_TOKEN on every sampler path (issue 27 (7)): the other
+rows of its step draw what they draw without it, whatever filters either side uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfit.runner.sampling_state import SamplingState
+from kvfit.sampling_params import SamplingParams
+from kvfit.step import NONFINITE_TOKEN
+
+V = 64
+PATHS = {
+    "greedy": SamplingParams(temperature=0),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+    "top_k_top_p": SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=2),
+    "top_k": SamplingParams(temperature=1.0, top_k=5, seed=3),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.1, seed=4),
+    "top_p_logprobs": SamplingParams(temperature=1.0, top_p=0.5, seed=5, logprobs=3),
+    "top_p_penalty": SamplingParams(temperature=1.0, top_p=0.9, seed=6, repetition_penalty=1.3),
+}
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def draw(params: list[SamplingParams], logits: torch.Tensor) -> list[int]:
+    rows = list(range(len(params)))
+    state = SamplingState(len(params), V, torch.device("cpu"))
+    state.set_rows(rows, params, [[] for _ in rows])
+    return state.sample_step(logits, torch.tensor(rows), rows, torch.zeros(len(rows), dtype=torch.int64)).tokens.tolist()
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+@pytest.mark.parametrize("bad", sorted(PATHS))
+def test_a_nonfinite_row_ends_alone_on_every_path(bad, poison):
+    others = [p for name, p in sorted(PATHS.items()) if name != "greedy"]
+    logits = torch.randn(len(others) + 1, V, generator=torch.Generator().manual_seed(0)) * 3
+    clean = draw(others, logits[1:])                     # the seeded rows alone, no bad row beside them
+    poisoned = logits.clone()
+    if poison == "-inf":
+        poisoned[0] = float("-inf")                      # every logit -inf: nothing to draw
+    else:
+        poisoned[0, 7] = POISONS[poison]                  # one bad logit is enough
+    tokens = draw([PATHS[bad]] + others, poisoned)
+    assert tokens[0] == NONFINITE_TOKEN
+    assert tokens[1:] == clean
