@@ -27,12 +27,12 @@ class CharTokenizer:
         return [chr(i) for i in ids]
 
     def apply_chat_template(self, messages, add_generation_prompt=True, *, continue_final_message=False,
-                            chat_template=None, template_kwargs=None, tokenize=False):
+                            chat_template=None, template_kwargs=None, tokenize=False, tools=None):
         if chat_template is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json")
         from kvfit.models.chat_template import compile_chat_template, render_chat_template
         text = render_chat_template(compile_chat_template(chat_template), messages, add_generation_prompt, {},
-                                    continue_final_message, template_kwargs)
+                                    continue_final_message, template_kwargs, tools)
         return self.encode(text) if tokenize else text
 
 

@@ -43,6 +43,11 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="the server's log level (kvfit and uvicorn; info: an access line per request and a stats "
                         "line every 10 s while busy)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of the output of tool_choice auto requests (the default when tools "
+                        "are given) with --tool-call-parser (default: off; auto is then a 400)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="the tool-call format of the model: hermes (Qwen), llama3_json, mistral (default: none)")
     add_engine_flags(p)
     p.set_defaults(run=run)
 
@@ -61,6 +66,8 @@ def run(args) -> int:
     from kvfit.commands.common import engine_startup
     from kvfit.server.logs import configure_logging
     _check_args(args)
+    from kvfit.server.tools import ToolOptions
+    tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)   # before loading
     from kvfit.config import EngineConfig
     from kvfit.engine.llm_engine import LLMEngine
     from kvfit.models.chat_template import load_chat_template
@@ -84,7 +91,7 @@ def run(args) -> int:
             app = create_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                              chat_template=chat_template,
                              max_body_bytes=args.max_request_body_bytes,
-                             metrics_require_key=args.metrics_require_key)
+                             metrics_require_key=args.metrics_require_key, tool_options=tool_options)
             install_guards(app, guards)
             for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
                 print(line, file=sys.stderr, flush=True)

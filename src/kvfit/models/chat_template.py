@@ -88,13 +88,14 @@ def template_variables(source: str) -> frozenset[str]:
 
 def render_chat_template(template, messages: list[dict], add_generation_prompt: bool,
                          special_tokens: dict[str, str], continue_final_message: bool = False,
-                         template_kwargs: dict | None = None) -> str:
+                         template_kwargs: dict | None = None, tools: list | None = None) -> str:
     """Render messages as transformers' apply_chat_template(tokenize=False) does; an error the
     template raises (e.g. roles out of order) or a bad option is a RequestError.
 
     continue_final_message: the last message is left open (no end-of-turn after it), so the model
     continues it. template_kwargs: extra template variables (vLLM's chat_template_kwargs, e.g.
-    enable_thinking); they override the special tokens, as in transformers."""
+    enable_thinking); they override the special tokens, as in transformers. tools: OpenAI function
+    tools, passed as transformers passes them (None: no tools)."""
     import jinja2
     if continue_final_message and add_generation_prompt:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true; set "
@@ -113,7 +114,7 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
         plain[-1]["content"] = final + _CONTINUE_TAG
     variables = {**special_tokens, **(template_kwargs or {})}
     try:
-        text = template.render(messages=plain, add_generation_prompt=add_generation_prompt, tools=None,
+        text = template.render(messages=plain, add_generation_prompt=add_generation_prompt, tools=tools,
                                documents=None, **variables)
     except jinja2.TemplateError as exc:
         raise RequestError(f"the chat template rejected these messages: {exc}") from None

@@ -157,17 +157,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            template_kwargs: dict | None = None, tokenize: bool = False) -> str | list[int]:
+                            template_kwargs: dict | None = None, tokenize: bool = False,
+                            tools: list | None = None) -> str | list[int]:
         """The prompt for a chat: its text, or (tokenize) its token ids as transformers'
         apply_chat_template(tokenize=True) gives them: the rendered text encoded WITHOUT adding
         special tokens, since the template writes its own (a `{{ bos_token }}` template gets one bos).
 
-        chat_template: a template text to use instead of the model's; ConfigError when there is none."""
+        chat_template: a template text to use instead of the model's; ConfigError when there is none.
+        tools: OpenAI function tools for the template (transformers' tools=)."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
         text = render_chat_template(self.compiled_template(source), messages, add_generation_prompt,
-                                    self.special_tokens, continue_final_message, template_kwargs)
+                                    self.special_tokens, continue_final_message, template_kwargs, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def compiled_template(self, source: str):

@@ -41,6 +41,7 @@ from kvfit.server.prepare_pool import LARGE_BODY_BYTES, PreparePool, default_num
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, sse)
 from kvfit.server.responses import ResponseBuilder, usage
+from kvfit.server.tools import NO_TOOLS, ToolOptions, apply_tools
 from kvfit.version import __version__
 
 logger = logging.getLogger("kvfit")
@@ -61,6 +62,7 @@ class ServerState:
     large_body_bytes: int = LARGE_BODY_BYTES
     defaults: RequestDefaults = NO_DEFAULTS  # --generation-config's, for what a request leaves out
     template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
+    tool_options: ToolOptions = NO_TOOLS    # --enable-auto-tool-choice, --tool-call-parser
 
     @property
     def model_name(self) -> str:
@@ -78,7 +80,8 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
                chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS,
-               prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES) -> FastAPI:
+               prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
+               tool_options: ToolOptions = NO_TOOLS) -> FastAPI:
     """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown.
 
     served_model_name: one name or several (the first is reported); chat_template: a template text
@@ -98,7 +101,7 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
     num_processes = default_num_processes() if prepare_processes is None else prepare_processes
     pool = _prepare_pool(engine, context, num_processes) if num_processes > 0 else None
     state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
-                        large_body_bytes, defaults=defaults)
+                        large_body_bytes, defaults=defaults, tool_options=tool_options)
     stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None
 
     @asynccontextmanager
@@ -158,6 +161,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(error.body(), status_code=error.status)
         return {"status": "ok"}
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's /ping (GET and POST, e.g. SageMaker's health check): /health's answer."""
+        return await health()
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -187,6 +195,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prepared = await _prepare(request, state, ChatCompletionRequest)
         # chat_input reads only the last message (chat echo); the rest are in prompt_ids
         inp = chat_input(prepared.body, prepared.prompt_ids, [prepared.last_message], state.defaults)
+        inp = apply_tools(inp, prepared.body, state.tool_options)      # tool_choice (server/tools.py)
         return await _generate(request, state, [inp], chat=True)
 
 

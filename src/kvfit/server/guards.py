@@ -111,7 +111,7 @@ class GuardMiddleware:
                 and not bearer_matches(headers.get(b"authorization", b""), self.metrics_api_key)):
             return (401, "/metrics requires the API key (--metrics-require-key): send `Authorization: "
                          "Bearer <key>`", "invalid_api_key", {"www-authenticate": "Bearer"})
-        if scope["method"] in _BODY_METHODS:
+        if scope["method"] in _BODY_METHODS and scope["path"] != "/ping":   # vLLM's POST /ping has no body
             media_type = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
             if media_type != b"application/json":
                 shown = media_type.decode("latin-1")[:64] or "none"

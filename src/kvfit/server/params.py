@@ -50,6 +50,7 @@ class GenerateInput:
     prompt_logprobs: bool = False  # the client asked for prompt_logprobs (shown as vLLM does)
     continuous_usage: bool = False  # every stream chunk carries the usage so far (vLLM's continuous_usage_stats)
     cache_salt: str | None = None   # vLLM's prefix-cache isolation: blocks are shared only with the same salt
+    tools: object = None            # chat: a server.tools.ToolPlan when the output becomes tool calls
 
     @property
     def n(self) -> int:

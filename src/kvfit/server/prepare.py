@@ -116,10 +116,13 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
     source = override if override is not None else getattr(tokenizer, "chat_template", None)
     if body.chat_template_kwargs and source is not None:
         _warn_unread_kwargs(source, body.chat_template_kwargs, template_variables)
+    from kvfit.server.tools import template_messages, template_tools
+    tools = template_tools(body)
     try:
-        return tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+        return tokenizer.apply_chat_template(template_messages(messages), body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
-                                             chat_template=override, template_kwargs=body.chat_template_kwargs)
+                                             chat_template=override, template_kwargs=body.chat_template_kwargs,
+                                             **({"tools": tools} if tools is not None else {}))
     except ConfigError as exc:
         raise bad_request(f"this model has no chat template ({exc}); start the server with --chat-template, or "
                           "use /v1/completions", param="messages", code="no_chat_template") from None

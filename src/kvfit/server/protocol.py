@@ -69,9 +69,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "kv_transfer_params": ((), "KV transfer is not implemented"),
     "vllm_xargs": ((), "leave it out"),
     "suffix": ((), "insertion is not implemented"),
-    "tools": ((), "kvfit has no tool calling"),
-    "tool_choice": (("none", "auto"), "kvfit has no tool calling"),
-    "parallel_tool_calls": ((), "kvfit has no tool calling"),
     "documents": ((), "put the documents in the messages"),
     "reasoning_effort": ((), "pass what the template reads in chat_template_kwargs"),
     "mm_processor_kwargs": ((), "kvfit serves text models only"),
@@ -173,7 +170,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     include_reasoning: bool | None = None   # vLLM's reasoning parsers; kvfit has none, so true is its no-op
-    tools: Any = None
+    tools: Any = None                   # tools, tool_choice, parallel_tool_calls: checked by server/tools.py
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     documents: Any = None

@@ -124,6 +124,7 @@ class ResponseBuilder:
         # while a stop string may still complete, its possible beginning is held back (it would be cut)
         self._hold = max((len(s) for s in inp.params.stop), default=1) - 1
         self._sent: dict[int, _Sent] = {}
+        self._tool_streams: dict = {}       # choice index -> server.tools.ToolStream (chat with a tool plan)
 
     def _envelope(self, obj: str, choices: list, extra: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -173,11 +174,16 @@ class ResponseBuilder:
         logprobs = self._logprobs(prefix_ids + list(sample.token_ids), prefix_steps + list(steps))
         text = prefix_text + sample.text
         choice = {"index": self.first_index + sample.index}
-        if self.chat:
+        reason = sample.finish_reason
+        if self.chat and self.inp.tools is not None:        # the text may be tool calls (server/tools.py)
+            choice["message"], reason = self.inp.tools.message(sample.text, reason)
+            if prefix_text:
+                choice["message"]["content"] = prefix_text + (choice["message"]["content"] or "")
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice.update({"logprobs": logprobs, "finish_reason": sample.finish_reason,
+        choice.update({"logprobs": logprobs, "finish_reason": reason,
                        "stop_reason": sample.stop_reason})
         if not self.chat and self.inp.prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
@@ -218,6 +224,7 @@ class ResponseBuilder:
         new_ids = list(sample.token_ids[sent.num_tokens:])
         new_steps = list(sample.logprobs[sent.num_tokens:]) if sample.logprobs is not None else None
         sent.num_tokens = len(sample.token_ids)
+        prefix_text = ""
         if not sent.started:
             sent.started = True
             prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
@@ -228,11 +235,21 @@ class ResponseBuilder:
         logprobs = self._logprobs(new_ids, new_steps, sent.text_offset) if new_ids else None
         if logprobs is not None and not self.chat:
             sent.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        if not (delta or finished or logprobs is not None):
+        reason = sample.finish_reason
+        if self.chat and self.inp.tools is not None:        # content and tool-call deltas (server/tools.py)
+            stream = self._tool_streams.setdefault(sample.index, self.inp.tools.stream())
+            body_delta = stream.delta(text, finished)
+            if prefix_text:
+                body_delta["content"] = prefix_text + body_delta.get("content", "")
+            reason = stream.finish_reason(reason) if finished else None
+            if not (body_delta or finished or logprobs is not None):
+                return None
+        elif not (delta or finished or logprobs is not None):
             return None
+        else:
+            body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
         sent.done = finished
-        body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
-        return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, sample.finish_reason, sample.stop_reason, so_far)
+        return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, reason, sample.stop_reason, so_far)
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
         return self._envelope(self._chunk_object, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})

@@ -1,0 +1,251 @@
+"""Tool-call parsers: a model's generated text -> OpenAI tool calls (vLLM's --tool-call-parser NAME).
+
+Each parser reads one family's format, as vLLM's parser of the same name does:
+- hermes (Qwen 2.5/3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated;
+  text before the first `<tool_call>` is the message content.
+- llama3_json (Llama 3.1/3.2): the output is `<|python_tag|>` (optional) then JSON objects
+  `{"name": ..., "parameters"|"arguments": {...}}` separated by `; `; no content.
+- mistral: text, then `[TOOL_CALLS]` and a JSON list `[{"name": ..., "arguments": {...}}]`, or (the
+  v11+ tokenizers) `[TOOL_CALLS]name[ARGS]{...}`, repeated; ids are 9 letters and digits.
+
+Output that does not parse as the format is plain content (tools_called False), never an error:
+the model was free to answer in text. `complete_calls` parses the calls that are complete so far
+(streaming sends each as soon as it closes); `extract` reads a finished output.
+Plain functions and data: no engine, no HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import uuid
+from dataclasses import dataclass
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text (OpenAI's shape)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_json(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """What a parser read from an output: calls (tools_called when there is at least one) and the
+    text content left (None when there is none)."""
+
+    tools_called: bool
+    tool_calls: tuple[ToolCall, ...]
+    content: str | None
+
+
+def random_tool_call_id() -> str:
+    """vLLM's default tool call id: chatcmpl-tool-<32 hex digits>."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's tokenizers accept 9 letters and digits only (vLLM's MistralToolCall)."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def arguments_text(value) -> str:
+    """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _call(obj, new_id, arguments_keys=("arguments",)) -> ToolCall | None:
+    """A ToolCall from a decoded {"name": ..., "arguments": ...} object, or None when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    key = next((k for k in arguments_keys if k in obj), None)
+    arguments = obj[key] if key is not None else {}
+    if not isinstance(arguments, (dict, str)):
+        return None
+    return ToolCall(new_id(), obj["name"], arguments_text(arguments))
+
+
+def _decode_objects(text: str, separator: str) -> tuple[list, bool]:
+    """JSON values from the start of text, each after the last and `separator` (whitespace around it
+    allowed): (the values decoded, whether all of text was used)."""
+    values, at = [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return values, True
+        try:
+            value, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return values, False
+        values.append(value)
+        rest = text[at:].lstrip()
+        if rest.startswith(separator.strip()) and separator.strip():
+            at = len(text) - len(rest) + len(separator.strip())
+        elif rest:
+            return values, False
+
+
+class ToolParser:
+    """One format. start_markers: texts that open the tool calls (a stream holds back text that may be
+    the start of one); keeps_special_tokens: the markers are special tokens in some models, so the
+    output is detokenized with them (vLLM's adjust_request: skip_special_tokens false)."""
+
+    name = ""
+    start_markers: tuple[str, ...] = ()
+    keeps_special_tokens = True
+
+    def new_id(self) -> str:
+        return random_tool_call_id()
+
+    def tool_start(self, text: str) -> int | None:
+        """Where the tool calls begin in text, or None (no call has begun)."""
+        found = [text.find(m) for m in self.start_markers if m in text]
+        return min(found) if found else None
+
+    def complete_calls(self, text: str) -> list[ToolCall]:
+        """The calls complete in text so far (text: from tool_start on), in order."""
+        raise NotImplementedError
+
+    def held_back(self, text: str) -> int:
+        """How many characters at the end of text a stream holds back: they may begin a marker."""
+        return max((k for m in self.start_markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+    def extract(self, text: str) -> Extracted:
+        start = self.tool_start(text)
+        if start is None:
+            return Extracted(False, (), text)
+        calls = self._all_calls(text[start:])
+        if not calls:
+            return Extracted(False, (), text)
+        return Extracted(True, tuple(calls), text[:start] or None)
+
+    def _all_calls(self, text: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    start_markers = ("<tool_call>",)
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def complete_calls(self, text: str) -> list[ToolCall]:
+        calls = []
+        for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+            call = self._parse(body)
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
+    def _parse(self, body: str) -> ToolCall | None:
+        try:
+            return _call(json.loads(body.strip()), self.new_id)
+        except json.JSONDecodeError:
+            return None
+
+    def _all_calls(self, text: str) -> list[ToolCall] | None:
+        calls = [self._parse(a or b) for a, b in self._BLOCK.findall(text)]
+        return None if not calls or None in calls else calls
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    start_markers = ("<|python_tag|>",)
+    keeps_special_tokens = False       # vLLM's parser leaves skip_special_tokens as the request says
+
+    def tool_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith("<|python_tag|>") or stripped.startswith("{"):
+            return len(text) - len(stripped)
+        return None
+
+    def held_back(self, text: str) -> int:
+        # undecided until the first non-space character says JSON or text
+        stripped = text.lstrip()
+        return len(text) if not stripped or "<|python_tag|>".startswith(stripped) else 0
+
+    def _body(self, text: str) -> str:
+        text = text.lstrip()
+        return text[len("<|python_tag|>"):] if text.startswith("<|python_tag|>") else text
+
+    def complete_calls(self, text: str) -> list[ToolCall]:
+        values, _ = _decode_objects(self._body(text), ";")
+        calls = [_call(v, self.new_id, ("arguments", "parameters")) for v in values]
+        return calls[:calls.index(None)] if None in calls else calls
+
+    def _all_calls(self, text: str) -> list[ToolCall] | None:
+        values, whole = _decode_objects(self._body(text), ";")
+        calls = [_call(v, self.new_id, ("arguments", "parameters")) for v in values]
+        return calls if whole and calls and None not in calls else None
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    start_markers = ("[TOOL_CALLS]",)
+
+    def new_id(self) -> str:
+        return mistral_tool_call_id()
+
+    def _pieces(self, text: str) -> list[str]:
+        return [p for p in text.split("[TOOL_CALLS]") if p.strip()]
+
+    def _parse_piece(self, piece: str, finished: bool) -> list[ToolCall] | None:
+        """One piece after a [TOOL_CALLS]: a JSON list (or object) of calls, or name[ARGS]{...}."""
+        if "[ARGS]" in piece and not piece.lstrip().startswith(("[", "{")):
+            name, _, args = piece.partition("[ARGS]")
+            try:
+                value, end = _DECODER.raw_decode(args.strip())
+            except json.JSONDecodeError:
+                return None
+            if args.strip()[end:].strip() or not name.strip():
+                return None
+            return [ToolCall(self.new_id(), name.strip(), arguments_text(value))]
+        body = piece.strip()
+        if body.startswith("["):
+            values, whole = _decode_objects(body[1:].rstrip().removesuffix("]"), ",")
+            if finished and not (whole and body.rstrip().endswith("]")):
+                return None
+        else:
+            values, whole = _decode_objects(body, ",")
+            if finished and not whole:
+                return None
+        calls = [_call(v, self.new_id) for v in values]
+        return None if None in calls else calls
+
+    def complete_calls(self, text: str) -> list[ToolCall]:
+        calls = []
+        pieces = self._pieces(text)
+        for i, piece in enumerate(pieces):
+            # the last piece may still grow: its calls count once their JSON closes
+            parsed = self._parse_piece(piece, finished=i < len(pieces) - 1)
+            if parsed is None:
+                break
+            calls.extend(parsed)
+        return calls
+
+    def _all_calls(self, text: str) -> list[ToolCall] | None:
+        calls = []
+        for piece in self._pieces(text):
+            parsed = self._parse_piece(piece, finished=True)
+            if not parsed:
+                return None
+            calls.extend(parsed)
+        return calls or None
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def get_parser(name: str) -> ToolParser:
+    """The parser named by --tool-call-parser; a KeyError for another name (the flag's check names them)."""
+    return PARSERS[name]()

@@ -1,0 +1,331 @@
+"""Tool calling in the chat API: vLLM's semantics for `tools`, `tool_choice` and `parallel_tool_calls`.
+
+- tools: OpenAI function tools; they go to the chat template as transformers' apply_chat_template(tools=)
+  passes them (also with tool_choice none: rendered, never parsed, as vLLM).
+- tool_choice: "none"; "auto" (the default when tools are given): the output is parsed with
+  --tool-call-parser, which needs --enable-auto-tool-choice (without it, a 400, as vLLM);
+  "required": the output is constrained (structured outputs) to a JSON list of
+  {"name": one of the tools, "parameters": its schema}, at least one (exactly one when
+  parallel_tool_calls is false); a named function {"type": "function", "function": {"name": N}}:
+  the output is constrained to N's parameters schema and is N's arguments. Constrained arguments
+  always parse.
+- parallel_tool_calls false: at most one call is returned (vLLM keeps the first).
+- finish_reason is "tool_calls" when auto or required produced calls; a named function keeps the
+  engine's ("stop"), as OpenAI does for a forced function.
+Assistant messages' tool_calls reach the template with arguments as objects (vLLM and transformers
+templates read them so). Streams send each call as one OpenAI delta once it is complete (a named
+function's arguments stream as they come).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from kvfit.errors import ConfigError
+from kvfit.server.protocol import bad_request
+from kvfit.server.tool_parsers import PARSERS, ToolCall, _decode_objects, get_parser, random_tool_call_id
+
+MAX_TOOLS = 128                 # OpenAI's limit on tools per request
+TOOL_CHOICES = ("none", "auto", "required")
+_NAMED_USAGE = 'a named tool_choice is {"type": "function", "function": {"name": "my_function"}}'
+
+
+@dataclass(frozen=True)
+class ToolOptions:
+    """The server's flags: --enable-auto-tool-choice and --tool-call-parser (vLLM's)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one of kvfit's parsers: "
+                              f"{', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                              f"{', '.join(PARSERS)})")
+        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser} parses only with "
+                              "--enable-auto-tool-choice; add it, or drop --tool-call-parser")
+
+
+NO_TOOLS = ToolOptions()
+
+
+# the request ------------------------------------------------------------------------------------
+def _check_tool(tool, i: int) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise bad_request(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise bad_request(f"{where}.function must be an object with a non-empty name", param="tools")
+    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+        if function.get(key) is not None and not isinstance(function[key], kind):
+            raise bad_request(f"{where}.function.{key} must be a {kind.__name__}, got "
+                              f"{type(function[key]).__name__}", param="tools")
+    return {"type": "function", "function": function}
+
+
+def _named(choice) -> str:
+    function = choice.get("function")
+    if choice.get("type", "function") != "function" or not isinstance(function, dict):
+        raise bad_request(f"tool_choice {json.dumps(choice)[:80]} is not valid; {_NAMED_USAGE}", param="tool_choice")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"tool_choice.function.name must be a non-empty string; {_NAMED_USAGE}",
+                          param="tool_choice")
+    return name
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's validated tool fields: tools as the template gets them (None: none given), the
+    choice ("none", "auto", "required" or a function's name) and parallel_tool_calls."""
+
+    tools: list | None
+    choice: str
+    named: bool
+    parallel: bool
+
+
+def tool_request(body) -> ToolRequest:
+    """The tool fields of a chat body, checked as vLLM's ChatCompletionRequest checks them (a 400 naming
+    the field); tool_choice defaults to auto when tools are given, none otherwise."""
+    tools, choice = body.tools, getattr(body, "tool_choice", None)
+    parallel = getattr(body, "parallel_tool_calls", None)
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools must be a list of function tools", param="tools")
+        if len(tools) > MAX_TOOLS:
+            raise bad_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+        tools = [_check_tool(t, i) for i, t in enumerate(tools)]
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request(f"parallel_tool_calls must be true or false, got {parallel!r:.40}",
+                          param="parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    if choice is None:
+        return ToolRequest(tools, "auto" if tools else "none", False, parallel)
+    if isinstance(choice, str) and choice not in TOOL_CHOICES or not isinstance(choice, (str, dict)):
+        raise bad_request(f"tool_choice must be none, auto, required or a named function, got {choice!r:.60}",
+                          param="tool_choice")
+    if choice == "none":
+        return ToolRequest(tools, "none", False, parallel)
+    if tools is None:
+        raise bad_request("tool_choice needs tools: give the tools the model may call", param="tool_choice")
+    if choice == "required" and not tools:         # vLLM and OpenAI: required over no tools is none
+        return ToolRequest(None, "none", False, parallel)
+    if isinstance(choice, dict):
+        name = _named(choice)
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names the function {name[:64]!r}, which is not in tools",
+                              param="tool_choice")
+        return ToolRequest(tools, name, True, parallel)
+    return ToolRequest(tools, choice, False, parallel)
+
+
+def template_tools(body) -> list | None:
+    """The tools the chat template renders (validated; None when the request has none)."""
+    return tool_request(body).tools
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for the template: an assistant's tool_calls get their arguments as objects, as vLLM
+    hands them to Hugging Face templates (a JSON string is parsed; empty is {})."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            message = {**message, "tool_calls": [_call_for_template(c, i) for i, c in enumerate(calls)]}
+        out.append(message)
+    return out
+
+
+def _call_for_template(call, i: int) -> dict:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise bad_request(f"an assistant message's tool_calls[{i}] must be {{\"id\", \"type\": \"function\", "
+                          "\"function\": {\"name\", \"arguments\"}}", param="messages")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise bad_request(f"tool_calls[{i}].function.arguments is not JSON: {arguments[:60]!r}",
+                              param="messages") from None
+    elif not arguments:
+        arguments = {}
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
+# the plan of one request ------------------------------------------------------------------------
+def _required_schema(tools: list, parallel: bool) -> dict:
+    """vLLM's schema for tool_choice required: a list of {name, parameters} of the tools, one or more
+    (exactly one without parallel calls)."""
+    def one(function: dict) -> dict:
+        params = function.get("parameters") or {"type": "object", "properties": {}}
+        params = {k: v for k, v in params.items() if k != "$defs"}
+        return {"properties": {"name": {"type": "string", "enum": [function["name"]]}, "parameters": params},
+                "required": ["name", "parameters"]}
+    schema = {"type": "array", "minItems": 1,
+              "items": {"type": "object", "anyOf": [one(t["function"]) for t in tools]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    defs = {k: v for t in tools for k, v in ((t["function"].get("parameters") or {}).get("$defs") or {}).items()}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request's output becomes tool calls: mode auto (parser), required or named (function)."""
+
+    mode: str
+    parallel: bool
+    parser: str | None = None
+    function: str | None = None
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The full response's message and finish_reason for an output text."""
+        calls, content = self._calls(text)
+        if not self.parallel:
+            calls = calls[:1]
+        message = {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}
+        return message, self.finish_reason(bool(calls), finish_reason)
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        if called and (self.mode == "auto" or self.mode == "required" and reason in ("stop", None)):
+            return "tool_calls"
+        return reason
+
+    def _calls(self, text: str) -> tuple[list[ToolCall], str | None]:
+        if self.mode == "named":
+            return [ToolCall(random_tool_call_id(), self.function, text)], None
+        if self.mode == "required":
+            calls = _required_calls(text, whole=True)
+            return (calls, None) if calls else ([], text)
+        extracted = get_parser(self.parser).extract(text)
+        return list(extracted.tool_calls), extracted.content
+
+    def stream(self) -> "ToolStream":
+        return ToolStream(self)
+
+
+def _required_calls(text: str, whole: bool) -> list[ToolCall] | None:
+    """The {name, parameters} objects of required's JSON list (whole: all of it must parse)."""
+    body = text.strip()
+    if not body.startswith("["):
+        return None
+    inner = body[1:].rstrip()
+    if whole:
+        if not inner.endswith("]"):
+            return None
+        inner = inner[:-1]
+    values, complete = _decode_objects(inner, ",")
+    if whole and not complete:
+        return None
+    calls = []
+    for v in values:
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str):
+            return None
+        calls.append(ToolCall(random_tool_call_id(), v["name"],
+                              json.dumps(v.get("parameters") or {}, ensure_ascii=False)))
+    return calls
+
+
+def tool_plan(req: ToolRequest, options: ToolOptions, body) -> ToolPlan | None:
+    """The plan for a request (None: its output is plain content); a 400 for auto without
+    --enable-auto-tool-choice, and for a constraint of its own beside required or a named function."""
+    if req.choice == "none":
+        return None
+    if req.choice == "auto":
+        if not options.enable_auto_tool_choice:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                              "set on the server (or send tool_choice none, required or a named function)",
+                              param="tool_choice")
+        return ToolPlan("auto", req.parallel, parser=options.tool_call_parser)
+    if body.structured_outputs is not None or (body.response_format or {}).get("type") not in (None, "text"):
+        field = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        raise bad_request(f"tool_choice {req.choice if not req.named else 'with a named function'} constrains the "
+                          f"output to the tools' arguments; drop {field}", param=field)
+    if req.named:
+        return ToolPlan("named", req.parallel, function=req.choice)
+    return ToolPlan("required", req.parallel)
+
+
+def apply_tools(inp, body, options: ToolOptions):
+    """A chat's GenerateInput with its tool plan: the constraint of required or a named function set in
+    its params, special tokens kept where the parser's markers are special (vLLM's adjust_request)."""
+    from kvfit.structured_params import StructuredOutputsParams
+    req = tool_request(body)
+    plan = tool_plan(req, options, body)
+    if plan is None:
+        return inp
+    changes = {}
+    if plan.mode == "named":
+        function = next(t["function"] for t in req.tools if t["function"]["name"] == plan.function)
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        changes["structured_outputs"] = StructuredOutputsParams(json=schema)
+    elif plan.mode == "required":
+        changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel))
+    elif get_parser(plan.parser).keeps_special_tokens:
+        changes["skip_special_tokens"] = False
+    return dataclasses.replace(inp, params=dataclasses.replace(inp.params, **changes), tools=plan)
+
+
+# streams ----------------------------------------------------------------------------------------
+class ToolStream:
+    """One choice's stream: from the output text so far to OpenAI deltas (content and tool_calls)."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.content_sent = 0          # characters of text sent as content
+        self.calls: list[ToolCall] = []
+        self.arguments_sent = 0        # named: characters of arguments sent
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """The delta for text (cumulative; a finished one is final): {} when nothing new."""
+        if self.plan.mode == "named":
+            return self._named_delta(text)
+        if self.plan.mode == "required":
+            calls = _required_calls(text, whole=finished) or []
+            content_end = len(text) if finished and not calls and not self.calls else 0
+        else:
+            calls, content_end = self._auto(text, finished)
+        out = {}
+        if content_end > self.content_sent:
+            out["content"] = text[self.content_sent:content_end]
+            self.content_sent = content_end
+        new = calls[len(self.calls):] if self.plan.parallel else calls[len(self.calls):1]
+        if new:
+            start = len(self.calls)
+            self.calls.extend(new)
+            out["tool_calls"] = [{"index": start + i, **c.as_json()} for i, c in enumerate(new)]
+        return out
+
+    def _auto(self, text: str, finished: bool) -> tuple[list[ToolCall], int]:
+        parser = get_parser(self.plan.parser)
+        start = parser.tool_start(text)
+        if finished:
+            extracted = parser.extract(text)
+            if extracted.tools_called:
+                return list(extracted.tool_calls), start
+            return [], (start if self.calls else len(text))
+        if start is None:
+            return [], len(text) - parser.held_back(text)
+        return parser.complete_calls(text[start:]), start
+
+    def _named_delta(self, text: str) -> dict:
+        new = text[self.arguments_sent:]
+        if self.calls and not new:
+            return {}
+        self.arguments_sent = len(text)
+        if not self.calls:
+            self.calls.append(ToolCall(random_tool_call_id(), self.plan.function, ""))
+            return {"tool_calls": [{"index": 0, **ToolCall(self.calls[0].id, self.plan.function, new).as_json()}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self.plan.finish_reason(bool(self.calls), reason)
