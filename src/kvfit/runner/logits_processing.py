@@ -5,8 +5,10 @@ anything else), then on fp32 logits allowed_token_ids, bad words, min_tokens, lo
 structured-output bitmask, then the penalties (repetition, frequency, presence); temperature, min_p,
 top-k and top-p come after, in the sampler.
 
-Everything per step travels in one int64 and one fp32 host-to-device copy built from host mirrors
-(`StepEdits`); no step reads the device. Entries that depend on how many tokens a request generated
+A request's lists (allowed ids, logit_bias, bad words, held-back ids) go to the device once, when it joins
+the persistent batch (`row_edits`); per step only positions and lengths travel, in one int64 and one fp32
+host-to-device copy built from host mirrors (`StepEdits`), so a step's host work is O(rows) whatever the
+lists hold; no step reads the device. Entries that depend on how many tokens a request generated
 (min_tokens) carry a bound and are compared on the device against num_generated, so multi-step
 decoding advances them without the host.
 
@@ -46,80 +48,124 @@ class RowExtras:
 
 @dataclass
 class RowEdits:
-    """One row's host-side edits, derived once at set_rows."""
+    """One row's edits, built once at set_rows: the fixed entries (logit_bias, one-token bad words, the ids
+    min_tokens holds back) and the allowed ids are device tensors there, so a step's host work for the row
+    is O(1) whatever the sizes of its lists (issue 27 (10)). Multi-token bad words are matched on the host,
+    looked up by their prefix's last token: O(the words that can match now), not O(all of them)."""
 
-    static: list[tuple[int, float]] = field(default_factory=list)   # logit_bias and one-token bad words
+    fixed_index: torch.Tensor | None = None   # [2, S] int64: (token, bound); applied while num_generated < bound
+    fixed_values: torch.Tensor | None = None  # [S] fp32: a bias or -inf
+    fixed_always: bool = False                # some fixed entry has no bound (else all end at min_tokens)
     min_tokens: int = 0
-    held_back: tuple[int, ...] = ()          # eos + stop_token_ids, banned while num_generated < min_tokens
-    allowed: tuple[int, ...] | None = None
-    bad_sequences: list[tuple[tuple[int, ...], int]] = field(default_factory=list)   # (prefix, banned last)
+    allowed_ids: torch.Tensor | None = None   # [K] int64, distinct: every other token gets -inf
+    # prefix's last token -> [(prefix, the banned last token)]
+    bad_sequences: dict[int, list[tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     history: list[int] | None = None
     num_prompt_tokens: int = 0
 
     @property
+    def num_fixed(self) -> int:
+        return 0 if self.fixed_values is None else self.fixed_values.shape[0]
+
+    @property
     def empty(self) -> bool:
-        return not (self.static or self.min_tokens or self.allowed is not None or self.bad_sequences)
+        return not (self.num_fixed or self.allowed_ids is not None or self.bad_sequences)
+
+    def fixed_live(self, num_generated: int) -> bool:
+        """Whether the fixed entries can still change a logit (the device compares the bounds exactly)."""
+        return bool(self.num_fixed) and (self.fixed_always or num_generated < self.min_tokens)
 
     def dynamic_bans(self) -> list[int]:
         """Last tokens of multi-token bad words whose prefix the output ends with (vLLM: output tokens only)."""
         if not self.bad_sequences or self.history is None:
             return []
-        output = self.history[self.num_prompt_tokens:]
-        return [last for prefix, last in self.bad_sequences
-                if len(prefix) <= len(output) and output[len(output) - len(prefix):] == list(prefix)]
+        history, num_output = self.history, len(self.history) - self.num_prompt_tokens
+        if num_output <= 0:
+            return []
+        return [last for prefix, last in self.bad_sequences.get(history[-1], ())
+                if len(prefix) <= num_output and tuple(history[len(history) - len(prefix):]) == prefix]
 
 
-def row_edits(params, extras: RowExtras) -> RowEdits:
-    edits = RowEdits(min_tokens=params.min_tokens, allowed=params.allowed_token_ids, history=extras.history,
-                     num_prompt_tokens=len(extras.prompt_token_ids))
-    if params.min_tokens:
-        edits.held_back = tuple(dict.fromkeys((*extras.eos_token_ids, *params.stop_token_ids)))
-    edits.static = list((params.logit_bias or {}).items())
+def row_edits(params, extras: RowExtras, device: torch.device) -> RowEdits:
+    """A row's edits, with its lists copied to the device once."""
+    entries = [(token, float(value), ALWAYS) for token, value in (params.logit_bias or {}).items()]
+    bad_sequences: dict[int, list[tuple[tuple[int, ...], int]]] = {}
     for ids in extras.bad_words_token_ids:
         if len(ids) == 1:
-            edits.static.append((ids[0], NEG_INF))
+            entries.append((ids[0], NEG_INF, ALWAYS))
         elif ids:
-            edits.bad_sequences.append((tuple(ids[:-1]), ids[-1]))
+            bad_sequences.setdefault(ids[-2], []).append((tuple(ids[:-1]), ids[-1]))
+    edits = RowEdits(fixed_always=bool(entries), min_tokens=params.min_tokens, bad_sequences=bad_sequences,
+                     history=extras.history, num_prompt_tokens=len(extras.prompt_token_ids))
+    if params.min_tokens:
+        entries += [(token, NEG_INF, params.min_tokens)
+                    for token in dict.fromkeys((*extras.eos_token_ids, *params.stop_token_ids))]
+    if entries:
+        tokens, values, bounds = zip(*entries)
+        edits.fixed_index = torch.tensor([tokens, bounds], dtype=torch.int64).to(device, non_blocking=True)
+        edits.fixed_values = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+    if params.allowed_token_ids is not None:
+        allowed = sorted(set(params.allowed_token_ids))
+        edits.allowed_ids = torch.tensor(allowed, dtype=torch.int64).to(device, non_blocking=True)
     return edits
 
 
 class StepEdits:
-    """The sparse logit edits of one step, gathered on the host: (position, token, value, bound) entries
-    and allowed-token rows. `pack()` adds them to the step's copies."""
+    """The logit edits of one step: host entries (multi-token bad words matched now) plus, per row, its
+    device tensors from RowEdits. O(rows) host work: no row's list is walked here."""
 
     def __init__(self):
         self.pos: list[int] = []
         self.tok: list[int] = []
         self.val: list[float] = []
         self.until: list[int] = []
+        self.fixed_pos: list[int] = []
+        self.fixed: list[RowEdits] = []
         self.allowed_pos: list[int] = []
-        self.allowed_entries: list[tuple[int, int]] = []      # (index among allowed rows, token)
+        self.allowed: list[torch.Tensor] = []
 
     def add_row(self, pos: int, edits: RowEdits, num_generated: int) -> None:
-        for token, value in edits.static:
-            self._add(pos, token, value, ALWAYS)
-        if edits.min_tokens and num_generated < edits.min_tokens:
-            for token in edits.held_back:
-                self._add(pos, token, NEG_INF, edits.min_tokens)
-        if edits.bad_sequences:
-            # from the host history: right at a round's first step; such a request runs one step per round
-            # (the scheduler), so what the batch samples for it past that step is dropped
-            for token in edits.dynamic_bans():
-                self._add(pos, token, NEG_INF, ALWAYS)
-        if edits.allowed is not None:
-            j = len(self.allowed_pos)
+        if edits.fixed_live(num_generated):
+            self.fixed_pos.append(pos)
+            self.fixed.append(edits)
+        # multi-token bad words, from the host history: right at a round's first step; such a request runs
+        # one step per round (the scheduler), so what the batch samples for it past that step is dropped
+        for token in edits.dynamic_bans():
+            self.pos.append(pos)
+            self.tok.append(token)
+            self.val.append(NEG_INF)
+            self.until.append(ALWAYS)
+        if edits.allowed_ids is not None:
             self.allowed_pos.append(pos)
-            self.allowed_entries.extend((j, t) for t in edits.allowed)
-
-    def _add(self, pos: int, token: int, value: float, until: int) -> None:
-        self.pos.append(pos)
-        self.tok.append(token)
-        self.val.append(value)
-        self.until.append(until)
+            self.allowed.append(edits.allowed_ids)
 
     @property
     def empty(self) -> bool:
-        return not self.pos and not self.allowed_pos
+        return not self.pos and not self.fixed_pos and not self.allowed_pos
+
+    def host_lists(self) -> dict[str, list[int]]:
+        """The int64 lists this step sends to the device (in the step's one copy)."""
+        return {"edit_pos": self.pos, "edit_tok": self.tok, "edit_until": self.until,
+                "fixed_pos": self.fixed_pos, "fixed_len": [e.num_fixed for e in self.fixed],
+                "allowed_rows": self.allowed_pos, "allowed_len": [t.shape[0] for t in self.allowed]}
+
+    def device_edits(self, index: dict, edit_values: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """apply_edits' tensors from host_lists' device copies (index) and the rows' own tensors; a few
+        device ops per row, none reading the device."""
+        parts = [torch.stack([index["edit_pos"], index["edit_tok"], index["edit_until"]])]   # [3, D]
+        values = [edit_values]                                                               # [D]
+        if self.fixed:
+            pos = torch.repeat_interleave(index["fixed_pos"], index["fixed_len"],
+                                          output_size=sum(e.num_fixed for e in self.fixed))   # [S]
+            parts.append(torch.cat([pos[None], torch.cat([e.fixed_index for e in self.fixed], dim=1)]))
+            values.append(torch.cat([e.fixed_values for e in self.fixed]))
+        allowed_index = None
+        if self.allowed:
+            j = torch.repeat_interleave(torch.arange(len(self.allowed), device=edit_values.device),
+                                        index["allowed_len"], output_size=sum(t.shape[0] for t in self.allowed))
+            allowed_index = torch.stack([j, torch.cat(self.allowed)])                        # [2, K]
+        return torch.cat(parts, dim=1), torch.cat(values), index["allowed_rows"], allowed_index
 
 
 def apply_edits(logits: torch.Tensor, num_generated: torch.Tensor, edit_index: torch.Tensor,

@@ -151,10 +151,7 @@ class _Plan:
         lists = {"sampled": (self.sampled, num_rows), "seeded": (self.seeded, num_sampled),
                  "filtered": (self.filtered, num_sampled), "min_p": (self.min_p, -1),
                  "penalized": (self.penalized, num_rows), "logprobs": (self.logprobs, num_rows),
-                 "masked": (self.masked, num_rows), "edit_pos": (e.pos, -1), "edit_tok": (e.tok, -1),
-                 "edit_until": (e.until, -1), "allowed_rows": (e.allowed_pos, -1),
-                 "allowed_j": ([j for j, _ in e.allowed_entries], -1),
-                 "allowed_tok": ([t for _, t in e.allowed_entries], -1)}
+                 "masked": (self.masked, num_rows), **{name: (ids, -1) for name, ids in e.host_lists().items()}}
         partial = {name: len(ids) != total for name, (ids, total) in lists.items()}
         values = [i for name, (ids, _) in lists.items() if partial[name] for i in ids]
         flat = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -241,7 +238,7 @@ class SamplingState:
             self.min_p[row] = float(p.min_p) if not p.greedy else 0.0
             self.penalized[row] = p.uses_penalties
             self.num_logprobs[row] = p.logprobs
-            edits = row_edits(p, e)
+            edits = row_edits(p, e, self.device)
             self.edits[row] = None if edits.empty else edits
 
     def clear_rows(self, rows: Sequence[int]) -> None:
@@ -323,9 +320,7 @@ class SamplingState:
         if not plan.processed:
             return logits
         work = logits.to(torch.float32, copy=True)                                         # [N, V]
-        apply_edits(work, num_generated, torch.stack([index["edit_pos"], index["edit_tok"], index["edit_until"]]),
-                    index["edit_values"], index["allowed_rows"],
-                    None if index["allowed_j"] is None else torch.stack([index["allowed_j"], index["allowed_tok"]]))
+        apply_edits(work, num_generated, *plan.edits.device_edits(index, index["edit_values"]))
         if plan.masked:
             from kvfit.structured.bitmask import apply_bitmask
             m_idx = index["masked"]                     # bitmask row j belongs to position masked[j]
