@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfit.errors import ConfigError
-from kvfit.server.async_engine import AsyncEngine, RequestStream
+from kvfit.server.async_engine import AsyncEngine, RequestStream, ServingEngine
 from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -51,7 +50,7 @@ DISCONNECT_POLL_SECONDS = 0.5             # how often a non-streaming request ch
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: ServingEngine
     metrics: ServerMetrics
     model_names: tuple[str, ...]            # --served-model-name: the first is reported in responses
     api_key: str | None
@@ -89,18 +88,20 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
     seconds between stats lines (0: none); prepare_processes: worker processes for bodies over
     large_body_bytes (None: prepare_pool.default_num_processes(); 0: none, every body on the threads)."""
     names = _model_names(served_model_name)
-    if chat_template is not None and engine.tokenizer is None:
-        raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
     if prepare_processes is not None and prepare_processes < 0:
         raise ConfigError(f"prepare_processes must be >= 0, got {prepare_processes}")
-    async_engine = AsyncEngine(engine, max_waiting_requests)
-    metrics = ServerMetrics(async_engine.stats, metrics_require_key, names[0], engine.max_model_len)
-    defaults = RequestDefaults.from_config(engine.default_sampling_params, engine.config.model.generation_config,
-                                           engine.max_logprobs)
-    context = PrepareContext(names, chat_template, async_engine.max_prompt_chars, engine.max_model_len)
+    # an LLMEngine runs on a thread of this process; `kvfit serve` passes its engine core process's client
+    serving = engine if isinstance(engine, ServingEngine) else AsyncEngine(engine, max_waiting_requests)
+    if chat_template is not None and serving.tokenizer is None:
+        raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
+    async_engine = serving
+    metrics = ServerMetrics(serving.stats, metrics_require_key, names[0], serving.max_model_len)
+    defaults = RequestDefaults.from_config(serving.default_sampling_params, serving.generation_config,
+                                           serving.max_logprobs)
+    context = PrepareContext(names, chat_template, serving.max_prompt_chars, serving.max_model_len)
     num_processes = default_num_processes() if prepare_processes is None else prepare_processes
-    pool = _prepare_pool(engine, context, num_processes) if num_processes > 0 else None
-    state = ServerState(async_engine, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
+    pool = _prepare_pool(serving, context, num_processes) if num_processes > 0 else None
+    state = ServerState(serving, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
                         large_body_bytes, defaults=defaults, tool_options=tool_options)
     stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None
 
@@ -210,7 +211,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await state.engine.encode(body.prompt, add_special_tokens=special)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": state.engine.engine.max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize")
@@ -227,7 +228,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
 def _model_card(state: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "kvfit",
-            "max_model_len": state.engine.engine.max_model_len}
+            "max_model_len": state.engine.max_model_len}
 
 
 # checks -----------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def _check_auth(request: Request, state: ServerState) -> None:
 
 
 def _tokenizer(state: ServerState, what: str):
-    tokenizer = state.engine.engine.tokenizer
+    tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise no_tokenizer_error(what)
     return tokenizer
@@ -255,18 +256,17 @@ async def _prepare(request: Request, state: ServerState, model_class) -> Prepare
     if state.prepare_pool is not None and len(raw) > state.large_body_bytes:
         return await state.prepare_pool.prepare(raw, model_class)
     return await state.engine.prepare(prepare_request, raw, model_class, state.prepare_context,
-                                      state.engine.engine.tokenizer, state.template_variables)
+                                      state.engine.tokenizer, state.template_variables)
 
 
-def _prepare_pool(engine, context: PrepareContext, num_processes: int) -> PreparePool | None:
+def _prepare_pool(engine: ServingEngine, context: PrepareContext, num_processes: int) -> PreparePool | None:
     """Worker processes that read the engine's tokenizer from its model folder; None (every body on
     the threads) when a worker could not rebuild it (an engine stand-in's own tokenizer)."""
     from kvfit.models.tokenizer import Tokenizer
     if engine.tokenizer is None:
         return PreparePool(None, context, num_processes)
-    folder = getattr(getattr(getattr(engine, "config", None), "model", None), "model", None)
-    if isinstance(engine.tokenizer, Tokenizer) and isinstance(folder, str) and os.path.isdir(folder):
-        return PreparePool(folder, context, num_processes)
+    if isinstance(engine.tokenizer, Tokenizer) and engine.model_folder is not None:
+        return PreparePool(engine.model_folder, context, num_processes)
     return None
 
 
@@ -295,7 +295,7 @@ async def _generate(request: Request, state: ServerState, inputs: list[GenerateI
     """One engine request per prompt (a completions batch has several, vLLM's way); the response
     holds their choices prompt-major, the usage summed."""
     response_id = new_id("chatcmpl" if chat else "cmpl")
-    n, tokenizer = inputs[0].n, state.engine.engine.tokenizer
+    n, tokenizer = inputs[0].n, state.engine.tokenizer
     builders = [ResponseBuilder(chat, state.model_name, inp, tokenizer, response_id, i * n)
                 for i, inp in enumerate(inputs)]
     access = request.scope.get(ACCESS_SCOPE_KEY)

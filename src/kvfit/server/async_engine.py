@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -31,7 +32,8 @@ from typing import Callable
 
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
-from kvfit.errors import KvfitError
+from kvfit.errors import KvfitError, RequestError
+from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error, tp_ranks
 from kvfit.server.prepare import as_api_error, check_prompt_chars
 from kvfit.server.protocol import APIError
 
@@ -45,46 +47,11 @@ PREPARE_THREADS = 2          # parse bodies, render chat templates, tokenize (To
 MIN_CHARS_PER_TOKEN = 64
 
 
-def max_prompt_chars(engine) -> int:
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     """The most characters a prompt text can have and still fit in --max-model-len tokens."""
-    backend = getattr(engine.tokenizer, "backend", None)      # a tokenizers.Tokenizer, if any
+    backend = getattr(tokenizer, "backend", None)      # a tokenizers.Tokenizer, if any
     longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) if backend is not None else 0
-    return engine.max_model_len * max(longest, MIN_CHARS_PER_TOKEN)
-
-
-def queue_full_error(max_waiting_requests: int) -> APIError:
-    return APIError(429, f"the server is at capacity: {max_waiting_requests} requests are already waiting "
-                         "(--max-waiting-requests); retry later", "rate_limit_error", None, "rate_limit_exceeded")
-
-
-def shutting_down_error() -> APIError:
-    return APIError(503, "the server is shutting down; retry later", "service_unavailable",
-                    None, "server_shutting_down")
-
-
-def engine_dead_error(reason: str) -> APIError:
-    return APIError(503, f"the engine has stopped and this server cannot serve requests until it is restarted "
-                         f"({reason})", "service_unavailable", None, "engine_dead")
-
-
-def _tp_ranks(engine):
-    """The tensor-parallel executor's ranks (None on one device): their processes can die on their own."""
-    return getattr(getattr(engine, "workers", None), "_ranks", None)
-
-
-def _fatal_step_error(engine, exc: Exception) -> str | None:
-    """Why a failed step leaves the engine unable to run another (None: the next step may work).
-
-    The tensor-parallel executor stops every rank when a step fails, and each later step raises
-    "the tensor-parallel ranks have stopped ...": that engine is dead, not one batch.
-    """
-    message = str(exc)
-    if isinstance(exc, KvfitError) and ("tensor-parallel rank" in message or "ranks have stopped" in message):
-        return message
-    ranks = _tp_ranks(engine)
-    if ranks is not None and (ranks.closed or ranks.dead()):
-        return f"the tensor-parallel ranks stopped after a failed step: {message}"
-    return None
+    return max_model_len * max(longest, MIN_CHARS_PER_TOKEN)
 
 
 @dataclass
@@ -129,40 +96,6 @@ class RequestStream:
 
 
 @dataclass
-class _Room:
-    """What the next step can still admit, as of the last step: batch slots and allocatable blocks.
-
-    Requests added since take them in arrival order, as the scheduler's FIFO admits them; once one
-    does not fit, it and every later one wait. Only those count against --max-waiting-requests.
-    """
-
-    num_free_slots: int
-    num_free_blocks: int
-    block_size: int
-    blocked: bool              # a request waits ahead: nothing newer is admitted next step
-    num_taken: int = 0         # requests added since the last step that the next step will run
-
-    @classmethod
-    def of(cls, stats: dict, max_num_seqs: int) -> "_Room":
-        block_size = stats["token_capacity"] // max(stats["kv_blocks_total"], 1)
-        return cls(max(max_num_seqs - stats["running"], 0), stats["kv_blocks_free"] + stats["kv_blocks_cached"],
-                   max(block_size, 1), stats["waiting"] > 0)
-
-    def fits(self, num_prompt_tokens: int) -> bool:
-        return (not self.blocked and self.num_free_slots > 0
-                and -(-num_prompt_tokens // self.block_size) <= self.num_free_blocks)
-
-    def take(self, num_prompt_tokens: int) -> None:
-        """Record an added request: it runs next step if it fits, else it (and all after it) waits."""
-        if self.fits(num_prompt_tokens):
-            self.num_free_slots -= 1
-            self.num_free_blocks -= -(-num_prompt_tokens // self.block_size)
-            self.num_taken += 1
-        else:
-            self.blocked = True
-
-
-@dataclass
 class _Add:
     request_id: str
     prompt_ids: list[int]
@@ -178,43 +111,27 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
-    """Runs an LLMEngine on a daemon thread; add/abort/stats are safe to call from the event loop."""
+class ServingEngine:
+    """What the HTTP app sees of an engine, whichever transport carries its requests (the typed seam):
+    facts (tokenizer, max_model_len, max_prompt_chars, max_logprobs, default_sampling_params,
+    generation_config, model_folder), add/abort/stats/health, and off-loop work (prepare, encode).
 
-    def __init__(self, engine, max_waiting_requests: int = 1024):
-        self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        # requests run at once; engines without a scheduler config (stand-ins) get no free-slot credit
-        scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
-        self.max_num_seqs: int = scheduler.max_num_seqs if scheduler is not None else 0
-        self.max_prompt_chars = max_prompt_chars(engine)
+    Subclasses deliver each request's outputs to its RequestStream and implement _submit_add, abort,
+    stats, check_dead, begin_shutdown, start and stop."""
+
+    def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, default_sampling_params: dict,
+                 generation_config, model_folder: str | None):
+        self.tokenizer, self.max_model_len, self.max_logprobs = tokenizer, max_model_len, max_logprobs
+        self.default_sampling_params, self.generation_config = default_sampling_params, generation_config
+        self.model_folder = model_folder
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
         self.dead_reason: str | None = None   # set once, when the engine can no longer serve
-        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvfit-prepare")
-        self._exited = False          # the thread ended on its own (dead engine); commands are refused
-        self._commands: deque = deque()
-        self._wake = threading.Condition()
-        self._streams: dict[str, RequestStream] = {}     # engine thread only
+        self._closing = False                 # no new requests; running ones end with a 503
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closing = False        # no new requests; the thread aborts what it holds
-        self._stopped = False        # the thread exits
-        self._stats = dict(engine.stats())
-        self._room = _Room.of(self._stats, self.max_num_seqs)    # engine thread only
-        self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
-
-    # event-loop side -----------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread.start()
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvfit-prepare")
 
     def check_dead(self) -> str | None:
-        """Why the engine can no longer serve (None while it can); also notices a rank that exited."""
-        if self.dead_reason is None:
-            ranks = _tp_ranks(self.engine)
-            dead = ranks.dead() if ranks is not None and not ranks.closed else []
-            if dead:
-                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
-            elif self._loop is not None and not self._stopped and not self._thread.is_alive():
-                self.dead_reason = "the engine thread exited"
+        """Why the engine can no longer serve (None while it can)."""
         return self.dead_reason
 
     def health(self) -> APIError | None:
@@ -227,23 +144,25 @@ class AsyncEngine:
         """fn(*args) on the prepare threads (parsing, chat templates, tokenizing), off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
 
+    def encode_now(self, text: str) -> list[int]:
+        """A prompt's token ids, special tokens added (as LLMEngine.encode)."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text",
+                               "prompt")
+        return self.tokenizer.encode(text)
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt text, tokenized off the event loop and the engine thread; a text
-        with more characters than could ever fit is refused (400) without tokenizing it.
+        """Token ids of a prompt text, tokenized off the event loop and the engine; a text with more
+        characters than could ever fit is refused (400) without tokenizing it.
 
         add_special_tokens=False: as the text is (a rendered chat template holds its own bos)."""
-        check_prompt_chars(text, self.max_prompt_chars, self.engine.max_model_len)
-        tokenizer = self.engine.tokenizer
+        check_prompt_chars(text, self.max_prompt_chars, self.max_model_len)
         try:
-            if add_special_tokens or tokenizer is None:
-                return await self.prepare(self.engine.encode, text)
-            return await self.prepare(tokenizer.encode, text, False)
+            if add_special_tokens or self.tokenizer is None:
+                return await self.prepare(self.encode_now, text)
+            return await self.prepare(self.tokenizer.encode, text, False)
         except KvfitError as exc:
             raise as_api_error(exc) from None
-
-    def stats(self) -> dict:
-        """The engine's stats as of the end of its last step or command (a snapshot, never torn)."""
-        return self._stats
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   max_tokens_given: bool = True, cache_salt: str | None = None) -> RequestStream:
@@ -254,13 +173,68 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         future = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
+        self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:
             stream.num_prompt_tokens = await future
         except asyncio.CancelledError:
             self.abort(request_id)     # runs after the add, so a request added meanwhile is freed
             raise
         return stream
+
+    def _submit_add(self, command: "_Add") -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _shutdown_prepare(self) -> None:
+        self._prepare.shutdown(wait=False, cancel_futures=True)
+
+
+class AsyncEngine(ServingEngine):
+    """Runs an LLMEngine on a daemon thread of this process; add/abort/stats are safe to call from the
+    event loop. (`kvfit serve` runs the engine in its own process instead: core_process.py.)"""
+
+    def __init__(self, engine, max_waiting_requests: int = 1024):
+        config = getattr(engine, "config", None)
+        model = getattr(config, "model", None)
+        folder = getattr(model, "model", None)
+        super().__init__(engine.tokenizer, engine.max_model_len, engine.max_logprobs,
+                         engine.default_sampling_params, getattr(model, "generation_config", None),
+                         folder if isinstance(folder, str) and os.path.isdir(folder) else None)
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._core = EngineCore(engine, max_waiting_requests)    # engine thread only
+        self._exited = False          # the thread ended on its own (dead engine); commands are refused
+        self._commands: deque = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}     # engine thread only
+        self._stopped = False        # the thread exits
+        self._stats = dict(self._core.stats)
+        self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
+
+    def encode_now(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    # event-loop side -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def check_dead(self) -> str | None:
+        """Why the engine can no longer serve (None while it can); also notices a rank that exited."""
+        if self.dead_reason is None:
+            ranks = tp_ranks(self.engine)
+            dead = ranks.dead() if ranks is not None and not ranks.closed else []
+            if dead:
+                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
+            elif self._loop is not None and not self._stopped and not self._thread.is_alive():
+                self.dead_reason = "the engine thread exited"
+        return self.dead_reason
+
+    def stats(self) -> dict:
+        """The engine's stats as of the end of its last step or command (a snapshot, never torn)."""
+        return self._stats
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op if it already ended); its blocks are freed on the engine thread."""
@@ -279,7 +253,10 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._prepare.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_prepare()
+
+    def _submit_add(self, command: _Add) -> None:
+        self._send(command)
 
     def _send(self, command) -> None:
         with self._wake:
@@ -320,13 +297,14 @@ class AsyncEngine:
                     self._abort_all(shutting_down_error())
                 if stopped:
                     return
-                if self.engine.has_unfinished():
+                if self._core.has_work():
                     self._step()
-                if self.dead_reason is not None:
+                if self._core.dead_reason is not None:
+                    self.dead_reason = self._core.dead_reason
                     self._exit(engine_dead_error(self.dead_reason))
                     return
-                self._stats = dict(self.engine.stats())
-                self._room = _Room.of(self._stats, self.max_num_seqs)
+                self._core.refresh()
+                self._stats = self._core.stats
         except BaseException:          # a bug in this loop: fail every request rather than hang them
             logger.exception("the engine loop stopped")
             self.dead_reason = self.dead_reason or "the engine loop stopped; see the server log"
@@ -351,7 +329,7 @@ class AsyncEngine:
     def _take_commands(self) -> tuple[list, bool, bool]:
         with self._wake:
             # sleep only with nothing to do: no commands, no requests to run or (closing) to abort
-            while not (self._commands or self._stopped or self.engine.has_unfinished()
+            while not (self._commands or self._stopped or self._core.has_work()
                        or (self._closing and self._streams)):
                 self._wake.wait()
             commands = list(self._commands)
@@ -361,13 +339,14 @@ class AsyncEngine:
     def _handle(self, command, closing: bool) -> None:
         if isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
-                self.engine.abort(command.request_id)
+                self._core.abort(command.request_id)
             return
         if closing:
             self._resolve(command.future, error=shutting_down_error())
             return
         try:
-            num_prompt_tokens = self._add(command)
+            num_prompt_tokens = self._core.add(command.request_id, command.prompt_ids, command.params,
+                                               command.max_tokens_given, command.cache_salt)
         except APIError as exc:
             self._resolve(command.future, error=exc)
         except KvfitError as exc:
@@ -380,30 +359,11 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
             self._resolve(command.future, num_prompt_tokens)
 
-    def _add(self, command: _Add) -> int:
-        engine, num_prompt_tokens = self.engine, len(command.prompt_ids)
-        # new requests are all "waiting" until the next step: those that will take a free batch slot
-        # are not queued, so only the rest count against --max-waiting-requests
-        num_queued = engine.stats()["waiting"] - self._room.num_taken
-        if not self._room.fits(num_prompt_tokens) and num_queued >= self.max_waiting_requests:
-            raise queue_full_error(self.max_waiting_requests)
-        # the engine's admission check is the only one; its RequestError carries param and code
-        engine.add_request(command.prompt_ids, command.params, command.request_id,
-                           strict_context=command.max_tokens_given, cache_salt=command.cache_salt)
-        self._room.take(num_prompt_tokens)
-        return num_prompt_tokens
-
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            # the engine cannot say which request broke the step: fail the batch, keep serving,
-            # unless the executor cannot run another step (then the engine is dead)
-            logger.exception("an engine step failed; ending the %d active requests", len(self._streams))
-            self.dead_reason = self.dead_reason or _fatal_step_error(self.engine, exc)
-            if self.dead_reason is None:
-                self._abort_all(APIError(500, "the engine failed while running this request; see the server "
-                                         "log", "server_error"))
+        outputs, error = self._core.step()
+        if error is not None:
+            if self._core.dead_reason is None:
+                self._abort_all(error)
             return
         now = time.monotonic()
         for output in outputs:
@@ -415,8 +375,9 @@ class AsyncEngine:
             self._deliver(stream, (output, now))
 
     def _abort_all(self, error: APIError) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
+        self._core.abort_all()
+        for stream in self._streams.values():
             self._deliver(stream, error)
         self._streams.clear()
-        self._stats = dict(self.engine.stats())
+        self._core.refresh()
+        self._stats = self._core.stats

@@ -1,0 +1,386 @@
+"""The engine core in its own process (`kvfit serve`): the HTTP front-end never shares a GIL with the
+loop that schedules and launches steps.
+
+```
+front-end process (uvicorn, this module's EngineCoreClient)     engine core process (run_engine_core)
+  HTTP, parsing, chat templates, tokenizing, response building     EngineCore: admission, scheduler,
+  add / abort / close / stop  --- PUSH ipc:// (msgspec) --->       KV manager, executor, detokenizer
+  RequestStreams  <--- PULL ipc:// (msgspec): Ready, then one      one OutputBatch per loop round:
+                       OutputBatch per round (deltas) ---          adds taken, step deltas, errors, stats
+```
+
+pyzmq carries the messages (maintained, no broker, ipc:// sockets in a private temporary folder) and
+msgspec encodes them (core_protocol.py): per round, only what is new. The core process is spawned (a
+fresh interpreter: CUDA cannot be forked), builds the engine from a picklable factory, and reports
+Ready with the facts the front-end needs, or StartFailed. It dies with the front-end (PR_SET_PDEATHSIG
+on Linux, and a parent check while idle) and ignores SIGINT: a Ctrl-C reaches the whole process group,
+and the front-end shuts the core down in order (close: every request ends with a 503; stop: exit).
+
+Health: the core is dead once it reports a dead_reason (a step it cannot recover from) or its process
+is gone; the client then fails every pending request with a 503, /health answers 503, and `kvfit
+serve` exits 1 (GracefulServer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+from kvfit.errors import ConfigError, KvfitError
+from kvfit.server.async_engine import RequestStream, ServingEngine, _Add
+from kvfit.server.core_protocol import (COMMAND_DECODER, ENCODER, REPLY_DECODER, AbortCommand, AddCommand,
+                                        AddResult, CloseCommand, DeltaTracker, ErrorInfo, OutputAccumulator,
+                                        OutputBatch, Ready, StartFailed, StopCommand)
+from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
+from kvfit.server.prepare import as_api_error
+from kvfit.server.protocol import APIError
+
+logger = logging.getLogger("kvfit")
+
+IDLE_POLL_MS = 500                # an idle core checks its parent is alive this often
+STOP_TIMEOUT_S = 10.0             # after a stop, how long the core gets to exit before it is killed
+_PR_SET_PDEATHSIG = 1
+
+
+# engine core process ------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """SIGKILL this process when the process that spawned it exits (Linux; elsewhere the idle check)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+def _info(error: APIError) -> ErrorInfo:
+    return ErrorInfo(error.status, error.message, error.type, error.param, error.code)
+
+
+def run_engine_core(factory, commands_address: str, replies_address: str, max_waiting_requests: int,
+                    log_level: str, parent_pid: int) -> None:
+    """The engine core process's main: build the engine with factory(), report Ready, serve commands."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # the front-end stops us in order
+    from kvfit.server.logs import configure_logging
+    configure_logging(log_level)
+    context = zmq.Context()
+    commands, replies = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    commands.connect(commands_address)
+    replies.connect(replies_address)
+
+    def send(message) -> None:
+        replies.send(ENCODER.encode(message), copy=False)
+
+    try:
+        try:
+            engine = factory()
+        except KvfitError as exc:
+            send(StartFailed(str(exc), isinstance(exc, ConfigError)))
+            return
+        except BaseException as exc:     # an engine bug: the front-end says so in one line, the log has the rest
+            logger.exception("the engine could not start")
+            send(StartFailed(f"the engine could not start ({type(exc).__name__}: {exc}); see the log above"))
+            return
+        try:
+            core = EngineCore(engine, max_waiting_requests)
+            plan = getattr(engine, "plan", None)
+            send(Ready(engine.max_model_len, engine.max_logprobs, core.max_num_seqs,
+                       dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
+                       core.stats))
+            _CoreLoop(core, commands, send, parent_pid).run()
+        finally:
+            engine.shutdown()
+    finally:
+        replies.close(linger=2000)       # the last batch (errors, dead_reason) still goes out
+        commands.close(linger=0)
+        context.term()
+
+
+class _CoreLoop:
+    """Drain commands, run a step, send the round's news; sleep on the socket only with nothing to do."""
+
+    def __init__(self, core: EngineCore, commands: zmq.Socket, send, parent_pid: int):
+        self.core, self.commands, self.send, self.parent_pid = core, commands, send, parent_pid
+        self.tracker = DeltaTracker()
+        self.closing = self.stopping = False
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            added = [self._handle(command) for command in self._receive()]
+            added = [result for result in added if result is not None]
+            errors: list[tuple[str, ErrorInfo]] = []
+            if self.closing or self.stopping:
+                errors += self._abort_all(shutting_down_error())
+            if added or errors:          # adds answered before the step: a slow step does not delay them
+                core.refresh()
+                self.send(OutputBatch(added, [], errors, core.stats))
+                added, errors = [], []
+            if self.stopping:
+                return
+            deltas = []
+            if core.has_work():
+                outputs, error = core.step()
+                if error is not None:
+                    errors += self._abort_all(error)
+                else:
+                    deltas = [self.tracker.delta(output) for output in outputs]
+                core.refresh()
+                self.send(OutputBatch([], deltas, errors, core.stats, core.dead_reason))
+            if core.dead_reason is not None:
+                return
+
+    def _receive(self) -> list:
+        """The commands waiting; blocks (checking the parent is alive) only when there is nothing to run."""
+        messages = []
+        while not (self.core.has_work() or messages or self.stopping):
+            if self.commands.poll(IDLE_POLL_MS):
+                break
+            if os.getppid() != self.parent_pid:      # the front-end is gone: nobody will stop us
+                logger.error("the server process exited; the engine core stops")
+                self.stopping = True
+                return []
+        while True:
+            try:
+                messages.append(COMMAND_DECODER.decode(self.commands.recv(zmq.NOBLOCK, copy=False)))
+            except zmq.Again:
+                return messages
+
+    def _handle(self, command) -> AddResult | None:
+        core = self.core
+        if isinstance(command, AbortCommand):
+            for request_id in command.request_ids:
+                core.abort(request_id)
+                self.tracker.drop(request_id)
+        elif isinstance(command, CloseCommand):
+            self.closing = True
+        elif isinstance(command, StopCommand):
+            self.stopping = True
+        elif isinstance(command, AddCommand):
+            return self._add(command)
+        return None
+
+    def _add(self, command: AddCommand) -> AddResult:
+        if self.closing or self.stopping:
+            return AddResult(command.request_id, 0, _info(shutting_down_error()))
+        try:
+            params = pickle.loads(command.params)
+            num_prompt_tokens = self.core.add(command.request_id, command.prompt_ids, params,
+                                              command.max_tokens_given, command.cache_salt)
+        except APIError as exc:
+            return AddResult(command.request_id, 0, _info(exc))
+        except KvfitError as exc:
+            return AddResult(command.request_id, 0, _info(as_api_error(exc)))
+        except Exception:             # one bad request must not take the loop down
+            logger.exception("adding request %s failed", command.request_id)
+            return AddResult(command.request_id, 0, ErrorInfo(
+                500, f"internal error while adding request {command.request_id}; see the server log", "server_error"))
+        return AddResult(command.request_id, num_prompt_tokens)
+
+    def _abort_all(self, error: APIError) -> list[tuple[str, ErrorInfo]]:
+        ids = self.core.abort_all()
+        for request_id in ids:
+            self.tracker.drop(request_id)
+        info = _info(error)
+        return [(request_id, info) for request_id in ids]
+
+
+# front-end client ---------------------------------------------------------------------------------
+class EngineCoreClient(ServingEngine):
+    """The HTTP process's view of an engine core process (the ServingEngine the app uses)."""
+
+    def __init__(self, process, context: zmq.Context, commands: zmq.Socket, replies: zmq.Socket, folder: str,
+                 ready: Ready, tokenizer, generation_config, model_folder: str | None):
+        super().__init__(tokenizer, ready.max_model_len, ready.max_logprobs, ready.default_sampling_params,
+                         generation_config, model_folder)
+        self.max_num_seqs = ready.max_num_seqs
+        self.capacity_line = ready.capacity_line
+        self._process, self._context, self._commands, self._replies = process, context, commands, replies
+        self._folder = folder
+        self._send_lock = threading.Lock()
+        self._stats = dict(ready.stats)
+        self._pending: dict[str, _Add] = {}                     # adds sent, not yet answered (loop only)
+        self._streams: dict[str, tuple[RequestStream, OutputAccumulator]] = {}   # loop only
+        self._stopped = False
+        self._reader = threading.Thread(target=self._read, name="kvfit-core-reader", daemon=True)
+
+    @classmethod
+    def launch(cls, factory, *, tokenizer, generation_config, model_folder: str | None,
+               max_waiting_requests: int, log_level: str = "info") -> "EngineCoreClient":
+        """Spawn the engine core process, wait for its start-up; raises ConfigError/KvfitError with its
+        reason when it cannot start."""
+        folder = tempfile.mkdtemp(prefix="kvfit-core-")
+        context = zmq.Context()
+        commands, replies = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+        commands_address, replies_address = f"ipc://{folder}/commands", f"ipc://{folder}/replies"
+        commands.bind(commands_address)
+        replies.bind(replies_address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="kvfit-engine-core",
+            args=(factory, commands_address, replies_address, max_waiting_requests, log_level, os.getpid()))
+        try:
+            process.start()
+            first = cls._wait_for_start(process, replies)
+        except BaseException:
+            _end_process(process, 0)
+            _close(context, [commands, replies], folder)
+            raise
+        return cls(process, context, commands, replies, folder, first, tokenizer, generation_config, model_folder)
+
+    @staticmethod
+    def _wait_for_start(process, replies: zmq.Socket) -> Ready:
+        while not replies.poll(200):
+            if not process.is_alive():
+                raise KvfitError(f"the engine core process exited during start-up (exit code {process.exitcode}); "
+                                 "see the log above")
+        message = REPLY_DECODER.decode(replies.recv())
+        if isinstance(message, StartFailed):
+            process.join(STOP_TIMEOUT_S)
+            raise (ConfigError if message.config else KvfitError)(message.message)
+        assert isinstance(message, Ready), f"the engine core's first message was {type(message).__name__}"
+        return message
+
+    # event-loop side -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._reader.start()
+
+    def check_dead(self) -> str | None:
+        if self.dead_reason is None and not self._stopped and not self._process.is_alive():
+            self.dead_reason = f"the engine core process exited (exit code {self._process.exitcode})"
+        return self.dead_reason
+
+    def stats(self) -> dict:
+        return self._stats
+
+    def _submit_add(self, command: _Add) -> None:
+        if (error := self.health()) is not None:
+            raise error
+        self._pending[command.request_id] = command
+        self._send(AddCommand(command.request_id, command.prompt_ids, pickle.dumps(command.params),
+                              command.max_tokens_given, command.cache_salt))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op if it already ended); the core frees its blocks at its next round."""
+        self._pending.pop(request_id, None)
+        if self._streams.pop(request_id, None) is not None or self.dead_reason is None:
+            self._send(AbortCommand([request_id]))
+
+    def begin_shutdown(self) -> None:
+        self._closing = True
+        self._send(CloseCommand())
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """End every request, stop the core process (killed if it does not exit in time). Idempotent."""
+        if self._stopped:
+            return
+        self._closing = True
+        self._send(StopCommand())
+        self._stopped = True
+        _end_process(self._process, timeout)
+        if self._reader.is_alive():
+            self._reader.join()          # it sees _stopped within IDLE_POLL_MS; sockets close after it
+        _close(self._context, [self._commands, self._replies], self._folder)
+        self._shutdown_prepare()
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            if not self._commands.closed:
+                self._commands.send(ENCODER.encode(message), copy=False)
+
+    # reader thread -> loop -------------------------------------------------------------------------
+    def _read(self) -> None:
+        """Decode the core's batches off the event loop; hand each to the loop. Notices the core dying."""
+        while not self._stopped:
+            try:
+                if not self._replies.poll(IDLE_POLL_MS):
+                    if not self._process.is_alive() and not self._stopped:
+                        reason = f"the engine core process exited (exit code {self._process.exitcode})"
+                        self._call_on_loop(self._fail_everything, reason)
+                        return
+                    continue
+                message = REPLY_DECODER.decode(self._replies.recv(copy=False))
+            except zmq.ZMQError:           # closed by stop()
+                return
+            self._call_on_loop(self._dispatch, message, time.monotonic())
+
+    def _call_on_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:         # the loop is closed: nobody is left to tell
+            pass
+
+    def _dispatch(self, batch: OutputBatch, now: float) -> None:
+        for result in batch.added:
+            self._settle_add(result)
+        for delta in batch.deltas:
+            entry = self._streams.get(delta.request_id)
+            if entry is None:          # aborted meanwhile
+                continue
+            stream, accumulator = entry
+            if delta.finished:
+                del self._streams[delta.request_id]
+            stream.queue.put_nowait((accumulator.apply(delta), now))
+        for request_id, info in batch.errors:
+            entry = self._streams.pop(request_id, None)
+            if entry is not None:
+                entry[0].queue.put_nowait(APIError(info.status, info.message, info.type, info.param, info.code))
+        self._stats = batch.stats
+        if batch.dead_reason is not None:
+            self._fail_everything(batch.dead_reason)
+
+    def _settle_add(self, result: AddResult) -> None:
+        command = self._pending.pop(result.request_id, None)
+        if command is None:               # its handler was cancelled (and sent the abort)
+            return
+        if command.future.done():
+            return
+        if result.error is not None:
+            e = result.error
+            command.future.set_exception(APIError(e.status, e.message, e.type, e.param, e.code))
+            return
+        self._streams[result.request_id] = (command.stream, OutputAccumulator(result.request_id, command.prompt_ids))
+        command.future.set_result(result.num_prompt_tokens)
+
+    def _fail_everything(self, reason: str) -> None:
+        self.dead_reason = self.dead_reason or reason
+        error = engine_dead_error(self.dead_reason)
+        for command in self._pending.values():
+            if not command.future.done():
+                command.future.set_exception(error)
+        self._pending.clear()
+        for stream, _ in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+
+
+def _end_process(process, timeout: float) -> None:
+    if process.pid is None:
+        return
+    process.join(timeout)
+    if process.is_alive():
+        logger.warning("the engine core process did not exit within %.0f s; terminating it", timeout)
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _close(context: zmq.Context, sockets: list, folder: str) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,196 @@
+"""What the HTTP front-end and the engine core process say to each other (msgspec structs over pyzmq).
+
+Front-end -> core: AddCommand, AbortCommand, CloseCommand (refuse adds, end what runs: a SIGTERM),
+StopCommand (exit). Core -> front-end: Ready once start-up is done (or StartFailed), AddResult for
+each AddCommand, and an OutputBatch per engine step: for every request that moved, a *delta* (the
+tokens, text and logprobs new since the last batch), so a message never grows with the length of the
+output. The front-end folds deltas back into cumulative RequestOutputs (OutputAccumulator).
+
+msgspec encodes these (and the engine's Logprob dataclass) as msgpack: no pickle per token. The only
+pickle is a request's SamplingParams, once, inside its AddCommand (a nested frozen dataclass with
+validation; the two processes are one program, so the bytes are trusted).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """An APIError's fields (server/protocol.py), so a refusal keeps its status, param and code."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+# front-end -> core -------------------------------------------------------------------------------
+class AddCommand(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: bytes                  # pickle of a SamplingParams, validated on the front-end
+    max_tokens_given: bool = True
+    cache_salt: str | None = None
+
+
+class AbortCommand(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class CloseCommand(msgspec.Struct, tag=True):
+    """Shutting down: refuse new requests, end running ones with a 503."""
+
+
+class StopCommand(msgspec.Struct, tag=True):
+    """Exit the core loop and shut the engine down."""
+
+
+Command = AddCommand | AbortCommand | CloseCommand | StopCommand
+
+
+# core -> front-end -------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    """Start-up is done: what the front-end needs to know of the engine."""
+
+    max_model_len: int
+    max_logprobs: int
+    max_num_seqs: int
+    default_sampling_params: dict
+    capacity_line: str
+    stats: dict
+
+
+class StartFailed(msgspec.Struct, tag=True):
+    """Start-up failed: `config` errors are a user's mistake (exit 2), others exit 1."""
+
+    message: str
+    config: bool = False
+
+
+class AddResult(msgspec.Struct, array_like=True):
+    request_id: str
+    num_prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class SampleDelta(msgspec.Struct, array_like=True):
+    """What one sample gained: text_keep characters of the text sent before stay (a stop string can cut
+    text already sent), then `text`; new token ids and their logprobs."""
+
+    index: int
+    text_keep: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    finished: bool
+    samples: list[SampleDelta]
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    # sent once, with the first delta that has them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class OutputBatch(msgspec.Struct, tag=True):
+    """One round of the core loop's news: the adds it took or refused, deltas of one engine step,
+    requests ended with an error, the stats after it, and (once) why the engine can no longer serve."""
+
+    added: list[AddResult]
+    deltas: list[RequestDelta]
+    errors: list[tuple[str, ErrorInfo]]
+    stats: dict
+    dead_reason: str | None = None
+
+
+Reply = Ready | StartFailed | OutputBatch
+
+
+# deltas ------------------------------------------------------------------------------------------
+class DeltaTracker:
+    """Core side: turns the engine's cumulative RequestOutputs into deltas (what each sample sent)."""
+
+    def __init__(self):
+        # request id -> ({sample index: (text sent, tokens sent, finish sent)}, prompt logprobs sent)
+        self._sent: dict[str, tuple[dict[int, tuple[str, int, bool]], bool]] = {}
+
+    def delta(self, output: RequestOutput) -> RequestDelta:
+        sent, prompt_sent = self._sent.get(output.request_id, ({}, False))
+        samples = []
+        for sample in output.outputs:
+            text, num_tokens, done = sent.get(sample.index, ("", 0, False))
+            if done:
+                continue
+            keep = len(text) if sample.text.startswith(text) else _common_prefix(text, sample.text)
+            new_ids = sample.token_ids[num_tokens:]
+            if not new_ids and keep == len(text) == len(sample.text) and sample.finish_reason is None:
+                continue
+            samples.append(SampleDelta(sample.index, keep, sample.text[keep:], list(new_ids),
+                                       None if sample.logprobs is None else sample.logprobs[num_tokens:],
+                                       sample.cumulative_logprob, sample.finish_reason, sample.stop_reason))
+            sent[sample.index] = (sample.text, len(sample.token_ids), sample.finish_reason is not None)
+        prompt_logprobs = None
+        if not prompt_sent and output.prompt_logprobs is not None:
+            prompt_logprobs, prompt_sent = output.prompt_logprobs, True
+        if output.finished:
+            self._sent.pop(output.request_id, None)
+        else:
+            self._sent[output.request_id] = (sent, prompt_sent)
+        return RequestDelta(output.request_id, output.finished, samples, output.num_cached_tokens, output.prompt,
+                            prompt_logprobs)
+
+    def drop(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class OutputAccumulator:
+    """Front-end side: one request's deltas folded back into the cumulative RequestOutput the response
+    builders read (a fresh RequestOutput per delta; the text is immutable, token lists are copied)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt: str | None = None
+        self.prompt_logprobs = None
+        self.samples: dict[int, CompletionOutput] = {}
+
+    def apply(self, delta: RequestDelta) -> RequestOutput:
+        if delta.prompt is not None:
+            self.prompt = delta.prompt
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        for d in delta.samples:
+            old = self.samples.get(d.index) or CompletionOutput(index=d.index)
+            logprobs = old.logprobs
+            if d.logprobs is not None:
+                logprobs = (logprobs or []) + d.logprobs
+            self.samples[d.index] = CompletionOutput(
+                index=d.index, text=old.text[:d.text_keep] + d.text, token_ids=old.token_ids + d.token_ids,
+                cumulative_logprob=d.cumulative_logprob, logprobs=logprobs, finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs,
+                             outputs=[self.samples[i] for i in sorted(self.samples)], finished=delta.finished,
+                             num_cached_tokens=delta.num_cached_tokens)
+
+
+ENCODER = msgspec.msgpack.Encoder()
+COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
