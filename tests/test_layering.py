@@ -19,6 +19,7 @@ LAYERS = {
     "errors": 0, "version": 0,
     "units": 1, "catalog": 1,
     "model_facts": 2, "hub": 2,          # hub: model ids -> local Hugging Face cache folders
+    "quant_scheme": 1,                   # FP8 schemes from quantization_config (no torch)
     "kv": 3,
     "config": 4,
     "structured_params": 4,              # StructuredOutputsParams, held by sampling_params

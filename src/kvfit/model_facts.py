@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvfit.errors import ConfigError
+from kvfit.quant_scheme import Fp8Scheme, parse_quantization_config, resolve_scheme
 
 # architecture name in config.json -> family used by planning and the models
 SUPPORTED_ARCHITECTURES = {
@@ -82,7 +83,7 @@ class ModelFacts:
     tie_word_embeddings: bool
     intermediate_size: int
     num_params: int
-    weight_dtype_bytes: int          # bytes per parameter in the checkpoint (fp8 checkpoints: 1)
+    weight_dtype_bytes: int          # bytes per parameter of the linear layers (fp8: 1)
     # the layers' structure, from the family's rules and config.json (FAMILY_RULES)
     qkv_bias: bool = False           # biases on the q, k and v projections
     o_bias: bool = False             # a bias on o_proj
@@ -95,6 +96,8 @@ class ModelFacts:
     # RoPE settings, validated here so every command refuses the same configs (None for MLA, whose
     # rotary embedding kvfit plans but does not run)
     rope: RopeConfig | None = None
+    # FP8 weights (the checkpoint's quantization_config, or --quantization fp8); None: 16-bit weights
+    quantization: Fp8Scheme | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -110,7 +113,35 @@ class ModelFacts:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.weight_dtype_bytes
+        """Bytes of every weight: with FP8, the layers' linear weights at one byte and their fp32 scales, the
+        embedding, lm_head, norms and routers in the model dtype (as the checkpoints keep them)."""
+        if self.quantization is None:
+            return self.num_params * self.weight_dtype_bytes
+        kept = self.num_params - self.quantized_params
+        return self.quantized_params * self.weight_dtype_bytes + kept * DTYPE_BYTES[self.torch_dtype] + \
+            self.weight_scale_bytes
+
+    @property
+    def quantized_params(self) -> int:
+        """Parameters held in FP8: everything but the embedding, lm_head, norms and routers."""
+        if self.quantization is None:
+            return 0
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        routers = self.num_layers * self.hidden_size * int(self.raw.get("num_experts") or
+                                                           self.raw.get("num_local_experts") or
+                                                           self.raw.get("n_routed_experts") or 0)
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return max(self.num_params - embed - routers - norms, 0)
+
+    @property
+    def weight_scale_bytes(self) -> int:
+        """fp32 scales of the FP8 weights: one per block of block_size, else (at most) one per output row."""
+        scheme = self.quantization
+        if scheme is None:
+            return 0
+        if scheme.block_size is not None:
+            return self.quantized_params // (scheme.block_size[0] * scheme.block_size[1]) * 4
+        return self.quantized_params // self.hidden_size * 4       # rows ~ params / input width
 
 
 def _show(value) -> str:
@@ -294,15 +325,26 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         rope_dim = _positive_int(cfg, "qk_rope_head_dim", source)
     rope = rope_config_from_raw(cfg, head_dim, source) if kv_lora is None else None
     quant = read_field(cfg, "quantization_config", "object", source, default={})
-    quant_method = read_field(quant, "quant_method", "str", f"{source} quantization_config", default="")
-    weight_bytes = 1 if quant_method.startswith("fp8") else DTYPE_BYTES[_dtype(cfg, source)]
+    scheme = parse_quantization_config(quant, source)
+    weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch, family=family, num_layers=layers, hidden_size=hidden,
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
-        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, raw=dict(cfg), **_structure(family, cfg, source))
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme, raw=dict(cfg),
+        **_structure(family, cfg, source))
     return _with_params(facts, cfg, source)
+
+
+def with_quantization(facts: ModelFacts, quantization: str | None) -> ModelFacts:
+    """facts with --quantization applied: fp8 on a 16-bit checkpoint quantizes its weights at load; on an
+    FP8 checkpoint it must name the checkpoint's method (ConfigError otherwise)."""
+    from dataclasses import replace
+    scheme = resolve_scheme(facts.quantization, quantization)
+    if scheme is facts.quantization:
+        return facts
+    return replace(facts, quantization=scheme, weight_dtype_bytes=1)
 
 
 def _with_params(facts: ModelFacts, cfg: dict, source: str) -> ModelFacts:
@@ -409,8 +451,13 @@ def read_config_json(path: str) -> dict:
     return read_json_object(path)
 
 
-def load_model_facts(model: str) -> ModelFacts:
-    """Facts for a model folder, a config.json path, or a catalog name (see kvfit.catalog)."""
+def load_model_facts(model: str, quantization: str | None = None) -> ModelFacts:
+    """Facts for a model folder, a config.json path, or a catalog name (see kvfit.catalog), with
+    --quantization applied (with_quantization)."""
+    return with_quantization(_load_model_facts(model), quantization)
+
+
+def _load_model_facts(model: str) -> ModelFacts:
     from kvfit import catalog
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
@@ -429,6 +476,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
-           "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
+           "FAMILY_RULES", "FamilyRules", "with_quantization", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
            "read_field", "ceil_div", "RopeConfig", "rope_config_from_raw", "ROPE_TYPES", "DEFAULT_ROPE_THETA",
            "moe_sparse_layers"]

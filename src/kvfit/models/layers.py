@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.models import fused_ops
-from kvfit.models.fusion import fuse_rows
-from kvfit.models.gemv import gemv_applies, gemv_silu_mul, linear
-from kvfit.models.parallel import ColumnLinear, RowLinear, make_param, split_evenly
+from kvfit.models.gemv import gemv_applies, gemv_silu_mul
+from kvfit.models.parallel import make_param, split_evenly
+from kvfit.models.quant.linear import fuse_projection, make_linear, project
 
 
 class RMSNorm(torch.nn.Module):
@@ -37,27 +37,33 @@ class RMSNorm(torch.nn.Module):
 
 
 class SwiGLU(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)); gate/up split by intermediate channel, down by input column."""
+    """down(silu(gate(x)) * up(x)); gate/up split by intermediate channel, down by input column.
+
+    scheme: FP8 weights (models/quant) for the projections it quantizes; prefix: the MLP's checkpoint name
+    (model.layers.N.mlp), which the scheme's ignore list is matched against."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype, device,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, scheme=None, prefix: str = "mlp"):
         super().__init__()
         start, size = split_evenly(intermediate_size, tp_rank, tp_size, "MLP channels (intermediate_size)")
-        self.gate_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
-        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias, dtype, device, start, size)
-        self.down_proj = RowLinear(intermediate_size, hidden_size, bias, dtype, device, start, size, tp_size)
+        col = (hidden_size, intermediate_size, bias, dtype, device, scheme)
+        self.gate_proj = make_linear(*col, f"{prefix}.gate_proj", start, size)
+        self.up_proj = make_linear(*col, f"{prefix}.up_proj", start, size)
+        self.down_proj = make_linear(intermediate_size, hidden_size, bias, dtype, device, scheme, f"{prefix}.down_proj",
+                                     start, size, row=True, tp_size=tp_size)
         self.gate_up_weight = self.gate_up_bias = None     # set by fuse_projections() after loading
 
     def fuse_projections(self) -> None:
-        self.gate_up_weight, self.gate_up_bias = fuse_rows([self.gate_proj, self.up_proj])
+        self.gate_up_weight, self.gate_up_bias = fuse_projection([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if gemv_applies(x, self.gate_up_weight):          # one token: gate/up, SiLU and product in one kernel
+        if isinstance(self.gate_up_weight, torch.Tensor) and gemv_applies(x, self.gate_up_weight):
+            # one token: gate/up, SiLU and product in one kernel
             return self.down_proj(gemv_silu_mul(x, self.gate_up_weight, self.gate_up_bias))
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)               # [T, 2 I]
+        gate_up = project(x, self.gate_up_weight, self.gate_up_bias)              # [T, 2 I]
         if fused_ops.available(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=1)

@@ -20,11 +20,11 @@ from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
 from kvfit.model_facts import ModelFacts
 from kvfit.models import fused_ops
-from kvfit.models.fusion import fuse_rows
 from kvfit.models.gemv import gemv_applies, gemv_rope_write_kv, linear
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
-from kvfit.models.parallel import (ColumnLinear, RowLinear, Shard, VocabEmbedding, gather_vocab, kv_head_range,
-                                   make_param, read_shard, source_shape, split_evenly)
+from kvfit.models.parallel import (Shard, VocabEmbedding, gather_vocab, kv_head_range, make_param, read_shard,
+                                   source_shape, split_evenly)
+from kvfit.models.quant.linear import check_unloaded_tensor, fuse_projection, make_linear, project
 from kvfit.models.rope import RopeConfig, apply_rope, inv_freq, rope_config_from_raw
 
 DEFAULT_RMS_NORM_EPS = 1e-6
@@ -73,30 +73,33 @@ def decoder_config(facts: ModelFacts) -> DecoderConfig:
 class Attention(torch.nn.Module):
     """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
+                 scheme=None, prefix: str = "self_attn"):
         super().__init__()
         d = cfg.head_dim
         q_start, self.num_heads = split_evenly(cfg.num_heads, tp_rank, tp_size, "attention heads")
         kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp_rank, tp_size)
         self.head_dim, self.backend, self.scale = d, backend, d ** -0.5
         h = cfg.hidden_size
-        self.q_proj = ColumnLinear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device, q_start * d, self.num_heads * d)
-        kv_args = (cfg.qkv_bias, dtype, device, kv_start * d, self.num_kv_heads * d)
-        self.k_proj = ColumnLinear(h, cfg.num_kv_heads * d, *kv_args)
-        self.v_proj = ColumnLinear(h, cfg.num_kv_heads * d, *kv_args)
-        self.o_proj = RowLinear(cfg.num_heads * d, h, cfg.o_bias, dtype, device, q_start * d, self.num_heads * d,
-                                tp_size)
+        self.q_proj = make_linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device, scheme, f"{prefix}.q_proj",
+                                  q_start * d, self.num_heads * d)
+        kv_args = (cfg.qkv_bias, dtype, device, scheme)
+        kv_rows = (kv_start * d, self.num_kv_heads * d)
+        self.k_proj = make_linear(h, cfg.num_kv_heads * d, *kv_args, f"{prefix}.k_proj", *kv_rows)
+        self.v_proj = make_linear(h, cfg.num_kv_heads * d, *kv_args, f"{prefix}.v_proj", *kv_rows)
+        self.o_proj = make_linear(cfg.num_heads * d, h, cfg.o_bias, dtype, device, scheme, f"{prefix}.o_proj",
+                                  q_start * d, self.num_heads * d, row=True, tp_size=tp_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.qkv_weight = self.qkv_bias = None      # set by fuse_projections() after loading
 
     def fuse_projections(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_weight, self.qkv_bias = fuse_projection([self.q_proj, self.k_proj, self.v_proj])
 
     def _qkv(self, x: torch.Tensor):
         if self.qkv_weight is None:
             return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self._split_heads(linear(x, self.qkv_weight, self.qkv_bias))        # [T, (Hq + 2 Hkv) D]
+        return self._split_heads(project(x, self.qkv_weight, self.qkv_bias))       # [T, (Hq + 2 Hkv) D]
 
     def _split_heads(self, q, k=None, v=None):
         """[T, Hq, D], [T, Hkv, D], [T, Hkv, D] views of the fused projection's rows (or of q, k, v given)."""
@@ -127,7 +130,7 @@ class Attention(torch.nn.Module):
         """The one-token GEMV does the projection, RoPE and the cache write: fused q/k/v weights, no q/k norm
         (a norm needs a whole head in one program), RoPE over the whole head, the backend's plain cache write,
         one token on CUDA."""
-        return (kv_cache is not None and self.qkv_weight is not None and self.q_norm is None
+        return (kv_cache is not None and isinstance(self.qkv_weight, torch.Tensor) and self.q_norm is None
                 and self.backend.plain_cache_write and 2 * freqs.numel() == self.head_dim
                 and gemv_applies(x, self.qkv_weight))
 
@@ -159,10 +162,10 @@ class DecoderLayer(torch.nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
-                 mlp: torch.nn.Module):
+                 mlp: torch.nn.Module, scheme=None, prefix: str = "model.layers.0"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device, tp_rank, tp_size)
+        self.self_attn = Attention(cfg, backend, dtype, device, tp_rank, tp_size, scheme, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = mlp
 
@@ -182,11 +185,12 @@ class DecoderModel(torch.nn.Module):
     """The `model.` prefix of the checkpoint: embed_tokens, layers, norm."""
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
-                 make_mlp):
+                 make_mlp, scheme=None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp_rank, tp_size)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size, make_mlp(i)) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, backend, dtype, device, tp_rank, tp_size, make_mlp(i), scheme, f"model.layers.{i}")
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -201,8 +205,9 @@ class CausalLM(torch.nn.Module):
         self.facts, self.config = facts, decoder_config(facts)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         cfg = self.config
+        self.scheme = facts.quantization      # FP8 weights (models/quant), or None
         self.model = DecoderModel(cfg, attention_backend, dtype, device, tp_rank, tp_size,
-                                  lambda layer: self.make_mlp(layer, dtype, device))
+                                  lambda layer: self.make_mlp(layer, dtype, device), self.scheme)
         self.lm_head = torch.nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight        # one Parameter, two names
@@ -216,7 +221,8 @@ class CausalLM(torch.nn.Module):
     def make_mlp(self, layer: int, dtype, device) -> torch.nn.Module:
         """Layer `layer`'s MLP (a subclass builds mixture-of-experts blocks here)."""
         cfg = self.config
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, self.tp_rank, self.tp_size)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device, self.tp_rank, self.tp_size,
+                      self.scheme, f"model.layers.{layer}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -276,14 +282,22 @@ class CausalLM(torch.nn.Module):
                 continue
             param = params.get(name)
             if param is None:
+                check_unloaded_tensor(name, source, self.scheme)
                 continue
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:          # FP8 weights and scales check and read their own tensors
+                loader(name, source)
+                loaded.add(name)
+                continue
+            check_unloaded_tensor(name, source, self.scheme, into=param)
             shape = source_shape(source)
             if shape != param.full_shape:
                 raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but config.json "
                                   f"needs {list(param.full_shape)}; the weights do not match this config.json")
             param.copy_(read_shard(param, source))
             loaded.add(name)
-        missing = [self.missing_name(name) for name in params if name not in loaded]
+        missing = [self.missing_name(name) for name, param in params.items()
+                   if name not in loaded and not getattr(param, "derived", False)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ConfigError(f"checkpoint is missing tensor {missing[0]}{more}; re-download the model or use "

@@ -16,12 +16,14 @@ from kvfit.attention.base import AttentionBackend
 from kvfit.errors import CapacityError, ConfigError
 from kvfit.model_facts import ModelFacts, read_field, read_json_object
 from kvfit.units import gib
+from kvfit.models.quant.linear import Fp8Linear, finalize_quantized, quantize_into
 from kvfit.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
+DUMMY_INPUT_SCALE = 1.0 / 64     # static FP8 activations: |x| up to 7 before clipping
 
 
 def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
@@ -38,16 +40,18 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
             init_dummy_weights(model)
         else:
             model.load_weights(_iter_tensors(files))
+        finalize_quantized(model)
         model.fuse_projections()
     except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
         # past int64 is a TypeError from torch.empty
         if not _is_allocation_failure(exc):
             raise
-        per_rank = facts.num_params * torch.tensor([], dtype=dtype).element_size() // tp_size
+        per_param = torch.tensor([], dtype=dtype).element_size()
+        total = facts.weight_bytes if facts.quantization is not None else facts.num_params * per_param
         raise CapacityError(
-            f"the weights do not fit: allocating them on {device} failed (about {gib(per_rank)} per rank for "
-            f"{facts.num_params:,} parameters); use a larger device, --tensor-parallel-size or a smaller --dtype"
-        ) from None
+            f"the weights do not fit: allocating them on {device} failed (about {gib(total // tp_size)} per rank for "
+            f"{facts.num_params:,} parameters); use a larger device, --tensor-parallel-size, a smaller --dtype or "
+            "--quantization fp8") from None
     return model.eval()
 
 
@@ -113,12 +117,24 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: floa
     With tensor parallelism each rank draws its own parts from the same seeds (never the whole
     tensor), so dummy weights differ between tensor-parallel sizes.
     """
+    fp8 = {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
+        if getattr(param, "weight_loader", None) is not None and name not in fp8:
+            continue            # an FP8 weight's scales: set with its weight, below
         # one generator per tensor, seeded by its name, so the weights do not depend on iteration order
         gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+        if name in fp8:        # FP8: drawn in fp32, quantized as the layer's scheme says
+            layer = fp8[name]
+            drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
+            quantize_into(layer, drawn)
+            if layer.input_scale is not None:
+                layer.input_scale.fill_(DUMMY_INPUT_SCALE)
+            continue
+        if hasattr(model, "init_dummy_special") and model.init_dummy_special(name, param, gen, std):
+            continue
         param.normal_(0.0, std, generator=gen)
 
 

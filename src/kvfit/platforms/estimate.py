@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
-from kvfit.model_facts import ModelFacts
+from kvfit.model_facts import DTYPE_BYTES, ModelFacts
 from kvfit.planning import persistent_batch_bytes
 from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 from kvfit.units import MiB, gib
@@ -35,7 +35,14 @@ PROMPT_LOGIT_BYTES = 2 + 12
 
 
 def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_parallel_size: int) -> int:
-    """Parameters x bytes per parameter, split evenly over ranks (norms are negligible)."""
+    """Parameters x bytes per parameter, split evenly over ranks (norms are negligible). With FP8 weights
+    (facts.quantization) the linear layers' weights count one byte each plus their fp32 scales, and dtype_bytes
+    (--dtype) applies to the rest (embedding, lm_head, norms, routers)."""
+    if facts.quantization is not None:
+        kept_bytes = dtype_bytes if dtype_bytes is not None else DTYPE_BYTES[facts.torch_dtype]
+        total = (facts.quantized_params + (facts.num_params - facts.quantized_params) * kept_bytes
+                 + facts.weight_scale_bytes)
+        return total // tensor_parallel_size
     per_param = dtype_bytes if dtype_bytes is not None else facts.weight_dtype_bytes
     return facts.num_params * per_param // tensor_parallel_size
 

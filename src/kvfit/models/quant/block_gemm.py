@@ -1,0 +1,99 @@
+"""Block-wise FP8 GEMM in Triton: y = (xq * x_scale) @ (Wq * w_scale)^T with [bn, bk] weight-scale tiles.
+
+The layout of the `fp8` method's checkpoints (weight_block_size [128, 128], `weight_scale_inv`; DeepSeek-V3,
+Qwen3-*-FP8) and compressed-tensors' block strategy. Activations come quantized per token and bk-column
+group (fp8.quantize_groups), so every K step of BLOCK_K = bk columns has one activation scale per row and
+one weight scale per output column: acc += dot(xq, Wq^T) * x_scale[:, None] * w_scale[None, :], in fp32.
+The fp8 x fp8 dot runs on Hopper's tensor cores. Offsets are int64 (indices cast before they meet a stride).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.models.quant.fp8 import Fp8Weight, quantize_groups
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the block's columns (one scale per K step)
+SMALL_M_CONFIG, LARGE_M_CONFIG = (16, 128, 4, 4), (64, 128, 4, 3)
+LARGE_M = 64
+
+
+def block_gemm_applies(x: torch.Tensor) -> bool:
+    """Triton is installed and x is a CUDA tensor."""
+    return triton is not None and x.is_cuda
+
+
+def config_for(m: int) -> tuple[int, int, int, int]:
+    return LARGE_M_CONFIG if m >= LARGE_M else SMALL_M_CONFIG
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["M"])
+    def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, M, N, K,
+                               stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                               stride_bsn, stride_bsk, stride_cm, stride_cn,
+                               GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
+        # c[m, n] = sum_kb a_scale[m, kb] * b_scale[n // GROUP_N, kb] * (a[m, kb] . b[n, kb])
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak           # [BM, BK]
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk           # [BK, BN]
+        a_scale_ptrs = a_scale_ptr + offs_m * stride_asm                                     # [BM]
+        b_scale_ptrs = b_scale_ptr + (offs_n // GROUP_N) * stride_bsn                        # [BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k < k_left)[:, None] & n_mask[None, :], other=0.0)
+            a_s = tl.load(a_scale_ptrs + kb * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(b_scale_ptrs + kb * stride_bsk, mask=n_mask, other=0.0)
+            if DOT_FP32:    # the interpreter has no fp8 dot: the same products, exact in fp32
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
+            acc += part * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """xq [M, K] fp8 with x_scale [M, ceil(K/bk)] fp32, w a block Fp8Weight [N, K] -> [M, N] in out_dtype."""
+    assert w.block_size is not None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
+    bn, bk = w.block_size
+    m, k = xq.shape
+    n = w.out_features
+    block_m, block_n, warps, stages = config or config_for(m)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    interpret = not xq.is_cuda
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_fp8_gemm_kernel[grid](
+        xq, x_scale, w.weight, w.scale, out, bias if bias is not None else out, m, n, k,
+        xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), w.weight.stride(0), w.weight.stride(1),
+        w.scale.stride(0), w.scale.stride(1), out.stride(0), out.stride(1),
+        GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, HAS_BIAS=bias is not None, DOT_FP32=interpret,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def block_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (16-bit or fp32) -> [T, N] in x's dtype: per-token-group quantization, then the block GEMM."""
+    xq, x_scale = quantize_groups(x, w.block_size[1])
+    return block_fp8_gemm(xq.contiguous(), x_scale, w, bias, x.dtype)

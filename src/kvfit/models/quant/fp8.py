@@ -1,0 +1,146 @@
+"""FP8 (float8_e4m3fn) weights and the GEMMs that read them: quantization, a torch reference, the CUDA paths.
+
+A quantized weight stays in FP8 in memory (one byte a parameter) with fp32 scales, W ~= Wq * scale:
+- per channel: scale [N, 1], one per output row (per-tensor checkpoints are widened to this at load:
+  same values, one GEMM path);
+- per block: scale [ceil(N / bn), ceil(K / bk)], one per [bn, bk] tile.
+Activations are quantized the same way on every device, so the CPU reference and the GPU agree up to
+the order of fp32 sums: dynamically per token (scale [T, 1] = amax / 448), per token and bk-column group
+for block weights (scale [T, ceil(K / bk)]), or with the checkpoint's static per-tensor input_scale.
+y = (xq * x_scale) @ (Wq * w_scale)^T (+ bias) in fp32, rounded once to the activation dtype.
+
+Paths (gemm.py): `fp8_linear` runs torch._scaled_mm (cuBLASLt, rowwise scales, bf16 out) for per-channel weights on
+CUDA where its shape rules hold (K and N multiples of 16), the Triton block GEMM (block_gemm.py) for block
+weights on CUDA, and `fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and
+the GPU paths' test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfit.quant_scheme import FP8_MAX
+
+FP8_DTYPE = torch.float8_e4m3fn
+MIN_AMAX = 1e-10            # an all-zero row still gets a finite scale (its values quantize to 0)
+
+
+@dataclass
+class Fp8Weight:
+    """One quantized linear weight (or several fused by output rows): what its GEMM reads."""
+
+    weight: torch.Tensor                     # [N, K] float8_e4m3fn
+    scale: torch.Tensor                      # fp32 [N, 1] (per channel) or [ceil(N/bn), ceil(K/bk)] (block)
+    block_size: tuple[int, int] | None       # (bn, bk), or None for per channel
+    input_scale: torch.Tensor | None = None  # fp32 [1]: static activations; None: dynamic
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """W in fp32 [N, K] (the reference's weight; tests build the transformers model from it)."""
+        return dequantize_weight(self.weight, self.scale, self.block_size)
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None
+                      ) -> torch.Tensor:
+    """Wq [N, K] fp8 with a per-channel [N, 1] (or per-tensor [1]) or block scale -> fp32 [N, K]."""
+    w = weight.float()
+    if block_size is None:
+        return w * scale.float().reshape(-1, 1) if scale.numel() > 1 else w * scale.float().reshape(())
+    bn, bk = block_size
+    n, k = w.shape
+    full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]     # [N, K]
+    return w * full
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> (Wq [N, K] fp8, scale [N, 1] fp32), scale = row amax / 448."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return _to_fp8(w / scale), scale
+
+
+def quantize_weight_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (Wq fp8, scale [ceil(N/bn), ceil(K/bk)] fp32): the block layout's weight_scale_inv."""
+    bn, bk = block_size
+    n, k = weight.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros((rows * bn, cols * bk), dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.float()
+    tiles = padded.view(rows, bn, cols, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX            # [rows, cols]
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    return _to_fp8(weight.float() / full), scale
+
+
+def quantize_weight_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W -> (Wq fp8, scale [1] fp32): one scale for the whole tensor."""
+    w = weight.float()
+    scale = w.abs().amax().clamp(min=MIN_AMAX).reshape(1) / FP8_MAX
+    return _to_fp8(w / scale), scale
+
+
+def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] fp8, x_scale fp32: [T, 1] per token or static, [T, ceil(K/bk)] per group).
+
+    Scratch beyond x: one fp32 copy of it (divided and clamped in place) and the fp8 result,
+    ACTIVATION_SCRATCH_BYTES per element (the capacity estimate counts it)."""
+    if w.input_scale is not None:
+        scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        return _to_fp8_(x.to(torch.float32, copy=True).div_(scale)), scale
+    if w.block_size is None:
+        x32 = x.to(torch.float32, copy=True)
+        scale = _amax(x32, dim=1).clamp(min=MIN_AMAX).unsqueeze(1) / FP8_MAX                # [T, 1]
+        return _to_fp8_(x32.div_(scale)), scale
+    return quantize_groups(x, w.block_size[1])
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] fp8, scale [T, ceil(K / group)] fp32): per token and group of columns."""
+    t, k = x.shape
+    groups = -(-k // group)
+    x32 = x.to(torch.float32, copy=True)
+    if groups * group != k:                 # a last partial group: zero columns quantize to zero
+        x32 = torch.nn.functional.pad(x32, (0, groups * group - k))
+    tiles = x32.view(t, groups, group)
+    scale = _amax(tiles, dim=2).clamp(min=MIN_AMAX) / FP8_MAX                               # [T, G]
+    xq = _to_fp8_(tiles.div_(scale.unsqueeze(2))).view(t, groups * group)[:, :k]
+    return xq, scale
+
+
+ACTIVATION_SCRATCH_BYTES = 4 + 1       # fp32 copy + fp8 result per element of a quantized GEMM's input
+
+
+def _amax(x32: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along dim without an |x| temporary as large as x."""
+    return torch.maximum(x32.amax(dim=dim), x32.amin(dim=dim).neg())
+
+
+def _to_fp8_(x32: torch.Tensor) -> torch.Tensor:
+    return x32.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _to_fp8(x32: torch.Tensor) -> torch.Tensor:
+    return x32.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_activations(xq: torch.Tensor, scale: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """The fp32 values the GEMM multiplies: xq * its per-token (or per-group) scale."""
+    if scale.shape[1] == 1:
+        return xq.float() * scale
+    bk = w.block_size[1]
+    return xq.float() * scale.repeat_interleave(bk, 1)[:, :xq.shape[1]]
+
+
+def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b as the FP8 GEMMs compute it: x quantized (quantize_activations), both sides
+    dequantized to fp32, one fp32 matmul, rounded once to x's dtype. x [T, K] -> [T, N]."""
+    xq, x_scale = quantize_activations(x, w)
+    y = dequantize_activations(xq, x_scale, w) @ w.dequantize().t()                 # [T, N] fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,39 @@
+"""The FP8 GEMM a quantized linear runs, chosen per call: cuBLASLt's torch._scaled_mm (per-channel weights,
+rowwise scales) or the Triton block GEMM on CUDA, the fp32 reference (fp8.py) elsewhere and for shapes
+cuBLASLt refuses (K or N not a multiple of 16: correct, slower)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.models.quant.block_gemm import block_fp8_linear, block_gemm_applies
+from kvfit.models.quant.fp8 import Fp8Weight, fp8_linear_reference, quantize_activations
+
+
+def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """cuBLASLt's FP8 GEMM takes this call: CUDA, per-channel scales, K and N multiples of 16."""
+    return (x.is_cuda and w.block_size is None and x.shape[1] % 16 == 0 and w.out_features % 16 == 0
+            and hasattr(torch, "_scaled_mm"))
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with W in FP8: x [..., K] -> [..., N] in x's dtype (see the module docstring's paths)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])                                                  # [T, K]
+    if scaled_mm_applies(x2, w):
+        y = _scaled_mm_linear(x2, w, bias)
+    elif x2.is_cuda and w.block_size is not None:
+        y = block_fp8_linear(x2, w, bias) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
+    else:
+        y = fp8_linear_reference(x2, w, bias)
+    return y.reshape(*lead, w.out_features)
+
+
+def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    xq, x_scale = quantize_activations(x, w)                                         # [T, K] fp8, [T, 1]
+    # rowwise scaling: scale_a [T, 1], scale_b [1, N], bf16 out (the only out dtype cuBLASLt's rowwise takes)
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.contiguous(), scale_b=w.scale.view(1, -1),
+                         out_dtype=torch.bfloat16)                                   # [T, N]
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,198 @@
+"""Which 8-bit weight scheme a model runs with, read from config.json's quantization_config (no torch).
+
+kvfit runs FP8 (float8_e4m3fn) weights in the two layouts the Hub writes, and quantizes 16-bit weights
+to FP8 at load (`--quantization fp8`):
+- compressed-tensors (`quant_method: "compressed-tensors"`, `format: "float-quantized"`): one config group of
+  8-bit float weights per tensor (`weight_scale` [1] or []), per channel (`weight_scale` [N, 1]) or per
+  [128, 128] block (`strategy: "block"`, `weight_scale` [ceil(N/128), ceil(K/128)]); activations dynamic per
+  token (or per token and 128-column group with block weights) or static per tensor (`input_scale`); an
+  `ignore` list of module names and `re:` patterns left in 16 bits.
+- `quant_method: "fp8"` (transformers' FineGrainedFP8Config, DeepSeek-V3, Qwen3-*-FP8): `weight_block_size`
+  [128, 128] with `weight_scale_inv` [ceil(N/128), ceil(K/128)] (a multiplier, despite the name) and dynamic
+  activations per token and 128-column group; without a block size, per-tensor `weight_scale` (and
+  `input_scale` when `activation_scheme` is static). `modules_to_not_convert` / `ignored_layers` stay in 16 bits.
+- online (`--quantization fp8` on a 16-bit checkpoint): per output channel (vLLM's online fp8 is per tensor;
+  per channel loses less and costs one fp32 per row), activations dynamic per token.
+Activations quantized dynamically are quantized per token in every scheme without blocks (vLLM's "fp8" method
+quantizes them per tensor; per token is what the per-channel GEMM takes and is at least as accurate).
+Anything else (int4/int8, AWQ, GPTQ, e5m2, weight-only FP8, mixed groups) is a one-line ConfigError naming it:
+a checkpoint kvfit cannot run correctly is never loaded as if it were 16-bit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvfit.errors import ConfigError
+
+QUANTIZATION_METHODS = ("fp8",)              # --quantization values (vLLM's name)
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")
+ACTIVATION_MODES = ("token", "group", "static")
+SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+FP8_MAX = 448.0                              # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How one model's linear weights (and activations) are held in 8 bits."""
+
+    method: str                              # "compressed-tensors", "fp8" (checkpoint) or "fp8" online
+    weight_strategy: str                     # tensor | channel | block
+    activation: str                          # token (dynamic per token) | group (per token and block column) |
+    #                                          static (the checkpoint's per-tensor input_scale)
+    block_size: tuple[int, int] | None = None     # (rows N, columns K) per weight scale, block strategy only
+    scale_name: str = "weight_scale"         # the checkpoint's name of the weight scale tensor
+    ignore: tuple[str, ...] = ()             # module names or "re:" patterns kept in the model dtype
+    online: bool = False                     # quantized at load from a 16-bit checkpoint
+    kv_cache_scheme: bool = False            # the checkpoint carries k/v scales (read, not used yet)
+
+    def __post_init__(self):
+        assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
+        assert (self.block_size is not None) == (self.weight_strategy == "block"), self
+        assert self.activation != "group" or self.weight_strategy == "block", self
+
+    def quantizes(self, module: str) -> bool:
+        """Whether module (a checkpoint name such as model.layers.0.self_attn.q_proj) is in FP8."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):          # compressed-tensors' rule: a match at the start
+                    return False
+            elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
+                return False
+        return True
+
+    def describe(self) -> str:
+        """e.g. 'fp8 (compressed-tensors, per channel, activations per token)' for logs and the capacity line."""
+        weights = (f"{self.block_size[0]}x{self.block_size[1]} blocks" if self.block_size
+                   else f"per {self.weight_strategy}")
+        acts = {"token": "per token", "group": f"per token and {self.block_size and self.block_size[1]} columns",
+                "static": "static per tensor"}[self.activation]
+        source = "online" if self.online else self.method
+        return f"fp8 ({source}, weights {weights}, activations {acts})"
+
+
+ONLINE_FP8 = Fp8Scheme(method="fp8", weight_strategy="channel", activation="token", online=True)
+
+
+def parse_quantization_config(quant: dict, source: str = "config.json") -> Fp8Scheme | None:
+    """config.json's quantization_config -> the Fp8Scheme kvfit runs; None when there is none. Anything kvfit
+    cannot run is a one-line ConfigError naming the method and what is supported."""
+    if not quant:
+        return None
+    where = f"{source} quantization_config"
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, where)
+    if method == "fp8":
+        return _fp8_method(quant, where)
+    raise ConfigError(f"{where}: quant_method {_show(method)} is not supported; kvfit runs FP8 checkpoints "
+                      "(compressed-tensors float8, or fp8) and --quantization fp8 on 16-bit ones")
+
+
+def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, source: str = "config.json"
+                   ) -> Fp8Scheme | None:
+    """The scheme to run: the checkpoint's, or --quantization fp8 on a 16-bit checkpoint (online); a
+    --quantization that contradicts the checkpoint's method is a ConfigError (as vLLM)."""
+    if quantization is None:
+        return checkpoint
+    if quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"--quantization {quantization!r} is not supported; use fp8 (or leave it out)")
+    if checkpoint is None:
+        return ONLINE_FP8
+    if checkpoint.method != quantization:
+        raise ConfigError(f"--quantization {quantization} does not match the checkpoint's quant_method "
+                          f"{checkpoint.method!r} ({source}); leave --quantization out to use the checkpoint's")
+    return checkpoint
+
+
+def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
+    fmt = quant.get("format")
+    if fmt not in ("float-quantized", "naive-quantized", None):
+        raise ConfigError(f"{where}: compressed-tensors format {_show(fmt)} is not supported; kvfit runs "
+                          "float-quantized (FP8) compressed-tensors checkpoints")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}: compressed-tensors needs 'config_groups' (a JSON object of schemes)")
+    schemes = {_ct_group(name, group, f"{where} config_groups.{name}") for name, group in groups.items()}
+    if len(schemes) > 1:
+        raise ConfigError(f"{where}: config_groups mix {len(schemes)} different schemes; kvfit runs one FP8 "
+                          "scheme for every quantized layer")
+    strategy, block, activation = schemes.pop()
+    ignore = quant.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+        raise ConfigError(f"{where}: 'ignore' must be a list of module names, got {_show(ignore)}")
+    return Fp8Scheme(method="compressed-tensors", weight_strategy=strategy, activation=activation, block_size=block,
+                     ignore=tuple(ignore), kv_cache_scheme=bool(quant.get("kv_cache_scheme")))
+
+
+def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None, str]:
+    if not isinstance(group, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {_show(group)}")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise ConfigError(f"{where}: a scheme without 'weights' is not supported; kvfit runs FP8 weights")
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    if bits != 8 or kind != "float":
+        raise ConfigError(f"{where}: weights of {bits} bits, type {_show(kind)} are not supported; kvfit runs "
+                          "8-bit float (FP8) weights only (no int4/int8, AWQ or GPTQ)")
+    if weights.get("dynamic") or weights.get("symmetric") is False or weights.get("actorder"):
+        raise ConfigError(f"{where}: FP8 weights must be static and symmetric without actorder; got {_show(weights)}")
+    block = None
+    if strategy == "block":
+        block = _block_size(weights.get("block_structure"), f"{where} weights.block_structure")
+    elif strategy not in ("tensor", "channel"):
+        raise ConfigError(f"{where}: weights strategy {_show(strategy)} is not supported; use tensor, channel "
+                          "or block")
+    acts = group.get("input_activations")
+    if acts is None:
+        raise ConfigError(f"{where}: weight-only FP8 (no input_activations) is not supported; kvfit runs FP8 "
+                          "weights with FP8 activations (W8A8)")
+    if not isinstance(acts, dict) or acts.get("num_bits") != 8 or acts.get("type") != "float":
+        raise ConfigError(f"{where}: input_activations must be 8-bit float, got {_show(acts)}")
+    act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
+    if dynamic and act_strategy == "token" and block is None:
+        activation = "token"
+    elif dynamic and act_strategy == "group" and block is not None and acts.get("group_size") == block[1]:
+        activation = "group"
+    elif not dynamic and act_strategy == "tensor" and block is None:
+        activation = "static"
+    else:
+        raise ConfigError(f"{where}: input_activations strategy {_show(act_strategy)} (dynamic {dynamic}) with "
+                          f"{strategy} weights is not supported; kvfit runs dynamic per-token (per-group with "
+                          "block weights) or static per-tensor activations")
+    return strategy, block, activation
+
+
+def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{where}: fp8 fmt {_show(fmt)} is not supported; kvfit runs e4m3 (float8_e4m3fn)")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError(f"{where}: activation_scheme {_show(scheme)} is not supported; use dynamic or static")
+    ignore = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+        raise ConfigError(f"{where}: 'modules_to_not_convert' must be a list of module names, got {_show(ignore)}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation="token" if scheme == "dynamic" else "static",
+                         ignore=tuple(ignore))
+    block = _block_size(block, f"{where} weight_block_size")
+    if scheme != "dynamic":
+        raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
+    return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
+                     scale_name="weight_scale_inv", ignore=tuple(ignore))
+
+
+def _block_size(value, where: str) -> tuple[int, int]:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 16 and v & (v - 1) == 0
+                       for v in value)):
+        raise ConfigError(f"{where} must be [rows, columns], powers of two >= 16 (e.g. [128, 128]), got {_show(value)}")
+    return value[0], value[1]
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
