@@ -6,11 +6,17 @@ as vLLM's `guidance` backend accepts), json_object (any JSON object). The option
 disable_any_whitespace, disable_additional_properties and whitespace_pattern shape JSON output and
 are refused with the other kinds (they could not be honoured there). structural_tag is vLLM's too,
 but kvfit refuses it: a clear error instead of output that ignores it.
+
+Every constraint is bounded when it is built (a RequestError naming the field and the limit, a 400 from
+the server): the limits below keep llguidance well inside what it compiles safely and quickly (a chain of
+about 2,600 grammar rules or $refs overflows its stack and kills the process; a 50,000-entry choice takes
+seconds). docs/reliability.md lists them.
 """
 
 from __future__ import annotations
 
 import json as json_module
+import re
 from dataclasses import dataclass, field, fields
 
 from kvfit.errors import RequestError
@@ -18,6 +24,16 @@ from kvfit.errors import RequestError
 PARAM = "structured_outputs"
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 JSON_KINDS = ("json", "json_object")
+
+MAX_SPEC_CHARS = 128 * 1024     # a regex, a grammar, a JSON schema (as compact JSON text), all choices together
+MAX_CHOICES = 8192              # entries of a choice
+MAX_GRAMMAR_RULES = 1000        # rule and terminal definitions of a Lark or GBNF grammar
+MAX_SCHEMA_DEPTH = 32           # nesting of a JSON schema's objects and arrays (as the request body's own limit)
+MAX_SCHEMA_REFS = 1000          # "$ref"s in a JSON schema (a chain of them nests as deep as it is long)
+MAX_WHITESPACE_PATTERN_CHARS = 1024
+# a definition at the start of a line: Lark `name:` / `NAME.2:` / `?name:`, GBNF `name ::=`
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*(?:[ \t]*\.[ \t]*-?\d+)?[ \t]*(?:::=|:)", re.M)
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 def _fail(message: str):
@@ -52,6 +68,10 @@ class StructuredOutputsParams:
             _fail(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}")
         elif kind == "grammar" and not self.grammar.strip():
             _fail("grammar is empty; give a Lark or GBNF grammar")
+        elif kind in ("regex", "grammar"):
+            _check_text_size(kind, getattr(self, kind))
+            if kind == "grammar":
+                _check_rules(self.grammar)
         elif kind == "choice":
             self._check_choice()
         elif kind == "json_object" and self.json_object is not True:
@@ -63,18 +83,33 @@ class StructuredOutputsParams:
     def _check_json(self) -> None:
         schema = self.json
         if isinstance(schema, str):
+            _check_text_size("json", schema)
+            _check_text_depth(schema)           # before parsing: json.loads recurses once per level
             try:
                 schema = json_module.loads(schema)
             except ValueError as exc:
                 _fail(f"json is not valid JSON ({exc}); give a JSON schema object")
         if not isinstance(schema, dict):
             _fail(f"json must be a JSON schema object (a dict or its JSON text), got {type(schema).__name__}")
+        _check_schema_shape(schema)
+        try:
+            text = json_module.dumps(schema, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            _fail(f"json must hold JSON values only ({exc})")
+        _check_text_size("json", text)
+        object.__setattr__(self, "_json_text", text)       # the cache key's form, computed once
 
     def _check_choice(self) -> None:
         if not isinstance(self.choice, (list, tuple)) or not self.choice:
             _fail(f"choice must be a non-empty list of strings, got {self.choice!r:.60}")
         if any(not isinstance(c, str) for c in self.choice):
             _fail("choice must be a list of strings")
+        if len(self.choice) > MAX_CHOICES:
+            _fail(f"choice has {len(self.choice)} entries, more than kvfit's limit of {MAX_CHOICES}; give fewer "
+                  "choices, or a regex or grammar that describes them")
+        total = sum(map(len, self.choice))
+        if total > MAX_SPEC_CHARS:
+            _fail(f"choice entries hold {total} characters together, more than kvfit's limit of {MAX_SPEC_CHARS}")
         object.__setattr__(self, "choice", tuple(self.choice))
 
     def _check_options(self, kind: str) -> None:
@@ -83,6 +118,9 @@ class StructuredOutputsParams:
                 _fail(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             _fail(f"whitespace_pattern must be a regex string, got {type(self.whitespace_pattern).__name__}")
+        if self.whitespace_pattern is not None and len(self.whitespace_pattern) > MAX_WHITESPACE_PATTERN_CHARS:
+            _fail(f"whitespace_pattern has {len(self.whitespace_pattern)} characters, more than kvfit's limit of "
+                  f"{MAX_WHITESPACE_PATTERN_CHARS}")
         options = [n for n in ("disable_any_whitespace", "disable_additional_properties") if getattr(self, n)]
         options += ["whitespace_pattern"] * (self.whitespace_pattern is not None)
         if options and kind not in JSON_KINDS:
@@ -116,7 +154,57 @@ class StructuredOutputsParams:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            schema = json_module.loads(value) if isinstance(value, str) else value
-            value = json_module.dumps(schema, sort_keys=True, separators=(",", ":"))
+            value = self._json_text
         return (kind, value, self.disable_any_whitespace, self.disable_additional_properties,
                 self.whitespace_pattern)
+
+
+def _check_text_size(kind: str, text: str) -> None:
+    if len(text) > MAX_SPEC_CHARS:
+        _fail(f"{kind} has {len(text)} characters, more than kvfit's limit of {MAX_SPEC_CHARS}; give a smaller "
+              f"{'schema' if kind == 'json' else kind}")
+
+
+def _check_rules(grammar: str) -> None:
+    num_rules = len(_RULE.findall(grammar))
+    if num_rules > MAX_GRAMMAR_RULES:
+        _fail(f"grammar defines {num_rules} rules, more than kvfit's limit of {MAX_GRAMMAR_RULES}; give a "
+              "smaller grammar")
+
+
+def _depth_failure() -> None:
+    _fail(f"json: the schema nests deeper than kvfit's limit of {MAX_SCHEMA_DEPTH} levels; flatten it (use $defs "
+          "for repeated parts)")
+
+
+def _check_text_depth(text: str) -> None:
+    """JSON text nesting past MAX_SCHEMA_DEPTH, found without parsing it (strings skipped)."""
+    if text.count("[") + text.count("{") <= MAX_SCHEMA_DEPTH:
+        return
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        bracket = token.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > MAX_SCHEMA_DEPTH:
+                _depth_failure()
+        elif bracket in "]}":
+            depth -= 1
+
+
+def _check_schema_shape(schema: dict) -> None:
+    """Nesting within MAX_SCHEMA_DEPTH and "$ref"s within MAX_SCHEMA_REFS, walked without recursion
+    (an offline caller may hand a dict of any depth)."""
+    num_refs = 0
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            _depth_failure()
+        children = node.values() if isinstance(node, dict) else node
+        if isinstance(node, dict) and "$ref" in node:
+            num_refs += 1
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    if num_refs > MAX_SCHEMA_REFS:
+        _fail(f"json: the schema has {num_refs} $refs, more than kvfit's limit of {MAX_SCHEMA_REFS}; give a "
+              "smaller schema")

@@ -182,12 +182,16 @@ def test_refused_specs_give_one_line_request_errors(outputs, kwargs, words):
 
 def test_compile_cache_returns_the_same_grammar_and_evicts_least_recent(outputs):
     tok = outputs["byte_level"][1]
-    so = StructuredOutputs(tok, tok.vocab_size, cache_size=2)
+    sizing = StructuredOutputs(tok, tok.vocab_size)
+    num_bytes = [sizing.compile(Params(json=SCHEMA, disable_any_whitespace=flag)).num_bytes for flag in (False, True)]
+    assert sizing.compile(Params(regex="[0-9]")).num_bytes <= num_bytes[1]
+    so = StructuredOutputs(tok, tok.vocab_size, cache_bytes=sum(num_bytes))    # room for the two schemas
     first = so.compile(Params(json=SCHEMA))
     assert so.compile(Params(json=json.dumps(SCHEMA))) is first
     assert so.compile(Params(json=SCHEMA, disable_any_whitespace=True)) is not first
     assert so.compile(Params(json=SCHEMA)) is first        # now the most recent of the two
     so.compile(Params(regex="[0-9]"))                       # evicts the whitespace-free one, not `first`
+    assert so.num_cached_bytes <= so.cache_bytes
     assert so.compile(Params(json=SCHEMA)) is first
     assert so.matcher(first).accept(tok.encode("{", add_special_tokens=False)[0])
 

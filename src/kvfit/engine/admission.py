@@ -8,6 +8,9 @@ from __future__ import annotations
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# bad words are tokenized off the engine thread and matched against the output every step: a bounded list
+MAX_BAD_WORDS = 1024
+
 
 def check_cache_salt(cache_salt) -> str | None:
     """vLLM's cache_salt: None, or a non-empty string (requests share prefix-cache blocks only with
@@ -44,6 +47,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if not are_token_ids(prompt_ids):
         raise RequestError("a token-id prompt must be a list of integers", "prompt")
     _check_token_ids(params, vocab_size)
+    if len(params.bad_words) > MAX_BAD_WORDS:
+        raise RequestError(f"bad_words has {len(params.bad_words)} entries, more than kvfit's limit of {MAX_BAD_WORDS}; "
+                           "give fewer", "bad_words")
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise RequestError("the prompt is empty; give at least one token", "prompt")

@@ -97,6 +97,7 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each",
                                "sampling_params")
+        _check_grammars(params)
         engine = self.engine
         ids = []
         try:
@@ -136,6 +137,18 @@ class LLM:
     def shutdown(self) -> None:
         with self._lock:
             self.engine.shutdown()
+
+
+def _check_grammars(params: list) -> None:
+    """The offline front end's grammar check (the server's is in its prepare step): a grammar llguidance
+    refuses is a RequestError here, before any request is added (the engine compiles it later, off its
+    thread, and would only end the request with finish reason 'error')."""
+    specs = {p.structured_outputs.key: p.structured_outputs for p in params
+             if isinstance(p, SamplingParams) and p.structured_outputs is not None}
+    if specs:
+        from kvfit.structured.grammar import check_spec
+        for spec in specs.values():
+            check_spec(spec)
 
 
 def _is_token_ids(value) -> bool:

@@ -6,7 +6,9 @@ a KV cache manager and an output processor.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
 import logging
 import os
@@ -27,6 +29,7 @@ from kvfit.sampling_params import SamplingParams
 from kvfit.step import NONFINITE_TOKEN, SampledTokens, StepDelta
 
 logger = logging.getLogger("kvfit")
+PREPARE_POLL_S = 0.01       # with only requests being prepared, a step waits this long for one to be ready
 
 
 class LLMEngine:
@@ -55,6 +58,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._parents: dict[str, ParentRequest] = {}     # n > 1 requests by id
         self._structured_outputs = None
+        self._preparer: ThreadPoolExecutor | None = None    # bad words are tokenized there (built when needed)
 
     @property
     def device_name(self) -> str:
@@ -115,11 +119,7 @@ class LLMEngine:
         for rid in dict.fromkeys([request_id, *child_ids]):
             if rid in self.scheduler.requests or rid in self._parents:
                 raise RequestError(f"request id {rid!r} is already in use", "request_id")
-        bad_words = ()
-        if params.bad_words:
-            bad_words = bad_words_token_ids(params.bad_words, lambda text: self.tokenizer.encode(
-                text, add_special_tokens=False), self.facts.vocab_size)
-        grammar = self._structured().compile(params.structured_outputs) if params.structured_outputs else None
+        pending = self._prepare(params)
         text = prompt if isinstance(prompt, str) else None
         if params.n > 1:
             self._parents[request_id] = ParentRequest(request_id, params.n, text, ids)
@@ -129,13 +129,50 @@ class LLMEngine:
                 child = replace(child, prompt_logprobs=None)     # the same as sample 0's
             req = Request(request_id=rid, prompt_token_ids=ids, params=child, eos_token_ids=self.eos_token_ids,
                           max_total_tokens=max_total, index=index,
-                          parent_id=request_id if params.n > 1 else None, bad_words_token_ids=bad_words,
-                          cache_salt=cache_salt,
-                          matcher=None if grammar is None else self._structured().matcher(grammar,
-                                                                                          child.stop_token_ids))
+                          parent_id=request_id if params.n > 1 else None, cache_salt=cache_salt, pending=pending)
             self.scheduler.add(req)
             self.outputs.add(req, text)
         return request_id
+
+    def _prepare(self, params: SamplingParams) -> tuple:
+        """What a request waits for before it is scheduled, prepared off the engine thread (vLLM compiles
+        grammars so, its WAITING_FOR_FSM): (its grammar's future or None, its bad words' token ids' future
+        or None); () when it needs neither."""
+        if not params.structured_outputs and not params.bad_words:
+            return ()
+        grammar = self._structured().compile_async(params.structured_outputs) if params.structured_outputs else None
+        bad_words = None
+        if params.bad_words:
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="kvfit-request-prep")
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            bad_words = self._preparer.submit(bad_words_token_ids, params.bad_words, encode, self.facts.vocab_size)
+        return grammar, bad_words
+
+    def _release_prepared(self, outputs: dict[str, RequestOutput]) -> None:
+        """Preparing requests whose grammar and bad words are ready join the waiting queue (arrival order);
+        one whose grammar was refused ends with finish reason 'error' and the reason as its stop_reason."""
+        for req in [r for r in self.scheduler.preparing if all(f is None or f.done() for f in r.pending)]:
+            grammar, bad_words = req.pending
+            failed = next((f.exception() for f in req.pending if f is not None and f.exception() is not None), None)
+            if failed is not None:
+                reason = str(failed) if isinstance(failed, KvfitError) else f"preparing the request failed: {failed!r}"
+                logger.warning("request %s: %s; ending it (finish reason 'error')", req.request_id, reason)
+                self.scheduler.finish(req.request_id, "error")
+                outputs[req.request_id] = self.outputs.fail(req, reason)
+                continue
+            req.pending = ()
+            if grammar is not None:
+                req.matcher = self._structured().matcher(grammar.result(), req.params.stop_token_ids)
+            if bad_words is not None:
+                req.bad_words_token_ids = bad_words.result()
+            self.scheduler.release(req)
+
+    def _wait_for_preparation(self) -> None:
+        """Nothing to run but requests being prepared: wait a little for one (not a busy loop)."""
+        futures = [f for req in self.scheduler.preparing for f in req.pending if f is not None]
+        if futures:
+            wait(futures, timeout=PREPARE_POLL_S, return_when=FIRST_COMPLETED)
 
     def _structured(self):
         """The engine's grammar compiler (built at the first structured request)."""
@@ -183,6 +220,8 @@ class LLMEngine:
         token as single steps would (tokens sampled past the end are dropped).
         """
         self._check_open()
+        outputs: dict[str, RequestOutput] = {}
+        self._release_prepared(outputs)
         try:
             ran = self._launch_and_read()
         except BaseException:
@@ -190,14 +229,15 @@ class LLMEngine:
             self.scheduler.forget_unrun_commits()
             raise
         if ran is None:
-            return []
+            if not outputs:
+                self._wait_for_preparation()
+            return self._fold_samples(outputs, stream)
         delta, tokens = ran
         for request_id, (first, entries) in tokens.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
             # a round read late (async scheduling) may name an id that ended and was re-added since
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.outputs.add_prompt_logprobs(req, first, entries)
-        outputs: dict[str, RequestOutput] = {}
         for k in range(delta.max_num_steps):
             self._apply(delta, tokens, k, stream, outputs)
         return self._fold_samples(outputs, stream)
@@ -299,10 +339,13 @@ class LLMEngine:
             if req.request_id in logprobs:
                 self.outputs.add_logprobs(req, logprobs[req.request_id][step])
             if req.matcher is not None and not req.matcher.accept(req.token_ids[-1]):
-                logger.warning("request %s: the grammar refused token %d; ending it (finish reason 'error')",
-                               req.request_id, req.token_ids[-1])
+                # the grammar went past llguidance's run-time limits (or, a bug, its mask let the token through):
+                # the client sees why in stop_reason
+                reason = (f"structured_outputs: the grammar ended this output at token {req.token_ids[-1]}: "
+                          f"{req.matcher.error or 'the grammar does not allow it'}")
+                logger.warning("request %s: %s; ending it (finish reason 'error')", req.request_id, reason)
                 self.scheduler.finish(req.request_id, "error")
-                outputs[req.request_id] = self.outputs.output(req, finished=True)
+                outputs[req.request_id] = self.outputs.fail(req, reason)
                 continue
             reason = self.outputs.finish_reason(req)
             if reason is not None:
@@ -316,12 +359,16 @@ class LLMEngine:
         return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free_blocks,
                 "kv_blocks_used": pool.num_used_blocks, "kv_blocks_cached": pool.num_cached_blocks,
                 "token_capacity": self.plan.token_capacity, "running": len(sched.running),
-                "waiting": len(sched.waiting), "preemptions": sched.num_preemptions,
+                # a request being prepared (grammar, bad words) is waiting too
+                "waiting": len(sched.waiting) + len(sched.preparing), "preparing": len(sched.preparing),
+                "preemptions": sched.num_preemptions,
                 "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits}
 
     def shutdown(self) -> None:
         """Stop the workers and give their device memory back; the engine serves nothing after it."""
         self._shut_down = True
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=False, cancel_futures=True)
         self.workers.shutdown()
 
     def _check_open(self) -> None:

@@ -123,6 +123,14 @@ class OutputProcessor:
             finish_reason=req.finish_reason if finished else None,
             stop_reason=state.stop_reason if finished and state else None)
 
+    def fail(self, req: Request, reason: str) -> RequestOutput:
+        """The final output of a request the engine ended in error (finish reason 'error'), with why as its
+        stop_reason (one line the client sees)."""
+        state = self._states.get(req.request_id)
+        if state is not None:
+            state.stop_reason = reason
+        return self.output(req, finished=True)
+
     def output(self, req: Request, finished: bool) -> RequestOutput:
         """The request's output so far, one sample (finished: the final one)."""
         state = self._states.get(req.request_id)

@@ -10,6 +10,7 @@ from kvfit.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    PREPARING = "preparing"     # its grammar compiles / bad words tokenize off the engine thread (vLLM's WAITING_FOR_FSM)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -35,6 +36,9 @@ class Request:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
     matcher: object | None = None        # structured outputs: a kvfit.structured Matcher
     cache_salt: str | None = None        # prefix-cache isolation: shares blocks only with the same salt
+    # futures the request waits for (status PREPARING) before it may be scheduled: its grammar, its bad
+    # words' token ids; the engine reads them and clears this when all are done
+    pending: tuple = ()
     # prompt + output in one list, appended one token at a time: slicing a step's tokens and
     # committing full blocks to the prefix cache never rebuild it
     token_ids: list[int] = field(init=False)

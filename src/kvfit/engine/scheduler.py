@@ -46,6 +46,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # added, not yet schedulable: their grammar or bad words are prepared off the engine thread
+        # (vLLM's WAITING_FOR_FSM); the engine releases them to `waiting` in arrival order, or ends them
+        self.preparing: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
@@ -65,11 +68,22 @@ class Scheduler:
         assert request.request_id not in self.requests, "admission checks ids"
         assert 0 < request.num_prompt_tokens < request.max_total_tokens <= self.max_model_len, "admission checks lengths"
         self.requests[request.request_id] = request
+        if request.pending:
+            request.status = RequestStatus.PREPARING
+            self.preparing.append(request)
+        else:
+            self.waiting.append(request)
+
+    def release(self, request: Request) -> None:
+        """A preparing request is ready: it queues behind the waiting ones."""
+        assert request.status is RequestStatus.PREPARING, "only a preparing request is released"
+        self.preparing.remove(request)
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.preparing) + len(self.waiting) + len(self.running)
 
     def block_ids(self, request_id: str):
         return self.kv.block_ids(request_id)
@@ -309,6 +323,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.PREPARING:
+            self.preparing.remove(req)
         # the runner drops the row if it has one (a waiting request may hold one when the delta that
         # preempted it never reached the runner); unknown ids are ignored there
         self._finished_ids.append(request_id)

@@ -95,8 +95,9 @@ def check_unsupported(req) -> None:
             raise bad_request(f"{name} is not supported by kvfit: {instead}", param=name)
 
 
-def _structured_outputs(req) -> StructuredOutputsParams | None:
-    """StructuredOutputsParams from structured_outputs or response_format (only one of them)."""
+def structured_outputs_params(req) -> StructuredOutputsParams | None:
+    """StructuredOutputsParams from structured_outputs or response_format (only one of them); a 400 naming the
+    field when it is malformed or past a limit (structured_params)."""
     fields = dict(req.structured_outputs or {})
     fmt = req.response_format
     if fmt is not None:
@@ -158,7 +159,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, defaults:
     kwargs.update({name: getattr(req, name) for name in PASSED_FIELDS if getattr(req, name) is not None})
     kwargs.update({name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
                    if getattr(req, name) is not None})
-    extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": _structured_outputs(req)}
+    extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs_params(req)}
     kwargs.update({name: value for name, value in extra.items() if value is not None})
     try:
         return SamplingParams(seed=req.seed, max_tokens=max_tokens,

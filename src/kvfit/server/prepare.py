@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from kvfit.errors import ConfigError, KvfitError, RequestError
-from kvfit.server.params import chat_messages, check_unsupported
+from kvfit.server.params import chat_messages, check_unsupported, structured_outputs_params
 from kvfit.server.protocol import APIError, TokenizeRequest, bad_request, parse_body
 
 logger = logging.getLogger("kvfit")
@@ -55,6 +55,7 @@ def prepare_request(raw: bytes, model_class, context: PrepareContext, tokenizer,
     check_model(body.model, context.model_names)
     if model_class is TokenizeRequest:
         _check_tokenize_request(body, tokenizer)
+    _check_grammar(body)
     if getattr(body, "messages", None) is None:         # completions, /detokenize, a /tokenize prompt
         return Prepared(body)
     messages = chat_messages(body)
@@ -68,6 +69,20 @@ def prepare_request(raw: bytes, model_class, context: PrepareContext, tokenizer,
     except KvfitError as exc:
         raise as_api_error(exc) from None
     return Prepared(body.model_copy(update={"messages": []}), ids, messages[-1])
+
+
+def _check_grammar(body) -> None:
+    """A 400 for a structured-outputs spec past kvfit's limits or that llguidance refuses, found here (a large
+    one in a child process with a timeout: structured/validate.py) so the engine only compiles valid ones."""
+    if getattr(body, "structured_outputs", None) is None and getattr(body, "response_format", None) is None:
+        return
+    spec = structured_outputs_params(body)
+    if spec is not None:
+        from kvfit.structured.grammar import check_spec
+        try:
+            check_spec(spec)
+        except RequestError as exc:
+            raise as_api_error(exc) from None
 
 
 def check_model(name: str | None, model_names: tuple[str, ...]) -> None:

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 
 import llguidance
 
 from kvfit.errors import RequestError
+from kvfit.structured.validate import check_definition, one_line
 from kvfit.structured_params import PARAM, StructuredOutputsParams
 
-# lines of a library message that only point at the fault ("   1 | start: foo", "      ^")
-_CONTEXT_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")
-
-
-def one_line(message: str) -> str:
-    """A library's multi-line error as one line: the context lines (source echo, carets) dropped."""
-    kept = [line.strip() for line in message.splitlines() if not _CONTEXT_LINE.match(line)]
-    return " ".join(kept)[:500] or "rejected by the grammar library"
+__all__ = ["check_spec", "grammar_definition", "one_line"]
 
 
 def _close_objects(node):
@@ -64,3 +57,13 @@ def grammar_definition(spec: StructuredOutputsParams) -> str:
         return llguidance.grammar_from(kind, getattr(spec, kind))   # "regex" or "grammar"
     except ValueError as exc:
         raise RequestError(f"structured_outputs.{kind}: {one_line(str(exc))}", PARAM) from None
+
+
+def check_spec(spec: StructuredOutputsParams) -> str:
+    """What a front end does before a request reaches the engine: spec's grammar definition, validated by
+    llguidance where a crash or a long check cannot take this process (structured/validate.py); a
+    RequestError (param structured_outputs) saying why it is refused. spec's own bounds were checked
+    when it was built."""
+    definition = grammar_definition(spec)
+    check_definition(spec.kind, definition)
+    return definition

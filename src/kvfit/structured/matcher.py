@@ -1,9 +1,11 @@
 """StructuredOutputs: compile a request's constraint once (cached), match its tokens, fill its bitmask rows.
 
 Built once per engine from the tokenizer and the model's vocab_size (the logits width; ids past the
-tokenizer's vocabulary are never allowed). Compiling is thread-safe and may run on a thread pool
-(llguidance releases the GIL while it builds a grammar); a Matcher belongs to one request and is
-driven by one thread.
+tokenizer's vocabulary are never allowed). compile_async builds on the engine's grammar threads (never
+the engine thread: llguidance releases the GIL while it builds, which takes seconds for a large spec),
+so other requests keep stepping while a request waits for its grammar. A definition too large to be
+safe is validated in a child process first (structured/validate.py). The cache of compiled grammars
+is bounded by their estimated bytes. A Matcher belongs to one request and is driven by one thread.
 
 End of output: while the grammar may end here the mask allows EOS (every id of eos_token_ids and
 the request's stop_token_ids) beside the tokens that continue it; once nothing can follow (a
@@ -14,6 +16,7 @@ after that, or after a rejected token, the mask allows only EOS.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,17 +29,53 @@ from kvfit.errors import RequestError
 from kvfit.structured.bitmask import allocate_bitmask, apply_bitmask, bitmask_words
 from kvfit.structured.grammar import grammar_definition, one_line
 from kvfit.structured.tokenizer_info import build_ll_tokenizer
+from kvfit.structured.validate import PARSER_LIMITS, SMALL_DEFINITION_CHARS, check_definition
 from kvfit.structured_params import PARAM, StructuredOutputsParams
 
 logger = logging.getLogger("kvfit")
-DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 256 * 2**20
+# what a compiled grammar holds, estimated from its definition's length: measured 40-165 bytes of memory
+# per definition character (Lark chains, choices, 2,000-property schemas), so an upper bound
+COMPILED_BYTES_PER_DEFINITION_CHAR = 200
+COMPILED_BASE_BYTES = 64 * 1024
+COMPILE_THREADS = 2
+COMPILE_STACK_BYTES = 64 * 2**20        # llguidance recurses over the grammar: never less stack than a main thread
+
+
+class _CompileThreads:
+    """A few daemon threads with deep stacks (a ThreadPoolExecutor cannot set its threads' stack size)."""
+
+    def __init__(self, num_threads: int, stack_bytes: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        previous = threading.stack_size(stack_bytes)
+        try:
+            for i in range(num_threads):
+                threading.Thread(target=self._work, name=f"kvfit-grammar-{i}", daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:        # handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 class CompiledGrammar:
     """A compiled constraint: llguidance's matcher in its start state, copied (microseconds) per request."""
 
-    def __init__(self, spec: StructuredOutputsParams, start: "llguidance.LLMatcher"):
+    def __init__(self, spec: StructuredOutputsParams, start: "llguidance.LLMatcher", num_bytes: int = 0):
         self.spec = spec
+        self.num_bytes = num_bytes      # estimated memory (the cache's bound counts it)
         self._start = start
         self._lock = threading.Lock()   # the start state is shared by the threads that copy it
 
@@ -101,15 +140,17 @@ class Matcher:
 
 
 class StructuredOutputs:
-    """Per engine: compile(spec) (LRU-cached, thread-safe), matcher(spec), bitmasks sized for the model.
+    """Per engine: compile_async(spec) / compile(spec) (cached, bounded by bytes, thread-safe),
+    matcher(spec), bitmasks sized for the model.
 
     tokenizer: kvfit's Tokenizer (its tokenizers backend and eos_token_id); vocab_size: the model's
     logits width; eos_token_ids: the ids that end output when the grammar is complete (default: the
-    tokenizer's eos_token_id; pass generation_config.json's list when it has several).
+    tokenizer's eos_token_id; pass generation_config.json's list when it has several). cache_bytes: the
+    most estimated bytes of compiled grammars kept. parser_limits: llguidance's LLParserLimits fields.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
-                 cache_size: int = DEFAULT_CACHE_SIZE):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, parser_limits: dict | None = None):
         if eos_token_ids is None:
             eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self.vocab_size = vocab_size
@@ -119,9 +160,11 @@ class StructuredOutputs:
         self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
-        self._cache_size = cache_size
-        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        self.cache_bytes = cache_bytes
+        self.num_cached_bytes = 0       # estimated bytes of the compiled grammars in the cache
+        self._limits = llguidance.LLParserLimits(**{**PARSER_LIMITS, **(parser_limits or {})})
         self._executor = None
+        self._threads: _CompileThreads | None = None
 
     def _tokenizer(self) -> "llguidance.LLTokenizer":
         # built on first use (about a second for a 150k vocabulary), once, whichever thread gets here first
@@ -131,36 +174,54 @@ class StructuredOutputs:
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of spec, from the cache when an equal spec was compiled; RequestError
-        (param structured_outputs) with the library's message when it refuses the schema/regex/grammar."""
+        """The compiled grammar of spec, waited for (see compile_async)."""
+        return self.compile_async(spec).result()
+
+    def compile_async(self, spec: StructuredOutputsParams) -> Future:
+        """A future of spec's CompiledGrammar, built on the grammar threads (the cache's when an equal spec was
+        compiled or is compiling); its exception is a RequestError (param structured_outputs) with the
+        library's message when it refuses the schema/regex/grammar. A refused spec is not cached."""
         key = spec.key
         with self._cache_lock:
             future = self._cache.get(key)
-            owner = future is None
-            if owner:
-                future = self._cache[key] = Future()
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-            else:
+            if future is not None:
                 self._cache.move_to_end(key)
-        if owner:
-            try:
-                future.set_result(self._build(spec))
-            except BaseException as exc:
-                with self._cache_lock:      # a refused spec is not cached: the next request gets a fresh try
-                    if self._cache.get(key) is future:
-                        del self._cache[key]
-                future.set_exception(exc)
-        return future.result()
+                return future
+            if self._threads is None:
+                self._threads = _CompileThreads(COMPILE_THREADS, COMPILE_STACK_BYTES)
+            future = self._cache[key] = self._threads.submit(self._build, spec)
+        future.add_done_callback(lambda done: self._cached(key, done))
+        return future
+
+    def _cached(self, key: tuple, future: Future) -> None:
+        """A build finished: a refused spec leaves the cache, a compiled one counts its bytes (least recently
+        used ones evicted past cache_bytes; one larger than the whole budget is not kept)."""
+        with self._cache_lock:
+            if self._cache.get(key) is not future:
+                return
+            if future.exception() is not None:
+                del self._cache[key]
+                return
+            self.num_cached_bytes += future.result().num_bytes
+            for old_key in list(self._cache):
+                if self.num_cached_bytes <= self.cache_bytes:
+                    break
+                old = self._cache[old_key]
+                if old.done():                  # one still compiling has no bytes yet
+                    del self._cache[old_key]
+                    self.num_cached_bytes -= old.result().num_bytes
 
     def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         definition = grammar_definition(spec)
+        if len(definition) > SMALL_DEFINITION_CHARS:
+            check_definition(spec.kind, definition)     # in a child process: a crash there is this request's
         start = llguidance.LLMatcher(self._tokenizer(), definition, log_level=0, limits=self._limits)
         if start.is_error():
             raise RequestError(f"structured_outputs.{spec.kind}: {one_line(start.get_error())}", PARAM)
         for warning in start.get_grammar_warnings():
             logger.warning("structured_outputs.%s: %s", spec.kind, one_line(warning))
-        return CompiledGrammar(spec, start)
+        num_bytes = COMPILED_BASE_BYTES + COMPILED_BYTES_PER_DEFINITION_CHAR * len(definition)
+        return CompiledGrammar(spec, start, num_bytes)
 
     def matcher(self, spec: StructuredOutputsParams | CompiledGrammar, stop_token_ids: Sequence[int] = ()) -> Matcher:
         """A fresh Matcher for one request (compiling spec if needed); stop_token_ids: the request's own."""
