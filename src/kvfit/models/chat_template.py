@@ -1,16 +1,80 @@
-"""Render a model's Jinja chat template the way transformers does (sandboxed, same helpers and flags)."""
+"""Render a model's Jinja chat template the way transformers does (sandboxed, same helpers and flags).
+
+A template is the operator's (--chat-template) or the model's, but it runs on every chat request with
+the client's messages, so rendering is bounded (issue 27, item 12): MAX_RENDER_CPU_SECONDS of the
+rendering thread's CPU time (counted on the template's own lines through a per-thread trace hook, so
+a loop is stopped where it runs), MAX_RENDERED_CHARS of output, and no single operation that builds a
+value past MAX_RENDERED_CHARS (`'a' * n`, `x ** n`, a filter or method given a huge width or count).
+Past a bound, a recursing macro, an include/import (kvfit loads no other templates) or any error the
+template raises is a RequestError (a 400) saying what happened, never a hung prepare thread or a 500.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
+import time
 from datetime import datetime
 
 from kvfit.errors import ConfigError, RequestError
+
+MAX_RENDER_CPU_SECONDS = 2.0          # CPU time one rendering may take (a 25,000-message chat takes ~0.1 s)
+MAX_RENDERED_CHARS = 16 * 2**20       # output of one rendering (more than any --max-model-len can take)
+MAX_POWER_BITS = 4096                 # `x ** n` in a template: a result of at most this many bits
+_TEMPLATE_FILE = "<template>"         # the code file name of a template compiled from a string
+_STEPS_PER_CLOCK_READ = 1024
+
+
+class TemplateBudgetError(Exception):
+    """A rendering went past one of this module's bounds."""
+
+
+def _check_size(what: str, size: int) -> None:
+    if size > MAX_RENDERED_CHARS:
+        raise TemplateBudgetError(f"{what} of {size} would exceed kvfit's limit of {MAX_RENDERED_CHARS} characters")
+
+
+def _check_args(name: str, args, kwargs) -> None:
+    """An integer argument past MAX_RENDERED_CHARS (a width, a count, a range) is refused before the call."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDERED_CHARS:
+            raise TemplateBudgetError(f"{name} called with {value}, past kvfit's limit of {MAX_RENDERED_CHARS}")
+
+
+def _check_replace(text, old, new) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        _check_size("a replace", len(text) + (text.count(old) if old else len(text) + 1) * (len(new) - len(old)))
+
+
+def _check_result(what: str, value):
+    if isinstance(value, (str, list, tuple)):
+        _check_size(what, len(value))
+    return value
+
+
+def _bounded_filter(name: str, fn):
+    @functools.wraps(fn)        # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        values = [a for a in args if not hasattr(a, "environment")][:3]    # past a passed context/environment
+        _check_args(f"the filter {name}", values[1:], kwargs)
+        if name == "replace" and len(values) == 3:
+            _check_replace(*values)
+        return _check_result(f"the filter {name}'s result", fn(*args, **kwargs))
+    return bounded
+
+
+def _bounded_concat(items) -> str:
+    """jinja's `a ~ b` (str_join), refused past MAX_RENDERED_CHARS before it is built."""
+    texts = [str(item) for item in items]
+    _check_size("a ~ concatenation", sum(map(len, texts)))
+    return "".join(texts)
 
 
 def _environment():
     import jinja2
     from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -33,16 +97,54 @@ def _environment():
         # not jinja's own tojson, which escapes HTML characters
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    class BoundedCodeGenerator(CodeGenerator):
+        def visit_Concat(self, node, frame):
+            # `a ~ b` through the environment's bounded concat instead of a bare "".join
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+"})
+        code_generator_class = BoundedCodeGenerator
+        bounded_concat = staticmethod(_bounded_concat)
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                    _check_size("a + concatenation", len(left) + len(right))
+            elif operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                        _check_size("a repeat", len(seq) * count)
+            elif isinstance(left, int) and isinstance(right, int) and right > 0:
+                if left.bit_length() * right > MAX_POWER_BITS:
+                    raise TemplateBudgetError(f"{left} ** {right} is past kvfit's limit of {MAX_POWER_BITS} bits")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+            name = getattr(__obj, "__name__", "a function")
+            _check_args(name, args, kwargs)
+            if name == "replace" and isinstance(getattr(__obj, "__self__", None), str) and len(args) >= 2:
+                _check_replace(__obj.__self__, args[0], args[1])
+            return _check_result(f"{name}'s result", super().call(__context, __obj, *args, **kwargs))
+
+    # an empty loader: {% include %} / {% import %} / {% extends %} find nothing (TemplateNotFound)
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, loader=jinja2.DictLoader({}),
+                         extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters.update({name: _bounded_filter(name, fn) for name, fn in env.filters.items()})
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 
-# template variables the renderer sets itself: chat_template_kwargs may not replace them
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+# template variables the renderer sets itself and the helpers templates call: chat_template_kwargs may not
+# replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "raise_exception",
+                                         "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
 # transformers marks the end of the message to continue with this, renders, then cuts there
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # a --chat-template value holding one of these is a template, else a path (vLLM's rule)
@@ -102,8 +204,8 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
                            "add_generation_prompt to false to continue the last message", "continue_final_message")
     reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
     if reserved:
-        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them; use the "
-                           "request fields)", "chat_template_kwargs")
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (variables the server sets from "
+                           "the request's fields, or helpers the template calls)", "chat_template_kwargs")
     plain = [dict(m) for m in messages]
     final = None
     if continue_final_message:
@@ -112,13 +214,65 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
                                "continue_final_message")
         final = plain[-1]["content"]
         plain[-1]["content"] = final + _CONTINUE_TAG
-    variables = {**special_tokens, **(template_kwargs or {})}
-    try:
-        text = template.render(messages=plain, add_generation_prompt=add_generation_prompt, tools=tools,
-                               documents=None, **variables)
-    except jinja2.TemplateError as exc:
-        raise RequestError(f"the chat template rejected these messages: {exc}") from None
+    variables = {**special_tokens, **(template_kwargs or {}), "messages": plain,
+                 "add_generation_prompt": add_generation_prompt, "tools": tools, "documents": None}
+    text = _render_bounded(template, variables)
     return text if final is None else _cut_at_continue_tag(text, final)
+
+
+def _render_bounded(template, variables: dict) -> str:
+    """template rendered with variables (one dict: a kwarg named like render's own parameters is just a
+    variable) within this module's bounds; every way it fails is a one-line RequestError."""
+    import jinja2
+    budget = _Budget(MAX_RENDER_CPU_SECONDS)
+    previous = sys.gettrace()
+    sys.settrace(budget.trace)
+    try:
+        pieces, size = [], 0
+        for piece in template.generate(variables):
+            size += len(piece)
+            _check_size("the rendered chat", size)
+            pieces.append(piece)
+        return "".join(pieces)
+    except TemplateBudgetError as exc:
+        raise RequestError(f"the chat template went past a bound rendering these messages: {exc}; the template "
+                           "(--chat-template or the model's) must be fixed") from None
+    except jinja2.TemplateNotFound as exc:
+        raise RequestError(f"the chat template includes or imports {exc.name!r}, but kvfit loads no other "
+                           "templates; inline it into the chat template") from None
+    except jinja2.TemplateError as exc:
+        raise RequestError(f"the chat template rejected these messages: {_one_line(exc)}") from None
+    except RecursionError:
+        raise RequestError("the chat template recursed too deeply rendering these messages (a macro or a recursive "
+                           "loop that does not end); the template must be fixed") from None
+    except Exception as exc:      # the template's own code failed on these messages (or on chat_template_kwargs)
+        raise RequestError(f"the chat template failed on these messages: {type(exc).__name__}: "
+                           f"{_one_line(exc)}") from None
+    finally:
+        sys.settrace(previous)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+class _Budget:
+    """A per-thread trace hook that stops a template running past its CPU time: it traces only the template's
+    own frames, and reads the clock every _STEPS_PER_CLOCK_READ lines."""
+
+    def __init__(self, cpu_seconds: float):
+        self.deadline = time.thread_time() + cpu_seconds
+        self.cpu_seconds = cpu_seconds
+        self.steps = 0
+
+    def trace(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    def _line(self, frame, event, arg):
+        self.steps += 1
+        if self.steps % _STEPS_PER_CLOCK_READ == 0 and time.thread_time() > self.deadline:
+            raise TemplateBudgetError(f"it ran for more than kvfit's limit of {self.cpu_seconds:g} s of CPU time")
+        return self._line
 
 
 def _cut_at_continue_tag(text: str, final: str) -> str:
