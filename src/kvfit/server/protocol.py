@@ -374,7 +374,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# line ends to str.splitlines (and to some SSE clients) that json.dumps leaves raw (it escapes those below
+# U+0020): escaped inside an event's JSON
+_SSE_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(data: dict | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
+    """One server-sent event: `data: <json>` and a blank line. The JSON keeps non-ASCII text as it is, but
+    escapes U+2028, U+2029 and U+0085, which splitlines-style readers take as line ends: they only occur inside
+    JSON strings, where the escape means the same."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {text}\n\n".encode("utf-8")
+    return f"data: {text.translate(_SSE_LINE_BREAKS)}\n\n".encode("utf-8")
