@@ -11,6 +11,7 @@ from kvfit.errors import ConfigError
 from kvfit.hub import resolve_model_name
 from kvfit.kv.spec import KV_CACHE_DTYPES, check_block_size, resolve_kv_cache_dtype
 from kvfit.model_facts import DTYPE_ALIASES
+from kvfit.quant_scheme import QUANTIZATION_METHODS
 from kvfit.units import parse_bytes
 
 # torch.manual_seed takes seeds up to 2**64 - 1; per-request seeds are taken mod 2**64 (sampling_state.py)
@@ -52,6 +53,9 @@ class ModelConfig:
     # vLLM's --max-logprobs: the most top log probabilities (logprobs, prompt_logprobs) a request may ask for
     # per token; -1: the whole vocabulary. The profile samples with this many, so it costs no unplanned memory.
     max_logprobs: int = 20
+    # vLLM's --quantization: fp8 quantizes a 16-bit checkpoint's linear weights to FP8 at load (per output
+    # channel, activations per token); None: the checkpoint's own (an FP8 checkpoint's quantization_config)
+    quantization: str | None = None
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -87,6 +91,9 @@ class ModelConfig:
                               f"got {self.max_logprobs!r}")
         if self.seed > MAX_SEED:
             raise ConfigError(f"--seed must be at most 2**64 - 1 (torch.manual_seed's range), got {self.seed}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"--quantization {self.quantization!r} is not supported; use "
+                              f"{', '.join(QUANTIZATION_METHODS)} (or leave it out: the checkpoint's own)")
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ def parse_quantization_config(quant: dict, source: str = "config.json") -> Fp8Sc
         return None
     where = f"{source} quantization_config"
     method = quant.get("quant_method")
+    if not isinstance(method, str):
+        raise ConfigError(f"{where}: 'quant_method' must be a string (e.g. \"fp8\"), got {_show(method)}")
     if method == "compressed-tensors":
         return _compressed_tensors(quant, where)
     if method == "fp8":

@@ -97,3 +97,33 @@ def fake_quant_hooks(hf_model, fmt: str, block=(128, 128)) -> list:
             return (dequantize_activations(xq, scale, probe).to(x.dtype).reshape(x.shape),)
         handles.append(module.register_forward_pre_hook(hook))
     return handles
+
+
+def fake_quant_experts(hf_model, fmt: str, block=(128, 128)) -> int:
+    """Give every transformers experts module (stacked gate_up_proj / down_proj) a forward that quantizes the
+    inputs of its two GEMMs as kvfit's FP8 experts do; returns how many modules it changed."""
+    import types
+
+    from kvfit.models.quant.fp8 import Fp8Weight, dequantize_activations, quantize_activations
+    probe = Fp8Weight(torch.empty(0), torch.empty(0), block if fmt == "block" else None)
+
+    def fq(x):
+        xq, scale = quantize_activations(x, probe)
+        return dequantize_activations(xq, scale, probe).to(x.dtype)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token_idx, slot = torch.where(top_k_index == expert)
+            if token_idx.numel() == 0:
+                continue
+            gate, up = torch.nn.functional.linear(fq(hidden_states[token_idx]), self.gate_up_proj[expert]).chunk(2, -1)
+            h = torch.nn.functional.linear(fq(self.act_fn(gate) * up), self.down_proj[expert])
+            out.index_add_(0, token_idx, h * top_k_weights[token_idx, slot, None])
+        return out
+    changed = 0
+    for module in hf_model.modules():
+        if hasattr(module, "gate_up_proj") and isinstance(getattr(module, "gate_up_proj"), torch.nn.Parameter):
+            module.forward = types.MethodType(forward, module)
+            changed += 1
+    return changed

@@ -107,7 +107,10 @@ def _slow_start(config) -> tuple[float, str] | None:
     # a GPU loads and profiles in seconds; the host CPU is the platform whose start-up takes minutes
     if get_platform(config.device.device).name != "cpu":
         return None
-    return cpu_startup_estimate(load_model_facts(config.model.model), config)
+    if config.model.load_format != "dummy":     # missing weights fail at once (the loader's error): no wait to announce
+        from kvfit.models.loader import safetensors_files
+        safetensors_files(config.model.model)
+    return cpu_startup_estimate(load_model_facts(config.model.model, config.model.quantization), config)
 
 
 def _progress(stop: threading.Event, start: float, seconds: float, every: float) -> None:

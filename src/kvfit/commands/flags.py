@@ -94,6 +94,9 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache size with a unit, e.g. 20GiB; replaces the --gpu-memory-utilization budget "
                         "(default: what the budget leaves)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output channel, "
+                        "activations per token; default: the checkpoint's own, e.g. an FP8 checkpoint's)")
     p.add_argument("--attention-backend", default=None, help="torch or triton (default: the platform's)")
 
 

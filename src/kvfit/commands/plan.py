@@ -61,7 +61,7 @@ def run(args) -> int:
     kwargs = engine_kwargs(args)
     kwargs.pop("attention_backend", None)
     config = EngineConfig.from_kwargs(args.model, **kwargs)     # a missing model is the first error
-    facts = load_model_facts(config.model.model)
+    facts = load_model_facts(config.model.model, config.model.quantization)
     total, device_name = _device(args)
     backend = args.attention_backend or "triton"
     spec, limits = spec_and_limits(facts, config, backend_max_offset(backend), backend)

@@ -25,7 +25,7 @@ class LLM:
     block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override, max_num_blocks,
     kv_cache_dtype, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
     tensor_parallel_size, load_format, seed, attention_backend, enforce_eager, disable_cascade_attn, plan_json,
-    generation_config, max_logprobs.
+    generation_config, max_logprobs, quantization.
     """
 
     def __init__(self, model: str | os.PathLike, **kwargs):

@@ -69,7 +69,7 @@ def _make_executor(config, facts, platform, backend, spec):
 
 def start_engine(config: EngineConfig) -> StartedEngine:
     """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down."""
-    facts = load_model_facts(config.model.model)
+    facts = load_model_facts(config.model.model, config.model.quantization)
     platform = get_platform(config.device.device)
     backend_name = config.device.attention_backend or platform.default_backend
     backend = get_backend(backend_name)         # an unknown name is its own error, before "not on this device"

@@ -122,8 +122,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: floa
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        if getattr(param, "weight_loader", None) is not None and name not in fp8:
-            continue            # an FP8 weight's scales: set with its weight, below
+        if getattr(param, "quant_scale", False):
+            continue            # an FP8 weight's scales: set with its weight
         # one generator per tensor, seeded by its name, so the weights do not depend on iteration order
         gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
         if name in fp8:        # FP8: drawn in fp32, quantized as the layer's scheme says

@@ -28,6 +28,8 @@ from kvfit.models.gemv import linear
 from kvfit.models.layers import SwiGLU
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly
+from kvfit.models.quant.experts import Fp8Experts
+from kvfit.models.quant.linear import is_fp8_source
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ def moe_config(facts: ModelFacts) -> MoEConfig:
 class SparseMoE(torch.nn.Module):
     """Router + stacked experts of one layer; this rank holds channels [start, start + size) of each expert."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype, device, tp_rank: int, tp_size: int):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype, device, tp_rank: int, tp_size: int,
+                 scheme=None, prefix: str = "mlp"):
         super().__init__()
         self.moe, self.tp_size = moe, tp_size
         self.start, self.size = split_evenly(moe.intermediate_size, tp_rank, tp_size,
@@ -84,14 +87,19 @@ class SparseMoE(torch.nn.Module):
         e, h = moe.num_experts, hidden_size
         self.gate = torch.nn.Module()
         self.gate.weight = make_param((e, h), None, dtype, device)
-        # transformers 5's in-memory names and layout; full_shape is the whole (unsharded) tensor
-        self.experts = torch.nn.Module()
-        self.experts.gate_up_proj = make_param((e, 2 * self.size, h), None, dtype, device)
-        self.experts.gate_up_proj.full_shape = (e, 2 * moe.intermediate_size, h)
-        self.experts.down_proj = make_param((e, h, self.size), None, dtype, device)
-        self.experts.down_proj.full_shape = (e, h, moe.intermediate_size)
+        if scheme is not None and scheme.quantizes(f"{prefix}.experts.0.{moe.expert_names[0]}"):
+            self.experts = Fp8Experts(e, h, moe.intermediate_size, self.start, self.size, scheme, device,
+                                      f"{prefix}.experts")
+        else:
+            # transformers 5's in-memory names and layout; full_shape is the whole (unsharded) tensor
+            self.experts = torch.nn.Module()
+            self.experts.gate_up_proj = make_param((e, 2 * self.size, h), None, dtype, device)
+            self.experts.gate_up_proj.full_shape = (e, 2 * moe.intermediate_size, h)
+            self.experts.down_proj = make_param((e, h, self.size), None, dtype, device)
+            self.experts.down_proj.full_shape = (e, h, moe.intermediate_size)
         if moe.shared_intermediate_size:
-            self.shared_expert = SwiGLU(h, moe.shared_intermediate_size, False, dtype, device, tp_rank, tp_size)
+            self.shared_expert = SwiGLU(h, moe.shared_intermediate_size, False, dtype, device, tp_rank, tp_size,
+                                        scheme, f"{prefix}.shared_expert")
             self.shared_expert_gate = torch.nn.Module()
             self.shared_expert_gate.weight = make_param((1, h), None, dtype, device)
 
@@ -105,16 +113,26 @@ class SparseMoE(torch.nn.Module):
         weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize)
         if self.moe.round_weights:
             weights = weights.to(x.dtype)
-        out = all_reduce(moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids),
-                         self.tp_size)
+        if isinstance(self.experts, Fp8Experts):
+            routed = self.experts(x, weights, ids)
+        else:
+            routed = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = all_reduce(routed, self.tp_size)
         if self.moe.shared_intermediate_size:   # Qwen2-MoE: + sigmoid(gate(x)) * shared_expert(x)
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
 
     # loading ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_expert(self, expert: int, part: str, source) -> None:
-        """One expert's gate/up ([I, H]) or down ([H, I]) checkpoint tensor: this rank's channels."""
+    def load_expert(self, expert: int, part: str, source, kind: str = "weight", name: str = "") -> None:
+        """One expert's gate/up ([I, H]) or down ([H, I]) checkpoint tensor: this rank's channels (kind
+        "scale": an FP8 expert's weight scale)."""
+        if isinstance(self.experts, Fp8Experts):
+            self.experts.load(expert, part, kind, source, name)
+            return
+        if kind != "weight" or is_fp8_source(source):
+            raise ConfigError(f"checkpoint tensor {name} is quantized but config.json's quantization_config leaves "
+                              "this layer's experts in 16 bits; the checkpoint does not match config.json")
         s, n = self.start, self.size
         h, inter = self.experts.down_proj.shape[1], self.moe.intermediate_size
         want = (h, inter) if part == "down" else (inter, h)
@@ -131,6 +149,9 @@ class SparseMoE(torch.nn.Module):
     def load_stacked(self, part: str, source) -> None:
         """transformers 5's stacked gate_up_proj [E, 2 I, H] (gate rows, then up) or down_proj [E, H, I]."""
         s, n, inter = self.start, self.size, self.moe.intermediate_size
+        if isinstance(self.experts, Fp8Experts):
+            raise ConfigError("stacked expert tensors (transformers 5's gate_up_proj/down_proj) with FP8 weights are "
+                              "not supported; kvfit reads FP8 experts from the Hub's per-expert tensors")
         param = self.experts.down_proj if part == "down" else self.experts.gate_up_proj
         if source_shape(source) != param.full_shape:
             raise ConfigError(f"stacked expert tensor {part}_proj has shape {list(source_shape(source))} but "
@@ -142,7 +163,7 @@ class SparseMoE(torch.nn.Module):
             param[:, n:].copy_(source[:, inter + s:inter + s + n])
 
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv)")
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
@@ -155,23 +176,38 @@ class MoECausalLM(CausalLM):
         super().__init__(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
         parts = dict(zip(self.moe.expert_names, ("gate", "up", "down")))
         self._expert_parts = parts
-        # stacked parameter name -> the (expert, part) pieces still to load
+        # stacked parameter name -> the (expert, part) pieces still to load (FP8 experts: their scales too)
         self._pending: dict[str, set[tuple[int, str]]] = {}
         for layer in sorted(self.moe.sparse_layers):
-            for tensor, wanted in ((f"model.layers.{layer}.mlp.experts.gate_up_proj", ("gate", "up")),
-                                   (f"model.layers.{layer}.mlp.experts.down_proj", ("down",))):
-                self._pending[tensor] = {(e, p) for e in range(self.moe.num_experts) for p in wanted}
+            suffixes = ("",)
+            if isinstance(self.model.layers[layer].mlp.experts, Fp8Experts) and not self.scheme.online:
+                suffixes = ("", "_scale")
+            for suffix in suffixes:
+                for tensor, wanted in ((f"model.layers.{layer}.mlp.experts.gate_up_proj{suffix}", ("gate", "up")),
+                                       (f"model.layers.{layer}.mlp.experts.down_proj{suffix}", ("down",))):
+                    self._pending[tensor] = {(e, p) for e in range(self.moe.num_experts) for p in wanted}
 
     def make_mlp(self, layer: int, dtype, device) -> torch.nn.Module:
         if layer in self.moe.sparse_layers:
-            return SparseMoE(self.config.hidden_size, self.moe, dtype, device, self.tp_rank, self.tp_size)
+            return SparseMoE(self.config.hidden_size, self.moe, dtype, device, self.tp_rank, self.tp_size,
+                             self.scheme, f"model.layers.{layer}.{self.moe.block_name}")
         return super().make_mlp(layer, dtype, device)
+
+    def init_dummy_special(self, name: str, param: torch.nn.Parameter, gen: torch.Generator, std: float) -> bool:
+        """Random FP8 experts: drawn in fp32 and quantized (loader.init_dummy_weights' hook)."""
+        match = _STACKED.fullmatch(name)
+        if match is None or param.dtype not in (torch.float8_e4m3fn,):
+            return False
+        drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
+        experts = self.model.layers[int(match.group(1))].mlp.experts
+        experts.init_dummy("down" if match.group(2) == "down_proj" else "gate_up", drawn)
+        return True
 
     def warm_up(self, max_num_tokens: int) -> int:
         """Compile the fused-MoE configs of every batch size up to max_num_tokens now (start-up), not
         in the first steps that need them; every sparse layer has the same shape, so one layer does."""
         for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoE):
+            if isinstance(layer.mlp, SparseMoE) and not isinstance(layer.mlp.experts, Fp8Experts):
                 experts = layer.mlp.experts
                 return fused_moe.warm_up(experts.gate_up_proj, experts.down_proj, self.moe.top_k, max_num_tokens)
         return 0
@@ -189,8 +225,9 @@ class MoECausalLM(CausalLM):
             if expert >= self.moe.num_experts:
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
                                   f"{self.moe.num_experts}; the weights do not match this config.json")
-            block.load_expert(expert, part, source)
-            return self._done(layer, {(expert, part)})
+            kind = "weight" if match.group(4) == "weight" else "scale"
+            block.load_expert(expert, part, source, kind, name)
+            return self._done(layer, {(expert, part)}, "" if kind == "weight" else "_scale")
         match = _STACKED.fullmatch(name)
         if match is not None:
             layer, part = int(match.group(1)), match.group(2)
@@ -205,11 +242,16 @@ class MoECausalLM(CausalLM):
                               "a dense layer (decoder_sparse_step / mlp_only_layers); the weights do not match it")
         return self.model.layers[layer].mlp
 
-    def _done(self, layer: int, pieces: set[tuple[int, str]]) -> list[str]:
-        """Mark (expert, part) pieces of one layer loaded; the stacked parameters now complete."""
+    def _done(self, layer: int, pieces: set[tuple[int, str]], suffix: str = "") -> list[str]:
+        """Mark (expert, part) pieces of one layer loaded; the stacked parameters now complete (suffix
+        "_scale": an FP8 expert's scales)."""
         done = []
-        for tensor in (f"model.layers.{layer}.mlp.experts.gate_up_proj", f"model.layers.{layer}.mlp.experts.down_proj"):
-            pending = self._pending[tensor]
+        for tensor in (f"model.layers.{layer}.mlp.experts.gate_up_proj{suffix}",
+                       f"model.layers.{layer}.mlp.experts.down_proj{suffix}"):
+            pending = self._pending.get(tensor)
+            if pending is None:
+                raise ConfigError(f"checkpoint tensor {tensor} is an FP8 scale but this layer's experts are not "
+                                  "in FP8 (quantization_config); the checkpoint does not match config.json")
             if pending & pieces:
                 pending -= pieces
                 if not pending:
@@ -223,4 +265,5 @@ class MoECausalLM(CausalLM):
         expert, part = min(pending)
         proj = {v: k for k, v in self._expert_parts.items()}[part]
         layer = param_name.split(".")[2]
-        return f"model.layers.{layer}.{self.moe.block_name}.experts.{expert}.{proj}.weight"
+        tensor = self.scheme.scale_name if param_name.endswith("_scale") else "weight"
+        return f"model.layers.{layer}.{self.moe.block_name}.experts.{expert}.{proj}.{tensor}"

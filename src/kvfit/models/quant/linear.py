@@ -57,10 +57,12 @@ class Fp8Linear(torch.nn.Module):
         setattr(self, self.scale_name, scale)
         scale.weight_loader = self._load_scale
         scale.derived = scheme.online                  # online: made from the weight, not in the checkpoint
+        scale.quant_scale = True
         self.input_scale = None
         if scheme.activation == "static":
             self.input_scale = _scale_param((1,), None, device)
             self.input_scale.weight_loader = self._load_scale
+            self.input_scale.quant_scale = True
         # row-parallel: the bias is added once, after the sum over ranks
         bias_shard = None if row else shard
         self.bias = make_param((out_features,), bias_shard, dtype, device) if bias else None

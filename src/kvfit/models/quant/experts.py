@@ -1,0 +1,171 @@
+"""FP8 mixture-of-experts experts: stacked like moe.py's 16-bit ones, one byte a weight, with their scales.
+
+gate_up_proj [E, 2 n, H] (gate rows, then up) and down_proj [E, H, n] in float8_e4m3fn, n this rank's
+channels of each expert; scales per output row ([E, 2 n, 1], [E, H, 1]; per-tensor checkpoints widened)
+or per block ([E, 2 n / bn, ceil(H / bk)], [E, ceil(H / bn), n / bk]: the gate and up halves each start a
+row block, so n must be a multiple of bn). Filled from the Hub's per-expert tensors (`...experts.{e}.
+gate_proj.weight` + `weight_scale` / `weight_scale_inv`), or quantized per row from 16-bit ones (online).
+
+Compute: tokens grouped by expert (moe_reference's order), each expert's two GEMMs through gemm.fp8_linear
+with activations quantized per token (per group for blocks) as in the dense layers: the fp32 reference
+on the CPU, cuBLASLt / the Triton block GEMM per expert on CUDA. The per-expert loop reads the expert
+counts on the host, so it cannot be captured in a CUDA graph: a capture attempt is a one-line error
+asking for --enforce-eager (the fused Triton MoE kernels take 16-bit experts only; FP8 ones are future
+work, issue 28). Static activation scales for experts are not supported (a ConfigError at build).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvfit.errors import ConfigError
+from kvfit.models.parallel import make_param, source_shape
+from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
+from kvfit.models.quant.gemm import fp8_linear
+from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
+from kvfit.quant_scheme import Fp8Scheme
+
+
+class Fp8Experts(torch.nn.Module):
+    """One layer's experts in FP8; this rank holds channels [start, start + size) of each expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, start: int, size: int,
+                 scheme: Fp8Scheme, device, name: str):
+        super().__init__()
+        if scheme.activation == "static":
+            raise ConfigError(f"{name}: static FP8 activation scales for experts are not supported; kvfit runs "
+                              "FP8 experts with dynamic activations")
+        self.scheme, self.start, self.size, self.inter, self.name = scheme, start, size, intermediate_size, name
+        e, h, n = num_experts, hidden_size, size
+        self.gate_up_proj = make_param((e, 2 * n, h), None, FP8_DTYPE, device)
+        self.gate_up_proj.full_shape = (e, 2 * intermediate_size, h)
+        self.down_proj = make_param((e, h, n), None, FP8_DTYPE, device)
+        self.down_proj.full_shape = (e, h, intermediate_size)
+        if scheme.block_size is not None:
+            bn, bk = scheme.block_size
+            if n % bn or start % bn or n % bk:
+                raise ConfigError(f"{name}: block-quantized experts need each rank's {n} channels (of "
+                                  f"moe_intermediate_size {intermediate_size}) to be whole {scheme.block_size} "
+                                  "blocks; use a smaller --tensor-parallel-size")
+            gate_up_scale, down_scale = (e, 2 * n // bn, -(-h // bk)), (e, -(-h // bn), n // bk)
+        else:
+            gate_up_scale, down_scale = (e, 2 * n, 1), (e, h, 1)
+        self.gate_up_proj_scale = make_param(gate_up_scale, None, torch.float32, device)
+        self.down_proj_scale = make_param(down_scale, None, torch.float32, device)
+        for scale in (self.gate_up_proj_scale, self.down_proj_scale):
+            scale.quant_scale = True
+            scale.derived = scheme.online
+
+    # loading ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, expert: int, part: str, kind: str, source, name: str) -> None:
+        """One expert's gate/up/down checkpoint tensor: kind "weight" (FP8, or 16-bit online) or "scale"."""
+        if kind == "weight":
+            self._load_weight(expert, part, source, name)
+        else:
+            self._load_scale(expert, part, source, name)
+
+    def _rows(self, part: str) -> slice:
+        n = self.size
+        return slice(0, n) if part == "gate" else slice(n, 2 * n)
+
+    def _load_weight(self, expert: int, part: str, source, name: str) -> None:
+        s, n = self.start, self.size
+        h = self.down_proj.shape[1]
+        want = (h, self.inter) if part == "down" else (self.inter, h)
+        if source_shape(source) != want:
+            raise ConfigError(f"checkpoint tensor {name} has shape {list(source_shape(source))} but config.json "
+                              f"needs {list(want)}; the weights do not match this config.json")
+        fp8 = is_fp8_source(source)
+        if fp8 == self.scheme.online:
+            raise ConfigError(f"checkpoint tensor {name} is {source_dtype_name(source)} but config.json's "
+                              f"quantization says {'16-bit' if self.scheme.online else 'float8_e4m3fn'}; the "
+                              "weights do not match config.json")
+        part_weight = source[:, s:s + n] if part == "down" else source[s:s + n]          # this rank's part
+        target = self.down_proj[expert] if part == "down" else self.gate_up_proj[expert, self._rows(part)]
+        if fp8:
+            target.copy_(part_weight)
+            return
+        wq, scale = quantize_weight_per_channel(part_weight.to(target.device))            # online: per row
+        target.copy_(wq)
+        self._scale_rows(expert, part).copy_(scale)
+
+    def _scale_rows(self, expert: int, part: str) -> torch.Tensor:
+        """The part of the stacked scale that expert's part owns (rows; all of down's)."""
+        if part == "down":
+            return self.down_proj_scale[expert]
+        rows = self.gate_up_proj_scale.shape[1] // 2
+        return self.gate_up_proj_scale[expert, :rows] if part == "gate" else self.gate_up_proj_scale[expert, rows:]
+
+    def _load_scale(self, expert: int, part: str, source, name: str) -> None:
+        shape, scheme = source_shape(source), self.scheme
+        value = (source if isinstance(source, torch.Tensor) else source[:]).float()
+        target = self._scale_rows(expert, part)
+        s, n, h = self.start, self.size, self.down_proj.shape[1]
+        if scheme.weight_strategy == "tensor" and shape in ((), (1,)):
+            target.fill_(value.reshape(()))
+            return
+        if scheme.weight_strategy == "channel" and shape in (((h, 1), (h,)) if part == "down" else
+                                                             ((self.inter, 1), (self.inter,))):
+            rows = value.reshape(-1, 1)
+            target.copy_(rows if part == "down" else rows[s:s + n])
+            return
+        if scheme.block_size is not None:
+            bn, bk = scheme.block_size
+            full = (-(-h // bn), -(-self.inter // bk)) if part == "down" else (-(-self.inter // bn), -(-h // bk))
+            if shape == full:
+                target.copy_(value[:, s // bk:(s + n) // bk] if part == "down" else value[s // bn:(s + n) // bn])
+                return
+        raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)}, not a {scheme.weight_strategy} scale "
+                          f"of this expert; the scales do not match config.json's quantization_config")
+
+    @torch.no_grad()
+    def init_dummy(self, part: str, drawn: torch.Tensor) -> None:
+        """Random weights (drawn [E, rows, cols] fp32) quantized as the scheme says, scales with them."""
+        weight = self.down_proj if part == "down" else self.gate_up_proj
+        scale = self.down_proj_scale if part == "down" else self.gate_up_proj_scale
+        for e in range(weight.shape[0]):
+            if self.scheme.block_size is not None:
+                if part == "down":
+                    wq, s = quantize_weight_blocks(drawn[e], self.scheme.block_size)
+                else:    # gate and up halves each from their own row blocks
+                    n = self.size
+                    (gq, gs), (uq, us) = (quantize_weight_blocks(drawn[e, rows], self.scheme.block_size)
+                                          for rows in (slice(0, n), slice(n, 2 * n)))
+                    wq, s = torch.cat([gq, uq]), torch.cat([gs, us])
+            else:
+                wq, s = quantize_weight_per_channel(drawn[e])
+            weight[e].copy_(wq)
+            scale[e].copy_(s)
+
+    # compute ------------------------------------------------------------------------------------
+    def expert_weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:
+        block = self.scheme.block_size
+        return (Fp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], block),
+                Fp8Weight(self.down_proj[expert], self.down_proj_scale[expert], block))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, j]."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
+                               "16-bit experts); run with --enforce-eager")
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        num_experts = self.gate_up_proj.shape[0]
+        flat_ids = topk_ids.reshape(-1).long()                                    # [T*k] pair -> expert
+        order = torch.argsort(flat_ids, stable=True)                              # [T*k] pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=num_experts)
+        xs = x.index_select(0, order // top_k)                                    # [T*k, H] grouped rows
+        ys = torch.empty_like(xs)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                rows = slice(start, start + count)
+                gate_up, down = self.expert_weights(expert)
+                gate, up = fp8_linear(xs[rows], gate_up).chunk(2, dim=-1)        # [n, I] each
+                ys[rows] = fp8_linear(F.silu(gate) * up, down)
+                start += count
+        pairs = torch.empty_like(ys).index_copy_(0, order, ys)                    # [T*k, H] back in pair order
+        weighted = pairs.float() * topk_weights.reshape(-1, 1).float()
+        return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
