@@ -87,6 +87,8 @@ class LLMEngine:
 
     # requests -----------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt to encode must be a string, got {type(prompt).__name__}", "prompt")
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text",
                                "prompt")
@@ -184,6 +186,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request (every sample of an n > 1 request); its blocks are freed at once. False if it
         was not active."""
+        if not isinstance(request_id, str):
+            raise RequestError(f"a request id is a string, got {type(request_id).__name__}", "request_id")
         child = self._child_parent(request_id)
         if child is not None:               # one sample of n: the request is aborted as a whole (vLLM)
             request_id = child[0].request_id

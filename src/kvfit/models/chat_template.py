@@ -173,8 +173,10 @@ def load_chat_template(value: str) -> str:
 
 
 def compile_chat_template(source: str, origin: str = "the model's chat_template"):
-    """A compiled template; a template that does not parse is a ConfigError."""
+    """A compiled template; a template that does not parse (or is not text) is a ConfigError."""
     import jinja2
+    if not isinstance(source, str):
+        raise ConfigError(f"{origin} must be a Jinja template string, got {type(source).__name__}")
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -202,6 +204,10 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
     if continue_final_message and add_generation_prompt:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true; set "
                            "add_generation_prompt to false to continue the last message", "continue_final_message")
+    if template_kwargs is not None and (not isinstance(template_kwargs, dict)
+                                        or not all(isinstance(k, str) for k in template_kwargs)):
+        raise RequestError(f"chat_template_kwargs must be a map from variable names to values, got "
+                           f"{type(template_kwargs).__name__}", "chat_template_kwargs")
     reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (variables the server sets from "
