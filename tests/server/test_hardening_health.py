@@ -176,7 +176,9 @@ def test_serve_with_a_killed_rank_reports_503_then_exits_1_by_itself(tiny_llama,
         match, _ = read_until(lines, r"listening on (http://127\.0\.0\.1:\d+)", timeout_s=120)
         url = match.group(1)
         wait_healthy(url)
-        ranks = spawned_children(proc.pid)
+        cores = spawned_children(proc.pid)          # the engine core process; the ranks are its children
+        assert len(cores) == 1, cores
+        ranks = spawned_children(cores[0])
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -8,7 +8,7 @@ from kvfit.errors import ConfigError
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags, add_model_argument
+    from kvfit.commands.flags import add_engine_flags, add_model_argument, add_vllm_server_flags
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
@@ -24,8 +24,8 @@ def register(sub) -> None:
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require the API key on /metrics too (default: open, prefix-cache figures coarsened)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help=f"open connections; past it requests get 503 (default {DEFAULT_MAX_CONNECTIONS}; "
-                        "keep it under `ulimit -n`)")
+                   help="open connections; past it requests get 503 (default: as many as the open-file limit "
+                        "allows, raised to its hard limit at start-up; requests past --max-waiting-requests get 429)")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_SECONDS, metavar="SECONDS",
                    help="a connection must send a complete request head within this (default "
                         f"{DEFAULT_HEADER_TIMEOUT_SECONDS} s), else it is closed")
@@ -48,6 +48,7 @@ def register(sub) -> None:
                         "are given) with --tool-call-parser (default: off; auto is then a 400)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="the tool-call format of the model: hermes (Qwen), llama3_json, mistral (default: none)")
+    add_vllm_server_flags(p)
     add_engine_flags(p)
     p.set_defaults(run=run)
 
@@ -62,9 +63,9 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
-    from kvfit.commands.flags import engine_kwargs
+    from kvfit.commands.flags import apply_server_log_flags, engine_kwargs
     from kvfit.commands.common import engine_startup
-    from kvfit.server.logs import configure_logging
+    from kvfit.server.logs import STATS_INTERVAL_SECONDS, configure_logging
     _check_args(args)
     from kvfit.server.tools import ToolOptions
     tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)   # before loading
@@ -83,6 +84,7 @@ def run(args) -> int:
     limits = ConnectionLimits(args.max_connections, args.header_timeout)
     sock = bind_socket(args.host, args.port)     # before loading: a taken port fails fast
     configure_logging(args.log_level)            # once the flags are good: a mistake stays one error line
+    apply_server_log_flags(args)                 # vLLM's --disable-log-requests
     try:
         with engine_startup(config):
             engine = LLMEngine(config)
@@ -91,14 +93,15 @@ def run(args) -> int:
             app = create_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
                              chat_template=chat_template,
                              max_body_bytes=args.max_request_body_bytes,
-                             metrics_require_key=args.metrics_require_key, tool_options=tool_options)
+                             metrics_require_key=args.metrics_require_key, tool_options=tool_options,
+                             stats_interval_s=0 if args.vllm_disable_log_stats else STATS_INTERVAL_SECONDS)
             install_guards(app, guards)
             for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
                 print(line, file=sys.stderr, flush=True)
             print(f"capacity: {engine.plan.log_line()}", flush=True)
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
             async_engine = app.state.kvfit.engine
-            serve(app, sock, async_engine.begin_shutdown, log_level=args.log_level, limits=limits,
+            serve(app, sock, async_engine.begin_shutdown, log_level=args.uvicorn_log_level or args.log_level, limits=limits,
                   dead_reason=async_engine.check_dead)     # a dead engine ends the server: exit 1
             dead_reason = async_engine.check_dead()
         finally:

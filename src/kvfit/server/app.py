@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -44,8 +45,6 @@ from kvfit.server.tools import NO_TOOLS, ToolOptions, apply_tools
 from kvfit.version import __version__
 
 logger = logging.getLogger("kvfit")
-
-DISCONNECT_POLL_SECONDS = 0.5             # how often a non-streaming request checks its client is there
 
 
 @dataclass
@@ -303,25 +302,54 @@ async def _generate(request: Request, state: ServerState, inputs: list[GenerateI
     if inputs[0].stream:
         return _EventStream(_stream_events(state, builders, inputs[0], streams, access),
                             lambda: _close_all(state, streams, access))
-    outputs = [None] * len(streams)
     try:
-        for i, stream in enumerate(streams):       # they run together; each is awaited to its end
-            while outputs[i] is None or not outputs[i].finished:
-                try:
-                    outputs[i] = await stream.next(timeout=DISCONNECT_POLL_SECONDS)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        logger.info("client of %s went away; aborting it", response_id)
-                        return Response(status_code=499)
+        outputs = await _until_finished_or_gone(request, streams)
+        if outputs is None:
+            logger.info("client of %s went away; aborting it", response_id)
+            return Response(status_code=499)
     finally:
         _close_all(state, streams, access)
+    # a response with logprobs of n samples can take seconds to build and encode: off the event loop
+    return await asyncio.to_thread(_full_response, builders, outputs, streams)
+
+
+def _full_response(builders: list[ResponseBuilder], outputs: list, streams: list[RequestStream]) -> Response:
+    """The whole non-streamed response, encoded (as JSONResponse does)."""
     bodies = [b.full(out, s.num_prompt_tokens) for b, out, s in zip(builders, outputs, streams)]
     body = bodies[0]
     if len(bodies) > 1:
         body["choices"] = [choice for b in bodies for choice in b["choices"]]
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
                               sum(b["usage"]["completion_tokens"] for b in bodies))
-    return body
+    content = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    return Response(content, media_type="application/json")
+
+
+async def _until_finished_or_gone(request: Request, streams: list[RequestStream]) -> list | None:
+    """Every stream's final output, or None as soon as the client disconnects (the caller aborts them:
+    a request nobody waits for stops costing anything at once, not at its next quiet moment)."""
+    async def finals():
+        outputs = []
+        for stream in streams:                   # they run together; each is awaited to its end
+            output = None
+            while output is None or not output.finished:
+                output = await stream.next()
+            outputs.append(output)
+        return outputs
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    results, watcher = asyncio.create_task(finals()), asyncio.create_task(gone())
+    try:
+        await asyncio.wait((results, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (results, watcher):
+            task.cancel()
+    if results.done() and not results.cancelled():
+        return results.result()                  # an engine error (APIError) is raised here
+    return None
 
 
 async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:

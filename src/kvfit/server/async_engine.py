@@ -33,7 +33,7 @@ from typing import Callable
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
 from kvfit.errors import KvfitError, RequestError
-from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error, tp_ranks
+from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
 from kvfit.server.prepare import as_api_error, check_prompt_chars
 from kvfit.server.protocol import APIError
 
@@ -224,12 +224,9 @@ class AsyncEngine(ServingEngine):
     def check_dead(self) -> str | None:
         """Why the engine can no longer serve (None while it can); also notices a rank that exited."""
         if self.dead_reason is None:
-            ranks = tp_ranks(self.engine)
-            dead = ranks.dead() if ranks is not None and not ranks.closed else []
-            if dead:
-                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
-            elif self._loop is not None and not self._stopped and not self._thread.is_alive():
-                self.dead_reason = "the engine thread exited"
+            self.dead_reason = self._core.check_ranks()
+        if self.dead_reason is None and self._loop is not None and not self._stopped and not self._thread.is_alive():
+            self.dead_reason = "the engine thread exited"
         return self.dead_reason
 
     def stats(self) -> dict:

@@ -139,7 +139,9 @@ class _CoreLoop:
                     deltas = [self.tracker.delta(output) for output in outputs]
                 core.refresh()
                 self.send(OutputBatch([], deltas, errors, core.stats, core.dead_reason))
-            if core.dead_reason is not None:
+            if core.check_ranks() is not None:
+                errors = self._abort_all(engine_dead_error(core.dead_reason))
+                self.send(OutputBatch([], [], errors, core.stats, core.dead_reason))
                 return
 
     def _receive(self) -> list:
@@ -151,6 +153,8 @@ class _CoreLoop:
             if os.getppid() != self.parent_pid:      # the front-end is gone: nobody will stop us
                 logger.error("the server process exited; the engine core stops")
                 self.stopping = True
+                return []
+            if self.core.check_ranks() is not None:  # a rank died while idle: the loop reports it
                 return []
         while True:
             try:

@@ -147,19 +147,34 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], APIError | None]:
         """One engine step: the outputs of held requests, and the error every held request ended with
         when the step failed (then the outputs are empty; dead_reason is set if no step can run again)."""
+        if self.check_ranks() is not None:
+            return [], engine_dead_error(self.dead_reason)
         try:
             outputs = self.engine.step()
         except Exception as exc:
             # the engine cannot say which request broke the step: fail the batch, keep serving,
             # unless the executor cannot run another step (then the engine is dead)
-            logger.exception("an engine step failed; ending the %d active requests", len(self.held))
             self.dead_reason = self.dead_reason or fatal_step_error(self.engine, exc)
-            return [], step_failed_error() if self.dead_reason is None else engine_dead_error(self.dead_reason)
+            if self.dead_reason is not None:
+                logger.error("an engine step failed and the engine cannot run another (%s); ending the %d active "
+                             "requests", self.dead_reason, len(self.held))
+                return [], engine_dead_error(self.dead_reason)
+            logger.exception("an engine step failed; ending the %d active requests", len(self.held))
+            return [], step_failed_error()
         held = [out for out in outputs if out.request_id in self.held]     # not aborted while the step ran
         for out in held:
             if out.finished:
                 self.held.discard(out.request_id)
         return held, None
+
+    def check_ranks(self) -> str | None:
+        """The dead reason, after noticing a tensor-parallel rank process that exited on its own."""
+        if self.dead_reason is None:
+            ranks = tp_ranks(self.engine)
+            dead = ranks.dead() if ranks is not None and not ranks.closed else []
+            if dead:
+                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
+        return self.dead_reason
 
     def abort_all(self) -> list[str]:
         """End every held request (a failed step, shutdown, death); their ids."""

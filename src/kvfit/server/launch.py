@@ -33,7 +33,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, is_loopback_host
 from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
-                                 DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES)
+                                 DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES,
+                                 RESERVED_FDS)
 from kvfit.server.logs import AccessLogMiddleware
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
@@ -117,15 +118,37 @@ def install_guards(app, options: GuardOptions) -> None:
 class ConnectionLimits:
     """What one client's connections may hold: see limits.py for the defaults' reasons."""
 
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS     # None: fd_connection_limit()
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS
     keep_alive_s: int = DEFAULT_KEEP_ALIVE_SECONDS
 
     def __post_init__(self):
-        if self.max_connections < 1:
+        if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
         if not 0 < self.header_timeout_s < float("inf"):
             raise ConfigError(f"--header-timeout must be a positive number of seconds, got {self.header_timeout_s}")
+
+    def connection_cap(self) -> int:
+        """The cap uvicorn enforces: the flag's, else what the file descriptor limit leaves."""
+        return self.max_connections if self.max_connections is not None else fd_connection_limit()
+
+
+def fd_connection_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (each connection is a descriptor);
+    the connections that leaves room for, after RESERVED_FDS for everything else."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError):
+                pass
+    except ImportError:                # not on a POSIX system
+        return 4096
+    return max(soft - RESERVED_FDS, 64)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -141,7 +164,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port or --host") from None
-    sock.listen(2048)
+    sock.listen(4096)           # a burst of thousands of connections waits in the backlog, not refused
     sock.set_inheritable(True)
     return sock
 
@@ -249,7 +272,7 @@ def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level
     protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": limits.header_timeout_s})
     return uvicorn.Config(AccessLogMiddleware(app), http=protocol, log_level=log_level, log_config=None,
                           access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.max_connections,
+                          timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.connection_cap(),
                           timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 

@@ -2,7 +2,11 @@
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20          # 1 MiB: far beyond any prompt max_model_len allows
 DEFAULT_MAX_WAITING_REQUESTS = 1024
-DEFAULT_MAX_CONNECTIONS = 256             # open connections; past it uvicorn answers 503 (--max-connections)
+# open connections (--max-connections; past it uvicorn answers 503). None: as many as the process's file
+# descriptor limit allows (raised to its hard limit at start-up, as vLLM does), less RESERVED_FDS for the
+# engine, the model files and the logs, so a burst of thousands of streams queues instead of being refused
+DEFAULT_MAX_CONNECTIONS = None
+RESERVED_FDS = 256
 DEFAULT_HEADER_TIMEOUT_SECONDS = 10       # from connect (or the last response) to a complete request head
 DEFAULT_BODY_TIMEOUT_SECONDS = 30         # from the request head to its last body byte (>= 35 KB/s for 1 MiB)
 DEFAULT_KEEP_ALIVE_SECONDS = 5            # an idle keep-alive connection is closed after this

@@ -1,0 +1,345 @@
+"""`kvfit serve` against `vllm serve` under HTTP load, in the conventions of `vllm bench serve`.
+
+Each server runs in its own process on the same model folder: a catalog config (dummy bf16 weights)
+and a word-level tokenizer whose every id decodes to a word, so the text paths (detokenizing, stop
+checks, SSE framing) do real work; a chat template for the chat dataset. The client is plain asyncio
+(no HTTP library: it runs wherever Python does), one connection per request, streaming.
+
+Datasets: `random` (token-id prompts to /v1/completions, lengths drawn from --input-len and
+--output-len, greedy, ignore_eos, usage included) and `chat` (word prompts to /v1/chat/completions).
+Rates: `inf` (every request at once) or a Poisson rate in requests/s; --max-concurrency caps requests
+in flight. While requests run, /health is probed every 50 ms (its latency is reported).
+
+Reports per engine and row: request throughput, output tok/s, TTFT, TPOT and ITL p50/p90/p99, errors,
+/health p99; medians over --runs (spread = (max - min) / median) and the kvfit / vllm ratio.
+
+  python3 benchmarks/bench_serve.py --model qwen3-0.6b --num-requests 512 --rates inf --runs 2
+  python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 2000 --rates inf
+vLLM: ../shared/peers/vllm (PYTHONPATH with its site/ and deps/); without it the vllm rows are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+# the model folder ----------------------------------------------------------------------------------
+def make_folder(model: str, root: str) -> str:
+    """A catalog config plus a word-level tokenizer covering the whole vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from kvfit.catalog import model_config
+    config = dict(model_config(model))
+    config.setdefault("torch_dtype", "bfloat16")
+    vocab_size = config["vocab_size"]
+    folder = os.path.join(root, model)
+    os.makedirs(folder, exist_ok=True)
+    specials = ["<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<eos>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)    # joins words with spaces
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    config["eos_token_id"] = vocab["<eos>"]
+    config.pop("bos_token_id", None)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<eos>",
+                   "chat_template": CHAT_TEMPLATE, "model_max_length": 1 << 20}, f)
+    return folder
+
+
+# requests -----------------------------------------------------------------------------------------
+def make_requests(dataset: str, num: int, vocab_size: int, in_range, out_range, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        num_in, num_out = rng.randint(*in_range), rng.randint(*out_range)
+        common = {"model": "bench", "max_tokens": num_out, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        ids = [rng.randrange(5, vocab_size) for _ in range(num_in)]
+        if dataset == "random":
+            requests.append({"path": "/v1/completions", "body": {**common, "prompt": ids}, "num_out": num_out})
+        else:
+            text = " ".join(f"w{i}" for i in ids[:max(num_in - 4, 1)])
+            requests.append({"path": "/v1/chat/completions", "num_out": num_out,
+                             "body": {**common, "messages": [{"role": "user", "content": text}]}})
+    return requests
+
+
+async def _http(port: int, method: str, path: str, body: bytes | None):
+    """(status, an async iterator of body pieces) over one HTTP/1.1 connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    writer.write(head.encode() + b"\r\n" + (body or b""))
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        chunked |= name.strip().lower() == "transfer-encoding" and "chunked" in value.lower()
+
+    async def pieces():
+        try:
+            if not chunked:
+                yield await reader.read()
+                return
+            while True:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    return
+                yield await reader.readexactly(size)
+                await reader.readline()
+        finally:
+            writer.close()
+    return status, pieces()
+
+
+async def one_request(port: int, request: dict) -> dict:
+    start = time.perf_counter()
+    result = {"ok": False, "ttft": None, "itl": [], "latency": None, "output_tokens": 0}
+    try:
+        status, pieces = await _http(port, "POST", request["path"], json.dumps(request["body"]).encode())
+        buffer, last = b"", None
+        async for piece in pieces:
+            buffer += piece
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                data = event.decode().removeprefix("data: ").strip()
+                if status != 200 or data == "[DONE]" or not data:
+                    continue
+                chunk = json.loads(data)
+                if chunk.get("usage") and not chunk.get("choices"):
+                    result["output_tokens"] = chunk["usage"]["completion_tokens"]
+                    continue
+                choice = (chunk.get("choices") or [{}])[0]
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    if last is None:
+                        result["ttft"] = now - start
+                    else:
+                        result["itl"].append(now - last)
+                    last = now
+        result["ok"] = status == 200 and result["output_tokens"] == request["num_out"]
+        result["status"] = status
+    except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
+        result["status"] = repr(exc)[:80]
+    result["latency"] = time.perf_counter() - start
+    return result
+
+
+async def probe_health(port: int, stop: asyncio.Event, latencies: list) -> None:
+    while not stop.is_set():
+        start = time.perf_counter()
+        try:
+            status, pieces = await _http(port, "GET", "/health", None)
+            async for _ in pieces:
+                pass
+            latencies.append((time.perf_counter() - start, status))
+        except OSError:
+            latencies.append((time.perf_counter() - start, 0))
+        await asyncio.sleep(0.05)
+
+
+async def run_load(port: int, requests: list[dict], rate: float, max_concurrency: int | None, seed: int) -> dict:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    stop, health = asyncio.Event(), []
+    prober = asyncio.create_task(probe_health(port, stop, health))
+
+    async def limited(request):
+        async with limit:
+            return await one_request(port, request)
+
+    start = time.perf_counter()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    stop.set()
+    await prober
+    return summarize(results, duration, health)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(results: list[dict], duration: float, health: list) -> dict:
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["output_tokens"] for r in ok)
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
+            if r["ttft"] is not None and r["output_tokens"] > 1]
+    itl = [x for r in ok for x in r["itl"]]
+    errors = {}
+    for r in results:
+        if not r["ok"]:
+            errors[str(r.get("status"))] = errors.get(str(r.get("status")), 0) + 1
+    out = {"requests": len(results), "completed": len(ok), "errors": errors, "duration_s": duration,
+           "req_s": len(ok) / duration, "out_tok_s": tokens / duration,
+           "health_p99_ms": (_pct([h[0] for h in health], 99) or 0) * 1e3,
+           "health_not_200": sum(1 for h in health if h[1] != 200)}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 90, 99):
+            value = _pct(values, q)
+            out[f"{name}_p{q}_ms"] = None if value is None else value * 1e3
+    return out
+
+
+# servers ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(engine: str, folder: str, port: int, args) -> list[str]:
+    common = ["--port", str(port), "--max-model-len", str(args.max_model_len), "--max-num-seqs",
+              str(args.max_num_seqs), "--load-format", "dummy", "--dtype", "bfloat16", "--enable-prefix-caching",
+              "--served-model-name", "bench", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if engine == "kvfit":
+        return [sys.executable, "-m", "kvfit.cli", "serve", folder, "--log-level", "warning", *common,
+                *args.kvfit_args.split()]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--disable-uvicorn-access-log", *common]
+
+
+def start_server(engine: str, folder: str, args, log_path: str):
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(server_command(engine, folder, port, args), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{engine} server exited with {proc.returncode}; see {log_path}")
+        try:
+            status, pieces = asyncio.run(_http(port, "GET", "/health", None))
+            if status == 200:
+                return proc, port, time.time() - (deadline - args.start_timeout)
+        except OSError:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError(f"{engine} server did not answer /health within {args.start_timeout} s; see {log_path}")
+
+
+def stop_server(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def median_spread(values: list[float]) -> tuple[float, float]:
+    med = statistics.median(values)
+    return med, (max(values) - min(values)) / med if med else 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--engines", default="kvfit,vllm")
+    p.add_argument("--dataset", choices=("random", "chat"), default="random")
+    p.add_argument("--num-requests", type=int, default=512)
+    p.add_argument("--rates", default="inf", help="comma-separated: inf or requests/s (Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", default="128,1024")
+    p.add_argument("--output-len", default="128,512")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--kvfit-args", default="", help="more `kvfit serve` flags (e.g. '--device cpu')")
+    args = p.parse_args()
+    root = "/tmp/kvfit-bench-serve"
+    os.makedirs(root, exist_ok=True)
+    # a folder is used as it is (a CPU smoke run on a tiny model); a catalog name gets a built folder
+    folder = args.model if os.path.isdir(args.model) else make_folder(args.model, root)
+    vocab_size = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
+    in_range = tuple(int(x) for x in args.input_len.split(","))
+    out_range = tuple(int(x) for x in args.output_len.split(","))
+    requests = make_requests(args.dataset, args.num_requests, vocab_size, in_range, out_range, seed=0)
+    warmup = make_requests(args.dataset, 16, vocab_size, (32, 64), (8, 16), seed=1)
+    rates = [float(r) for r in args.rates.split(",")]
+    results = {}
+    for engine in args.engines.split(","):
+        if engine == "vllm":
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                print("vllm: not importable here; its rows are skipped")
+                continue
+        proc, port, startup = start_server(engine, folder, args, f"{root}/{engine}-{os.path.basename(args.model)}.log")
+        try:
+            print(f"{engine}: up in {startup:.0f} s", flush=True)
+            asyncio.run(run_load(port, warmup, float("inf"), None, 0))
+            for rate in rates:
+                runs = []
+                for run in range(args.runs):
+                    summary = asyncio.run(run_load(port, requests, rate, args.max_concurrency, seed=run))
+                    runs.append(summary)
+                    print(f"{engine} {args.model} {args.dataset} rate={rate} run {run}: "
+                          + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in summary.items()}),
+                          flush=True)
+                results[(engine, rate)] = runs
+        finally:
+            stop_server(proc)
+    table = {}
+    for (engine, rate), runs in results.items():
+        row = {}
+        for key in ("out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
+                    "health_p99_ms"):
+            values = [r[key] for r in runs if r[key] is not None]
+            if values:
+                row[key] = median_spread(values)
+        row["errors"] = sum(sum(r["errors"].values()) for r in runs)
+        table[f"{engine} rate={rate}"] = row
+        print(f"SUMMARY {args.model} {args.dataset} n={args.num_requests} {engine} rate={rate}: "
+              + ", ".join(f"{k} {v[0]:.1f} (spread {v[1]:.1%})" if isinstance(v, tuple) else f"{k} {v}"
+                          for k, v in row.items()), flush=True)
+    for rate in rates:
+        ours, theirs = results.get(("kvfit", rate)), results.get(("vllm", rate))
+        if ours and theirs:
+            ratio = (statistics.median(r["out_tok_s"] for r in ours) / statistics.median(r["out_tok_s"] for r in theirs))
+            print(f"RATIO {args.model} {args.dataset} n={args.num_requests} rate={rate}: kvfit/vllm output tok/s "
+                  f"{ratio:.3f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "table": table,
+                       "runs": {f"{e} rate={r}": v for (e, r), v in results.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The engine core in its own process (core_process.py): the HTTP app through EngineCoreClient, the
+message deltas, start-up failures, core death, and the admission rules EngineCore holds for both
+transports (n counted against the queue, an n that can never be queued, a client that goes away)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from fake_engine import FakeEngine
+from server_testing import openai_error, running_server
+from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
+from kvfit.errors import ConfigError, KvfitError
+from kvfit.server.core_process import EngineCoreClient
+from kvfit.server.core_protocol import ENCODER, REPLY_DECODER, DeltaTracker, OutputAccumulator, OutputBatch
+
+
+def _failing_factory(message: str):
+    raise ConfigError(message)
+
+
+def _crashing_factory():
+    raise RuntimeError("boom at start-up")
+
+
+def launch(factory, max_waiting_requests: int = 1024) -> EngineCoreClient:
+    from fake_engine import CharTokenizer
+    return EngineCoreClient.launch(factory, tokenizer=CharTokenizer(), generation_config="vllm", model_folder=None,
+                                   max_waiting_requests=max_waiting_requests, log_level="warning")
+
+
+@pytest.fixture(scope="module")
+def core_url():
+    client = launch(functools.partial(FakeEngine, max_model_len=256, step_seconds=0.002))
+    try:
+        with running_server(client) as (url, app):
+            yield url, client
+    finally:
+        client.stop()
+
+
+# messages ---------------------------------------------------------------------------------------------
+def _output(text: str, ids: list[int], finished: bool, reason=None, logprobs=None, prompt_logprobs=None,
+            index: int = 0) -> RequestOutput:
+    sample = CompletionOutput(index, text, ids, -0.5 if logprobs else None, logprobs, reason)
+    return RequestOutput("r", None, [1, 2], prompt_logprobs, [sample], finished)
+
+
+def _roundtrip(delta):
+    batch = OutputBatch([], [delta], [], {})
+    return REPLY_DECODER.decode(ENCODER.encode(batch)).deltas[0]
+
+
+def test_deltas_rebuild_every_cumulative_output_through_msgpack():
+    lp = lambda t: {t: Logprob(-0.1 * t, 1, chr(t)), t + 1: Logprob(-1.0, 2, None)}   # noqa: E731
+    outputs = [_output("He", [72, 101], False, logprobs=[lp(72), lp(101)], prompt_logprobs=[None, lp(2)]),
+               _output("Hello", [72, 101, 108], False, logprobs=[lp(72), lp(101), lp(108)],
+                       prompt_logprobs=[None, lp(2)]),
+               # a stop string cut text already sent: the delta keeps 3 characters and adds none
+               _output("Hel", [72, 101, 108, 33], True, "stop", [lp(72), lp(101), lp(108), lp(33)],
+                       [None, lp(2)])]
+    tracker, accumulator = DeltaTracker(), OutputAccumulator("r", [1, 2])
+    sizes = []
+    for output in outputs:
+        delta = tracker.delta(output)
+        sizes.append(len(delta.samples[0].token_ids))
+        rebuilt = accumulator.apply(_roundtrip(delta))
+        assert rebuilt == output
+    assert sizes == [2, 1, 1]             # each message holds only the new tokens
+    assert tracker._sent == {}            # a finished request leaves nothing behind
+
+
+def test_finished_samples_of_n_are_sent_once():
+    tracker = DeltaTracker()
+    a_done = CompletionOutput(0, "x", [1], finish_reason="length")
+    first = RequestOutput("p", None, [1], None, [a_done, CompletionOutput(1, "y", [2])], False)
+    second = RequestOutput("p", None, [1], None, [a_done, CompletionOutput(1, "yz", [2, 3])], False)
+    tracker.delta(first)
+    assert [s.index for s in tracker.delta(second).samples] == [1]
+
+
+# start-up ---------------------------------------------------------------------------------------------
+def test_a_config_error_at_start_up_is_raised_with_its_message():
+    with pytest.raises(ConfigError, match="^--max-model-len 99999 is too long$"):
+        launch(functools.partial(_failing_factory, "--max-model-len 99999 is too long"))
+
+
+def test_an_engine_bug_at_start_up_is_one_error_naming_it():
+    with pytest.raises(KvfitError, match="could not start.*RuntimeError: boom at start-up"):
+        launch(_crashing_factory)
+
+
+# serving through the process --------------------------------------------------------------------------
+def test_streamed_and_whole_responses_agree_through_the_core_process(core_url):
+    url, _ = core_url
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 7, "n": 2, "logprobs": 2}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    texts = {0: "", 1: ""}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = msgspec.json.decode(line[6:].encode())
+                for choice in chunk["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    assert [c["text"] for c in whole["choices"]] == ["abcdefg", "bcdefgh"]
+    assert texts == {0: "abcdefg", 1: "bcdefgh"}
+    assert whole["choices"][0]["logprobs"]["tokens"] == list("abcdefg")
+    assert whole["usage"]["completion_tokens"] == 14
+
+
+def test_a_burst_past_the_old_connection_cap_is_served(core_url):
+    """300 streams at once (the old default cap was 256 connections: past it every request got 503)."""
+    url, _ = core_url
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as client:
+            replies = await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": f"p{i}", "max_tokens": 3}) for i in range(300)])
+        return [r.status_code for r in replies]
+    assert asyncio.run(burst()) == [200] * 300
+
+
+def test_an_n_that_can_never_be_queued_is_a_400_naming_n(core_url):
+    url, _ = core_url
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1,
+                                                  "n": 2 ** 63 - 1}, timeout=30)
+    assert r.status_code == 400 and openai_error(r)["param"] == "n", r.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_killing_the_core_process_makes_health_and_requests_503():
+    client = launch(functools.partial(FakeEngine, step_seconds=0.05))
+    try:
+        with running_server(client) as (url, app):
+            os.kill(client._process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                assert time.monotonic() < deadline, "the dead core went unnoticed"
+                time.sleep(0.05)
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 503 and openai_error(r)["code"] == "engine_dead", r.text
+            assert "engine core process exited" in openai_error(r)["message"]
+    finally:
+        client.stop()
+
+
+# EngineCore's admission, on the in-thread transport -------------------------------------------------
+def test_n_samples_count_as_n_against_the_waiting_queue():
+    engine = FakeEngine(max_model_len=256, max_running=1, step_seconds=0.05)
+    with running_server(engine, max_waiting_requests=4) as (url, app):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "n": 5},
+                       timeout=30)
+        assert r.status_code == 429, r.text      # 5 samples wait where 4 may
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "n": 4},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_a_non_streamed_request_is_aborted_as_soon_as_its_client_leaves():
+    """Tokens flow all the while (the old check ran only after 0.5 s without output)."""
+    engine = FakeEngine(max_model_len=4096, step_seconds=0.01)
+    with running_server(engine) as (url, app):
+        host, port = url.removeprefix("http://").split(":")
+        body = msgspec.json.encode({"model": "tiny", "prompt": "Hi", "max_tokens": 4000})
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while not engine.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        sock.close()
+        left = time.monotonic()
+        while engine.requests:
+            assert time.monotonic() - left < 0.5, "the request kept running after its client left"
+            time.sleep(0.01)
+        assert engine.num_aborted == 1
+
+
+def test_health_answers_while_a_big_logprob_response_is_built():
+    engine = FakeEngine(max_model_len=512, step_seconds=0.0)
+    with running_server(engine) as (url, app):
+        latencies, done = [], threading.Event()
+
+        def probe():
+            while not done.is_set():
+                start = time.monotonic()
+                httpx.get(f"{url}/health", timeout=10)
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.01)
+        thread = threading.Thread(target=probe)
+        thread.start()
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hi", "max_tokens": 200, "n": 40, "logprobs": 20})
+        done.set()
+        thread.join()
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 40
+        assert max(latencies) < 1.0, max(latencies)
