@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
+    parser.set_defaults(subparsers=sub.choices)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"kvfit.commands.{name}")
@@ -83,9 +84,28 @@ def _silence_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace | None:
+    """The parsed command line; None (after printing the commands) when no command is given. A flag
+    the command does not know is an error that points to that command's --help."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return None
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "model_option"):
+        from kvfit.commands.flags import model_argument
+        model_argument(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)     # inside the try: `kvfit plan --help | head` too
+        args = parse_args(argv)     # inside the try: `kvfit plan --help | head` too
+        if args is None:
+            return 2
         status = args.run(args) or 0
         sys.stdout.flush()      # inside the try: a closed pipe shows here, not as a traceback at exit
         return status

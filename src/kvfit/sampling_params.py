@@ -8,6 +8,7 @@ structured_outputs, max logprobs) is checked at admission (engine/admission.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +33,30 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# fields whose value is a number (an int is one) or an integer; a value of another type is named as such
+_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_INT_FIELDS = ("top_k", "n", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
+
+
+def as_python(value):
+    """A numpy or torch scalar or array as Python values (a scalar's item, an array's nested list), converted
+    once where a value enters kvfit (vLLM accepts them); lists, tuples and dicts converted element-wise;
+    anything else as it is."""
+    module = type(value).__module__.partition(".")[0]
+    if module in ("numpy", "torch") and hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        converted = [as_python(v) for v in value]
+        return converted if isinstance(value, list) else tuple(converted)
+    if isinstance(value, dict):
+        return {as_python(k): as_python(v) for k, v in value.items()}
+    return value
+
+
+def _type_name(value) -> str:
+    return f"{type(value).__name__} {value!r:.40}"
 
 
 def _check_bool(name: str, value) -> None:
@@ -85,6 +110,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (str, bool, int, float, type(None), StructuredOutputsParams)):
+                object.__setattr__(self, f.name, as_python(value))
+        self._check_types()
         self._check_stops()
         self._check_sampling()
         self._check_lengths()
@@ -99,6 +129,17 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise RequestError("structured_outputs must be a StructuredOutputsParams, got "
                                f"{type(self.structured_outputs).__name__}", "structured_outputs")
+
+    def _check_types(self) -> None:
+        """A value of the wrong type is named as such (not as out of range)."""
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise RequestError(f"{name} must be a number, got {_type_name(value)}", name)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise RequestError(f"{name} must be an integer, got {_type_name(value)}", name)
 
     def _check_stops(self) -> None:
         if isinstance(self.stop, str):
@@ -194,7 +235,22 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    def clone(self, **changes) -> SamplingParams:
+        """A copy (vLLM's clone), with `changes` applied and checked as at construction. SamplingParams
+        is immutable (it is validated once): change a field through clone(field=value) or
+        dataclasses.replace(params, field=value)."""
+        return replace(self, **changes)
+
     def for_sample(self, index: int) -> SamplingParams:
         """Sample index of n: one sample of its own (n=1); a seeded request's sample i gets seed + i (vLLM)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _refuse_assignment(self, name, value):
+    raise dataclasses.FrozenInstanceError(
+        f"SamplingParams is immutable (it is validated once); to change {name}, use "
+        f"params.clone({name}=...) or dataclasses.replace(params, {name}=...)")
+
+
+SamplingParams.__setattr__ = _refuse_assignment        # frozen, with a message that says what to do instead

@@ -148,7 +148,7 @@ def test_auto_without_the_server_flag_is_vllms_400_and_tools_are_rendered():
 
 @pytest.fixture(scope="module")
 def qwen_server(tiny_qwen2):
-    engine = make_engine(tiny_qwen2)
+    engine = make_engine(tiny_qwen2, max_model_len=512)
     try:
         with running_server(engine, "tiny", chat_template=TOOLS_TEMPLATE) as (url, _):
             yield url
@@ -162,7 +162,7 @@ def test_required_and_named_choices_are_constrained_so_arguments_parse(qwen_serv
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice, parallel in (("required", True), ("required", False), (named, True)):
         kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice,
-                      parallel_tool_calls=parallel, max_tokens=400, temperature=0)
+                      parallel_tool_calls=parallel, max_tokens=200, temperature=0)
         if stream:
             _, calls, reason = _streamed(client, **kwargs)
         else:

@@ -178,7 +178,7 @@ def test_required_schema_is_vllms_and_one_call_without_parallel_calls():
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     first, second = schema["items"]["anyOf"]
     assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
-    assert second["properties"]["parameters"] == {"type": "object", "properties": {}}   # none given: {}
+    assert second["properties"]["parameters"] == {"type": "object", "properties": {}, "additionalProperties": False}
     assert "maxItems" not in _required_schema([WEATHER], parallel=True)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from kvfit.errors import ConfigError
 
 
 def _positive_float(text: str) -> float:
@@ -64,12 +67,127 @@ def max_model_len_flag(text: str) -> int | str:
 
 
 def add_model_argument(p: argparse.ArgumentParser, what: str) -> None:
-    """The MODEL positional and --revision (vLLM's names) of every command that reads a model."""
-    p.add_argument("model", metavar="MODEL",
+    """The MODEL positional (or vLLM's --model), --revision and the model flags of vLLM scripts, of
+    every command that reads a model."""
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help=f"a model folder, a config.json, a Hugging Face id found in the local cache "
                         f"($HF_HUB_CACHE or ~/.cache/huggingface/hub; never downloaded), or {what}")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the model, as vLLM's --model spells it (instead of the positional MODEL; default: none)")
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face id in the local cache (default: main)")
+    p.add_argument("--tokenizer", dest="vllm_tokenizer", default=None, metavar="MODEL",
+                   help="vLLM's: kvfit reads the tokenizer from the model folder, so it must name that folder "
+                        "(default: the model's)")
+    p.add_argument("--trust-remote-code", dest="vllm_trust_remote_code", action="store_true",
+                   help="vLLM's; accepted and changes nothing: kvfit never runs code from a model folder (its "
+                        "architectures are built in), so no model needs it")
+    refuse(p, "--hf-overrides", "config.json is read as it is; edit a copy of the folder", ("{}",))
+    refuse(p, "--tokenizer-mode", "tokenizer.json is read as transformers' fast tokenizer reads it",
+           ("auto", "hf"))
+    refuse(p, "--download-dir", "models are never downloaded; fetch one with `hf download`")
+
+
+def model_argument(args: argparse.Namespace) -> None:
+    """args.model from MODEL or --model (given once); a --tokenizer that names another folder is an error."""
+    given = [m for m in (args.model, getattr(args, "model_option", None)) if m is not None]
+    if not given:
+        raise ConfigError(f"a model is required: kvfit {args.command} MODEL (or --model MODEL)")
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(f"two models given: MODEL {given[0]!r} and --model {given[1]!r}; give one")
+    args.model = given[0]
+    tokenizer = getattr(args, "vllm_tokenizer", None)
+    if tokenizer is not None and tokenizer != args.model:
+        from kvfit.hub import resolve_model_name
+        model_path = resolve_model_name(args.model, args.revision)
+        if os.path.realpath(resolve_model_name(tokenizer)) != os.path.realpath(model_path):
+            raise ConfigError(f"--tokenizer {tokenizer} is not the model's folder; kvfit reads the tokenizer from "
+                              f"the model folder ({model_path}): drop --tokenizer or copy tokenizer files into it")
+
+
+class _Refused(argparse.Action):
+    """A vLLM flag kvfit cannot honour: a value in `neutral` (the one that asks for nothing) passes,
+    any other is a one-line error that says why."""
+
+    def __init__(self, option_strings, dest, reason: str, neutral: tuple = (), **kwargs):
+        nargs = 0 if neutral is None else None
+        shown = f"; accepted: {', '.join(neutral)}" if neutral else ""
+        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS,
+                         metavar=None if nargs == 0 else "VALUE",
+                         help=f"vLLM's; not supported: {reason}{shown}", **kwargs)
+        self.reason, self.neutral = reason, neutral or ()
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.nargs == 0 or values not in self.neutral:
+            shown = "" if self.nargs == 0 else f" {values}"
+            raise ConfigError(f"{option_string}{shown} is not supported by kvfit: {self.reason}")
+
+
+def refuse(p: argparse.ArgumentParser, flag: str, reason: str, neutral: tuple | None = ()) -> None:
+    """Add vLLM's `flag`, refused with `reason` unless its value is one of `neutral` (None: a switch,
+    always refused)."""
+    p.add_argument(flag, action=_Refused, reason=reason, neutral=neutral,
+                   dest="vllm_" + flag.lstrip("-").replace("-", "_"))
+
+
+def add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine flags of vLLM scripts that kvfit has no setting for: honoured where kvfit already does
+    what they ask, refused with the reason where it cannot."""
+    p.add_argument("--enable-chunked-prefill", dest="vllm_chunked_prefill", action=_ChunkedPrefill, nargs=0,
+                   help="vLLM's; kvfit always splits long prompts into --max-num-batched-tokens chunks (on by "
+                        "default; --no-enable-chunked-prefill is refused)")
+    p.add_argument("--no-enable-chunked-prefill", dest="vllm_chunked_prefill", action=_ChunkedPrefill, nargs=0,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--swap-space", dest="vllm_swap_space", type=float, default=None, metavar="GIB",
+                   help="vLLM's; accepted, nothing is reserved: kvfit preempts by recomputing (as vLLM v1), so "
+                        "no KV blocks are swapped to host memory (default: none)")
+    refuse(p, "--pipeline-parallel-size", "pipeline parallelism is not implemented; use --tensor-parallel-size",
+           ("1",))
+    refuse(p, "--data-parallel-size", "data parallelism is not implemented; run one server per device", ("1",))
+    refuse(p, "--cpu-offload-gb", "weights are not offloaded; use a smaller model or more devices", ("0",))
+    refuse(p, "--enable-lora", "LoRA adapters are not implemented", None)
+    refuse(p, "--speculative-config", "speculative decoding is not implemented")
+    refuse(p, "--kv-transfer-config", "KV transfer is not implemented")
+    refuse(p, "--limit-mm-per-prompt", "only text models are served")
+    refuse(p, "--task", "only text generation is served (no pooling or embedding models)", ("auto", "generate"))
+    refuse(p, "--runner", "only text generation is served (no pooling or embedding models)", ("auto", "generate"))
+
+
+def add_vllm_server_flags(p: argparse.ArgumentParser) -> None:
+    """`vllm serve` flags of logging and TLS, mapped onto kvfit serve's logs or refused with the reason."""
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="vLLM's: the level of uvicorn's own log lines (default: --log-level)")
+    p.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="vllm_log_requests",
+                   action="store_false", default=True,
+                   help="vLLM's: no log line per request (kvfit's access line: method, path, status, tokens, "
+                        "time; default: one per request at --log-level info)")
+    p.add_argument("--enable-log-requests", dest="vllm_log_requests", action="store_true",
+                   help="vLLM's: a log line per request: kvfit's access line, on by default (it never shows the "
+                        "prompt)")
+    p.add_argument("--disable-log-stats", dest="vllm_disable_log_stats", action="store_true",
+                   help="vLLM's: no stats line (default: one every 10 s while requests run)")
+    p.add_argument("--max-log-len", dest="vllm_max_log_len", type=int_flag, default=None, metavar="N",
+                   help="vLLM's: the most prompt characters a log line shows; accepted, kvfit's log lines show no "
+                        "prompt (default: none shown)")
+    refuse(p, "--ssl-keyfile", "the server speaks plain HTTP; put a TLS-terminating proxy in front")
+    refuse(p, "--ssl-certfile", "the server speaks plain HTTP; put a TLS-terminating proxy in front")
+    refuse(p, "--reasoning-parser", "there are no reasoning parsers; the model's reasoning stays in content")
+    refuse(p, "--tool-parser-plugin", "the tool-call parsers are built in (--tool-call-parser)")
+
+
+def apply_server_log_flags(args: argparse.Namespace) -> None:
+    """--disable-log-requests: the access line off (its logger's level raised past info)."""
+    import logging
+    if not args.vllm_log_requests:
+        logging.getLogger("kvfit.access").setLevel(logging.WARNING)
+
+
+class _ChunkedPrefill(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string.startswith("--no-"):
+            raise ConfigError("--no-enable-chunked-prefill is not supported by kvfit: it always splits long prompts "
+                              "into chunks of --max-num-batched-tokens (raise it for fewer, larger chunks)")
 
 
 def add_capacity_flags(p: argparse.ArgumentParser) -> None:
@@ -128,6 +246,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(vLLM's own defaults) or a folder holding a generation_config.json, whose max_new_tokens "
                         "then also caps every request's max_tokens (default: auto)")
     p.add_argument("--plan-json", default=None, help="write the KV plan as JSON to this path (default: not written)")
+    add_vllm_engine_flags(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

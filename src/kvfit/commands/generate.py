@@ -15,11 +15,14 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text for prompts")
     add_model_argument(p, "a catalog name with --load-format dummy")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: none)")
-    p.add_argument("--prompt-file", default=None, help="a file with one prompt per line (default: none)")
+    p.add_argument("--prompt-file", default=None,
+                   help="a file with one prompt per line, - for stdin (default: none)")
     p.add_argument("--prompt-token-ids", action="append", default=[], metavar="IDS",
                    help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; for models without a "
                         "tokenizer; default: none)")
-    p.add_argument("--json", action="store_true", help='one JSON object per line: {"prompt", "text", "token_ids"}')
+    p.add_argument("--json", action="store_true",
+                   help='one JSON object per line: {"prompt", "text", "token_ids", "finish_reason", "stop_reason", '
+                        '"num_prompt_tokens", "num_output_tokens"}')
     add_sampling_flags(p)
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -39,7 +42,9 @@ def read_prompts(args, folder: str) -> list:
     """Text prompts (--prompt, --prompt-file), then token-id prompts (--prompt-token-ids); text needs
     the tokenizer.json of the model folder."""
     prompts = list(args.prompt)
-    if args.prompt_file:
+    if args.prompt_file == "-":
+        prompts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    elif args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as fh:
                 prompts += [line.rstrip("\n") for line in fh if line.strip()]
@@ -68,15 +73,19 @@ def run(args) -> int:
     sampling_params(args, args.seed, SamplingParams())       # a bad flag fails before the model loads
     from kvfit.engine.llm import LLM
     with engine_startup(config):
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM.from_config(config)        # the model resolved once (at --revision), by the config
     try:
         params = sampling_params(args, args.seed, llm.get_default_sampling_params())
         outputs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outputs):
+        sample = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids}), flush=True)
+            print(json.dumps({"prompt": prompt, "text": sample.text, "token_ids": list(sample.token_ids),
+                              "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason,
+                              "num_prompt_tokens": len(out.prompt_token_ids),
+                              "num_output_tokens": len(sample.token_ids)}, ensure_ascii=False), flush=True)
         else:
-            print(f"prompt: {prompt!r}\noutput: {out.outputs[0].text!r}  ({len(out.outputs[0].token_ids)} tokens, {out.outputs[0].finish_reason})")
+            print(f"prompt: {prompt!r}\noutput: {sample.text!r}  ({len(sample.token_ids)} tokens, {sample.finish_reason})")
     return 0

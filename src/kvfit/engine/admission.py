@@ -54,7 +54,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if num_prompt == 0:
         raise RequestError("the prompt is empty; give at least one token", "prompt")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size}); got one outside", "prompt")
+        at, bad = next((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < vocab_size)
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}); got {bad} at position {at}", "prompt")
     if num_prompt >= max_model_len:
         raise RequestError(
             f"the prompt has {num_prompt} tokens but --max-model-len is {max_model_len} (prompt + at least one "

@@ -14,8 +14,29 @@ from kvfit.hub import resolve_model_name
 from kvfit.engine.admission import are_token_ids, check_cache_salt
 from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
-from kvfit.sampling_params import SamplingParams
-from kvfit.errors import RequestError
+from kvfit.sampling_params import SamplingParams, as_python
+from kvfit.errors import ConfigError, RequestError
+
+# vLLM's LLM(...) keyword arguments that kvfit has no setting for: the values that ask for what kvfit
+# does anyway (accepted), and why another value cannot be honoured (a ConfigError). tokenizer and
+# swap_space are checked on their own (_check_vllm_kwargs).
+VLLM_KWARGS: dict[str, tuple[tuple, str]] = {
+    "trust_remote_code": ((False, True), "kvfit never runs code from a model folder"),
+    "hf_overrides": ((None, {}), "config.json is read as it is; edit a copy of the folder"),
+    "disable_log_stats": ((True,), "LLM logs no periodic stats (kvfit serve has /metrics and a stats line)"),
+    "skip_tokenizer_init": ((False,), "a model folder without tokenizer.json runs without a tokenizer "
+                                      "(token-id prompts)"),
+    "tokenizer_mode": (("auto", "hf"), "tokenizer.json is read as transformers' fast tokenizer reads it"),
+    "enable_chunked_prefill": ((None, True), "long prompts are always split into max_num_batched_tokens chunks"),
+    "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented; use tensor_parallel_size"),
+    "data_parallel_size": ((1,), "data parallelism is not implemented"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded"),
+    "enable_lora": ((False, None), "LoRA adapters are not implemented"),
+    "speculative_config": ((None,), "speculative decoding is not implemented"),
+    "task": (("auto", "generate"), "only text generation is served (no pooling or embedding models)"),
+    "runner": (("auto", "generate"), "only text generation is served (no pooling or embedding models)"),
+    "download_dir": ((None,), "models are never downloaded; fetch one with `hf download`"),
+}
 
 
 class LLM:
@@ -30,9 +51,24 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike, **kwargs):
         """model: a folder, a Hugging Face id found in the local cache (HF_HUB_CACHE / HF_HOME; never
-        downloaded), or a catalog name (with load_format="dummy")."""
-        name = os.fspath(model) if isinstance(model, os.PathLike) else model
-        self.config = EngineConfig.from_kwargs(resolve_model_name(name) if isinstance(name, str) else name, **kwargs)
+        downloaded; at `revision`, default main), or a catalog name (with load_format="dummy"). vLLM's
+        keyword arguments without a kvfit setting (VLLM_KWARGS, tokenizer, swap_space) are accepted
+        where kvfit does what they ask, else a ConfigError says why."""
+        vllm_kwargs = {k: kwargs.pop(k) for k in [*VLLM_KWARGS, "tokenizer", "swap_space"] if k in kwargs}
+        _check_vllm_kwargs(vllm_kwargs)
+        config = EngineConfig.from_kwargs(model, **kwargs)     # resolves the model once, at its revision
+        _check_tokenizer(vllm_kwargs.get("tokenizer"), config.model.model)
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """The LLM of a built config (its model already resolved: `kvfit generate` builds it once)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
         # one engine, one caller at a time: generate() from several threads runs them in turn
         self._lock = threading.Lock()
         logging.getLogger("kvfit").setLevel(logging.INFO)
@@ -78,16 +114,22 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts", "messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
+        prompts, texts = [], []
         for conversation in conversations:
             if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
                 raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
                                    "messages")
-            prompts.append((tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 list(conversation), add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, template_kwargs=chat_template_kwargs, tokenize=True), None))
+                chat_template=chat_template, template_kwargs=chat_template_kwargs)
+            texts.append(text)
+            # as apply_chat_template(tokenize=True): the template wrote its own special tokens
+            prompts.append((tokenizer.encode(text, add_special_tokens=False), None))
         with self._lock:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            outputs = self._generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text            # vLLM's: the rendered conversation
+        return outputs
 
     def _generate(self, prompts: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """prompts: (text or token ids, cache_salt or None) pairs."""
@@ -151,9 +193,54 @@ def _check_grammars(params: list) -> None:
             check_spec(spec)
 
 
+def _check_vllm_kwargs(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name == "tokenizer":
+            continue
+        if name == "swap_space":         # accepted: preemption recomputes (vLLM v1's way), nothing is swapped
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"swap_space must be a number of GiB >= 0, got {value!r:.40}")
+            continue
+        accepted, reason = VLLM_KWARGS[name]
+        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            raise ConfigError(f"LLM({name}={value!r:.60}) is not supported by kvfit: {reason}")
+
+
+def _check_tokenizer(tokenizer, model_path: str) -> None:
+    """vLLM's tokenizer= must name the model's own folder: kvfit reads the tokenizer from there."""
+    if tokenizer is None:
+        return
+    name = os.fspath(tokenizer) if isinstance(tokenizer, os.PathLike) else tokenizer
+    if not isinstance(name, str) or os.path.realpath(resolve_model_name(name)) != os.path.realpath(model_path):
+        raise ConfigError(f"LLM(tokenizer={name!r:.80}) is not the model's folder; kvfit reads the tokenizer from "
+                          f"the model folder ({model_path}): leave tokenizer out")
+
+
+def _token_ids(value) -> list[int] | None:
+    """value as a list of token ids (a numpy or torch array, or a sequence holding numpy or torch ints,
+    converted once here), or None when it is no sequence of integers."""
+    if type(value).__module__.partition(".")[0] in ("numpy", "torch"):
+        value = as_python(value)
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes, bytearray)):
+        return None
+    ids = list(value)
+    if not are_token_ids(ids):
+        ids = [as_python(t) for t in ids]
+    return ids if are_token_ids(ids) else None
+
+
 def _is_token_ids(value) -> bool:
-    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
-            and are_token_ids(value))
+    return _token_ids(value) is not None
+
+
+def _refuse_non_int_ids(value) -> None:
+    """A RequestError naming the type of the first non-integer of a would-be token-id list (a list or
+    array of numbers, some not integers: floats, bools); nothing for anything else."""
+    value = as_python(value)
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, (int, float)) for v in value):
+        return
+    bad = next(t for t in value if not isinstance(t, int) or isinstance(t, bool))
+    raise RequestError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r:.20}", "prompt")
 
 
 def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
@@ -165,13 +252,16 @@ def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"], cache_salt
         if keys == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
-            return list(prompt["prompt_token_ids"]), cache_salt
+            return _token_ids(prompt["prompt_token_ids"]), cache_salt
         raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, with an optional '
                            f'"cache_salt"; got {_describe(prompt)}', "prompt")
     if isinstance(prompt, str):
         return prompt, None
-    if _is_token_ids(prompt):
-        return list(prompt), None
+    ids = _token_ids(prompt)
+    if ids is not None:
+        return ids, None
+    if isinstance(as_python(prompt), list) and prompt is not None and len(prompt) and not isinstance(prompt, dict):
+        raise RequestError(f"a prompt of token ids: {_not_ids(prompt)}", "prompt")
     raise RequestError('each prompt must be a string, a list of token ids (ints), {"prompt": text} or '
                        f'{{"prompt_token_ids": ids}}; got {type(prompt).__name__}', "prompt")
 
@@ -185,10 +275,13 @@ def _prompt_list(prompts) -> list:
     ids, cache_salt) pairs; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
     if isinstance(prompts, (str, dict)):
         return [_one_prompt(prompts)]
+    if type(prompts).__module__.partition(".")[0] in ("numpy", "torch"):   # an array: ids, or a batch of them
+        prompts = as_python(prompts)
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise RequestError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of those; got "
                            f"{type(prompts).__name__}", "prompt")
     prompts = list(prompts)
     if prompts and _is_token_ids(prompts):
-        return [(prompts, None)]
+        return [(_token_ids(prompts), None)]
+    _refuse_non_int_ids(prompts)
     return [_one_prompt(p) for p in prompts]

@@ -8,7 +8,9 @@
   {"name": one of the tools, "parameters": its schema}, at least one (exactly one when
   parallel_tool_calls is false); a named function {"type": "function", "function": {"name": N}}:
   the output is constrained to N's parameters schema and is N's arguments. Constrained arguments
-  always parse.
+  always parse. They are compact JSON (no whitespace between tokens: a model cannot spend its
+  tokens on whitespace, as small models do when it is allowed), and a function without parameters
+  gets {} (vLLM's intent; its schema allowed any object).
 - parallel_tool_calls false: at most one call is returned (vLLM keeps the first).
 - finish_reason is "tool_calls" when auto or required produced calls; a named function keeps the
   engine's ("stop"), as OpenAI does for a forced function.
@@ -29,6 +31,8 @@ from kvfit.server.tool_parsers import PARSERS, ToolCall, _decode_objects, get_pa
 
 MAX_TOOLS = 128                 # OpenAI's limit on tools per request
 TOOL_CHOICES = ("none", "auto", "required")
+# a function without parameters takes none: its arguments are {} (vLLM's intent; it allows any object)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _NAMED_USAGE = 'a named tool_choice is {"type": "function", "function": {"name": "my_function"}}'
 
 
@@ -162,12 +166,12 @@ def _call_for_template(call, i: int) -> dict:
 # the plan of one request ------------------------------------------------------------------------
 def _required_schema(tools: list, parallel: bool) -> dict:
     """vLLM's schema for tool_choice required: a list of {name, parameters} of the tools, one or more
-    (exactly one without parallel calls)."""
+    (exactly one without parallel calls); a call holds nothing else (vLLM's allowed other keys)."""
     def one(function: dict) -> dict:
-        params = function.get("parameters") or {"type": "object", "properties": {}}
+        params = function.get("parameters") or NO_PARAMETERS
         params = {k: v for k, v in params.items() if k != "$defs"}
         return {"properties": {"name": {"type": "string", "enum": [function["name"]]}, "parameters": params},
-                "required": ["name", "parameters"]}
+                "required": ["name", "parameters"], "additionalProperties": False}
     schema = {"type": "array", "minItems": 1,
               "items": {"type": "object", "anyOf": [one(t["function"]) for t in tools]}}
     if not parallel:
@@ -266,10 +270,11 @@ def apply_tools(inp, body, options: ToolOptions):
     changes = {}
     if plan.mode == "named":
         function = next(t["function"] for t in req.tools if t["function"]["name"] == plan.function)
-        schema = function.get("parameters") or {"type": "object", "properties": {}}
-        changes["structured_outputs"] = StructuredOutputsParams(json=schema)
+        schema = function.get("parameters") or NO_PARAMETERS
+        changes["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     elif plan.mode == "required":
-        changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel))
+        changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel),
+                                                                disable_any_whitespace=True)
     elif get_parser(plan.parser).keeps_special_tokens:
         changes["skip_special_tokens"] = False
     return dataclasses.replace(inp, params=dataclasses.replace(inp.params, **changes), tools=plan)

@@ -1,0 +1,92 @@
+"""LLM(...) as a vLLM script calls it: its keyword arguments, numpy and torch values (converted once at the
+boundary), SamplingParams.clone, chat outputs carrying their prompt, errors that name the value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.errors import ConfigError, RequestError
+
+SMALL = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=64, max_num_batched_tokens=64,
+             max_num_seqs=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    # every vLLM keyword argument a script passes that asks for what kvfit does anyway
+    llm = LLM(tiny_llama, trust_remote_code=True, tokenizer=tiny_llama, hf_overrides={}, disable_log_stats=True,
+              skip_tokenizer_init=False, enable_chunked_prefill=True, swap_space=4, tokenizer_mode="auto", **SMALL)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(skip_tokenizer_init=True), "without tokenizer.json"),
+    (dict(enable_lora=True), "LoRA"),
+    (dict(hf_overrides={"num_hidden_layers": 1}), "config.json is read as it is"),
+    (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    (dict(enable_chunked_prefill=False), "always split"),
+    (dict(swap_space=-1), "swap_space"),
+    (dict(trust_remote_code="yes"), "never runs code"),
+])
+def test_vllm_kwargs_kvfit_cannot_honour_say_why(tiny_llama, kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        LLM(tiny_llama, **kwargs, **SMALL)
+
+
+def test_a_tokenizer_of_another_folder_is_refused(tiny_llama, tiny_qwen2):
+    with pytest.raises(ConfigError, match="not the model's folder"):
+        LLM(tiny_llama, tokenizer=tiny_qwen2, **SMALL)
+
+
+def test_numpy_and_torch_prompts_and_params_equal_plain_ones(llm):
+    ids = [5, 6, 7, 8]
+    want = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(3), ignore_eos=np.bool_(True),
+                            top_k=torch.tensor(-1))
+    assert params == GREEDY and type(params.max_tokens) is int
+    for prompt in (np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids], {"prompt_token_ids": np.array(ids)}):
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want and out[0].prompt_token_ids == ids
+    batch = llm.generate(np.array([ids, ids]), params, use_tqdm=False)      # a 2-D array: a batch of prompts
+    assert [o.outputs[0].token_ids for o in batch] == [want, want]
+
+
+def test_wrong_types_are_named_as_types(llm):
+    for kwargs, needle in ((dict(temperature="0.5"), "temperature must be a number, got str"),
+                           (dict(max_tokens=3.0), "max_tokens must be an integer, got float"),
+                           (dict(n=np.float64(2.0)), "n must be an integer, got float64")):
+        with pytest.raises(RequestError, match=needle):
+            SamplingParams(**kwargs)
+    with pytest.raises(RequestError, match="prompt token ids must be integers, got float 1.0"):
+        llm.generate(np.array([1.0, 2.0]), GREEDY, use_tqdm=False)
+
+
+def test_an_out_of_vocabulary_prompt_id_is_named(llm):
+    with pytest.raises(RequestError, match=r"got 99999 at position 1"):
+        llm.generate([[5, 99999, 6]], GREEDY, use_tqdm=False)
+
+
+def test_clone_and_a_mutation_says_to_use_clone():
+    params = SamplingParams(temperature=0.5, logit_bias={3: 1.0})
+    copy = params.clone()
+    assert copy == params and copy is not params
+    assert params.clone(temperature=0).temperature == 0 and params.temperature == 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"clone\(temperature=\.\.\.\).*dataclasses.replace"):
+        params.temperature = 0.0
+    with pytest.raises(RequestError, match="temperature"):
+        params.clone(temperature=-1)            # checked as at construction
+
+
+def test_chat_outputs_carry_the_rendered_prompt(llm):
+    messages = [{"role": "user", "content": "hello"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = llm.get_tokenizer().apply_chat_template(messages, True)
+    assert out.prompt == text and "hello" in text
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
