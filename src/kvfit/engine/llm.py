@@ -260,8 +260,7 @@ def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
     ids = _token_ids(prompt)
     if ids is not None:
         return ids, None
-    if isinstance(as_python(prompt), list) and prompt is not None and len(prompt) and not isinstance(prompt, dict):
-        raise RequestError(f"a prompt of token ids: {_not_ids(prompt)}", "prompt")
+    _refuse_non_int_ids(prompt)
     raise RequestError('each prompt must be a string, a list of token ids (ints), {"prompt": text} or '
                        f'{{"prompt_token_ids": ids}}; got {type(prompt).__name__}', "prompt")
 
