@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 
 from starlette.requests import ClientDisconnect
 
@@ -63,6 +64,47 @@ def public_prefix_cache_hit_rate(num_hit_tokens: int, num_query_tokens: int) -> 
 
 class _BodyTimeout(Exception):
     pass
+
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+
+
+class HeadSizeCounter:
+    """The bytes of one request head as they arrive, up to its blank line, whether the head comes in pieces or
+    in one write: h11's own cap (h11_max_incomplete_event_size) holds only while a head is incomplete, so a
+    17 KB head sent whole went through. feed() each chunk received while the head is not complete; reset()
+    when a new request begins."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_bytes, self.complete, self._tail = 0, False, b""
+
+    def feed(self, data: bytes) -> int:
+        """Count data; the head's bytes so far (its full size once its blank line has arrived)."""
+        if self.complete:
+            return self.num_bytes
+        if self.num_bytes == 0:
+            stripped = data.lstrip(b"\r\n")       # blank lines before a request line are no head end
+            self.num_bytes, data = len(data) - len(stripped), stripped
+        window = self._tail + data
+        end = _HEAD_END.search(window)
+        if end is None:
+            self.num_bytes += len(data)
+            self._tail = window[-3:]
+        else:
+            self.num_bytes += end.end() - len(self._tail)
+            self.complete = True
+        return self.num_bytes
+
+
+def head_too_large_response(limit_bytes: int) -> bytes:
+    """A raw HTTP 431 (the connection is then closed): sent before h11 parses the head, so not through it."""
+    body = json.dumps(error_body(f"the request head is larger than {limit_bytes} bytes; send fewer or shorter "
+                                 "headers", "invalid_request_error", None, "request_header_too_large")).encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 class GuardMiddleware:

@@ -31,7 +31,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvfit.errors import ConfigError
-from kvfit.server.guards import GuardMiddleware, is_loopback_host
+from kvfit.server.guards import GuardMiddleware, HeadSizeCounter, head_too_large_response, is_loopback_host
 from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                  DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES,
                                  RESERVED_FDS)
@@ -231,17 +231,25 @@ class GracefulServer(uvicorn.Server):
 class _HeadTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol plus a deadline on each request head: a connection that has not sent a
     complete head within head_timeout_s of connecting (or of starting a new request after a response)
-    is closed. uvicorn has no such timeout: its keep-alive timer stops at the first byte."""
+    is closed. uvicorn has no such timeout: its keep-alive timer stops at the first byte. A head past
+    MAX_HEADER_BYTES is a 431 however it arrives (h11's cap holds only for a head still incomplete)."""
 
     head_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS      # set per server by uvicorn_config
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+        self._head_size = HeadSizeCounter()
 
     def data_received(self, data: bytes) -> None:
         if self._head_timer is None and self.conn.their_state is h11.IDLE:     # a new request begins
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+            self._head_size.reset()
+        if self.conn.their_state is h11.IDLE and self._head_size.feed(data) > MAX_HEADER_BYTES:
+            self._cancel_head_timer()
+            self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
+            self.transport.close()
+            return
         super().data_received(data)
         if self._head_timer is not None and self.conn.their_state is not h11.IDLE:   # its head is complete
             self._cancel_head_timer()
