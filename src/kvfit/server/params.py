@@ -22,6 +22,7 @@ from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, TEMPLATE_MESSAGE_FIELD
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat defaults to the context
 MAX_STOP_STRINGS = 16                  # each is searched after every token
+MAX_TOKEN_ID_DIGITS = 10               # a logit_bias key: token ids are below 2**31
 # request fields that are SamplingParams fields of the same name and meaning
 PASSED_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                  "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -131,6 +132,22 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
         raise bad_request(str(exc), param=exc.param or "structured_outputs", code=exc.code) from None
 
 
+def _logit_bias_token_ids(bias) -> dict:
+    """logit_bias's JSON object keys as token ids: ASCII digits only (str.isdigit also takes "²" and a
+    fullwidth "５"), at most MAX_TOKEN_ID_DIGITS of them (int() refuses 5,000 digits); else a 400 naming
+    logit_bias. Its values are SamplingParams' to check."""
+    if not isinstance(bias, dict):
+        return bias
+    ids = {}
+    for key, value in bias.items():
+        text = key.strip() if isinstance(key, str) else ""
+        if not (text.isascii() and text.isdigit() and len(text) <= MAX_TOKEN_ID_DIGITS):
+            raise bad_request(f"logit_bias keys must be token ids in ASCII digits (at most {MAX_TOKEN_ID_DIGITS}), "
+                              f"got {str(key)[:20]!r}", param="logit_bias")
+        ids[int(text)] = value
+    return ids
+
+
 def _check_top_k_count(value: int | None, param: str, max_logprobs: int) -> None:
     if value is not None and value < 0:
         raise bad_request(f"{param} must be >= 0, got {value}", param=param)
@@ -157,6 +174,8 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, defaults:
     # the fields that carry their SamplingParams name, passed on when given (its defaults are vLLM's)
     kwargs = {name: value for name, value in (defaults or {}).items() if name in DEFAULTED_FIELDS}
     kwargs.update({name: getattr(req, name) for name in PASSED_FIELDS if getattr(req, name) is not None})
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = _logit_bias_token_ids(kwargs["logit_bias"])
     kwargs.update({name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
                    if getattr(req, name) is not None})
     extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs_params(req)}
