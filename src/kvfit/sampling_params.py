@@ -206,11 +206,14 @@ class SamplingParams:
                 raise RequestError("logit_bias must be a map from token id to a bias in [-100, 100]", "logit_bias")
             bias = {}
             for token, value in self.logit_bias.items():
-                if isinstance(token, str) and token.strip().isdigit():
-                    token = int(token)          # JSON object keys are strings
+                # JSON object keys are strings: ASCII digits only (isdigit also takes "²" and a fullwidth "５"),
+                # and few of them (int() refuses 5,000 digits)
+                if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit() \
+                        and len(token.strip()) <= 10:
+                    token = int(token)
                 if not _is_int(token) or token < 0:
-                    raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}",
-                                       "logit_bias")
+                    raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got "
+                                       f"{str(token)[:20]!r}", "logit_bias")
                 if not _is_number(value):
                     raise RequestError(f"logit_bias values must be finite numbers, got {value!r}", "logit_bias")
                 bias[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))   # clamped as vLLM/OpenAI

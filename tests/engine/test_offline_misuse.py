@@ -62,3 +62,11 @@ def test_a_checkpoint_with_nan_weights_starts_and_fails_each_request_alone(tmp_p
         assert "\n" not in str(exc)
     finally:
         nan_llm.shutdown()
+
+
+@pytest.mark.parametrize("key", ["²", "9" * 5000, "５", "-1", "1.5"])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_request_error(key):
+    with pytest.raises(RequestError) as info:        # "²" and 5,000 digits were raw ValueErrors, "５" was 5
+        SamplingParams(logit_bias={key: 1.0})
+    assert info.value.param == "logit_bias" and len(str(info.value)) < 200
+    assert SamplingParams(logit_bias={" 12 ": 1.0}).logit_bias == {12: 1.0}

@@ -15,20 +15,9 @@ from kvfit.errors import RequestError
 from kvfit.structured_params import (MAX_CHOICES, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_REFS, MAX_SPEC_CHARS,
                                      StructuredOutputsParams as Params)
 
+from grammar_bombs import CHAIN, lark_chain, ref_chain
+
 pytest.importorskip("llguidance")
-
-CHAIN = 3000        # llguidance overflows its stack on a chain of about 2,600 rules or $refs
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f'r{i}: r{i + 1} "a"\n' for i in range(n)) + f'r{n}: "b"\n'
-
-
-def ref_chain(n: int, all_of: bool = False) -> dict:
-    def link(i):
-        ref = {"$ref": f"#/$defs/a{i + 1}"}
-        return {"allOf": [ref]} if all_of else ref
-    return {"$ref": "#/$defs/a0", "$defs": {**{f"a{i}": link(i) for i in range(n)}, f"a{n}": {"type": "string"}}}
 
 
 def _refused(limit_words: list[str], **kwargs) -> str:
