@@ -6,6 +6,8 @@ import sys
 
 from kvfit.errors import ConfigError
 
+WAITING_REQUESTS_PER_SEQ = 16     # the default --max-waiting-requests is this many per batch slot
+
 
 def register(sub) -> None:
     from kvfit.commands.flags import add_engine_flags, add_model_argument, add_vllm_server_flags
@@ -37,7 +39,9 @@ def register(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                    help="the chat template: a .jinja file or the template text (default: the model's own)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                   help="requests allowed to wait for the batch; beyond it new ones get 429")
+                   help=f"requests (an n > 1 request counts n) allowed to wait for the batch; beyond it new ones get "
+                        f"429 (default: {WAITING_REQUESTS_PER_SEQ} x --max-num-seqs, so a burst of thousands of "
+                        "streams is queued)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -56,23 +60,33 @@ def register(sub) -> None:
 def _check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting_requests < 0:
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ConfigError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
 
 
-def run(args) -> int:
-    from kvfit.commands.flags import apply_server_log_flags, engine_kwargs
+def build_engine(config):
+    """The engine core process's factory (picklable): the LLMEngine, with the slow-start notices."""
     from kvfit.commands.common import engine_startup
+    from kvfit.engine.llm_engine import LLMEngine
+    with engine_startup(config):
+        return LLMEngine(config)
+
+
+def run(args) -> int:
+    import functools
+    import os
+    from kvfit.commands.flags import apply_server_log_flags, engine_kwargs
     from kvfit.server.logs import STATS_INTERVAL_SECONDS, configure_logging
     _check_args(args)
     from kvfit.server.tools import ToolOptions
     tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)   # before loading
     from kvfit.config import EngineConfig
-    from kvfit.engine.llm_engine import LLMEngine
     from kvfit.models.chat_template import load_chat_template
+    from kvfit.models.tokenizer import load_tokenizer
     from kvfit.server.app import create_app
+    from kvfit.server.core_process import EngineCoreClient
     from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,
                                      serve, startup_warnings, url_of)
     settings = engine_kwargs(args)
@@ -82,30 +96,34 @@ def run(args) -> int:
     api_key = resolve_api_key(args.api_key, args.api_key_file)     # before loading: a bad key fails fast
     guards = GuardOptions(args.host, api_key, args.metrics_require_key, args.body_timeout)
     limits = ConnectionLimits(args.max_connections, args.header_timeout)
+    max_waiting_requests = (args.max_waiting_requests if args.max_waiting_requests is not None
+                            else WAITING_REQUESTS_PER_SEQ * config.scheduler.max_num_seqs)
     sock = bind_socket(args.host, args.port)     # before loading: a taken port fails fast
     configure_logging(args.log_level)            # once the flags are good: a mistake stays one error line
     apply_server_log_flags(args)                 # vLLM's --disable-log-requests
+    folder = config.model.model if os.path.isdir(config.model.model) else None
     try:
-        with engine_startup(config):
-            engine = LLMEngine(config)
+        # the engine runs in its own process (server/core_process.py); this one serves HTTP
+        engine = EngineCoreClient.launch(functools.partial(build_engine, config),
+                                         tokenizer=load_tokenizer(folder) if folder is not None else None,
+                                         generation_config=config.model.generation_config, model_folder=folder,
+                                         max_waiting_requests=max_waiting_requests, log_level=args.log_level)
         try:
             name = names[0]
-            app = create_app(engine, names, api_key=api_key, max_waiting_requests=args.max_waiting_requests,
-                             chat_template=chat_template,
+            app = create_app(engine, names, api_key=api_key, chat_template=chat_template,
                              max_body_bytes=args.max_request_body_bytes,
                              metrics_require_key=args.metrics_require_key, tool_options=tool_options,
                              stats_interval_s=0 if args.vllm_disable_log_stats else STATS_INTERVAL_SECONDS)
             install_guards(app, guards)
             for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
                 print(line, file=sys.stderr, flush=True)
-            print(f"capacity: {engine.plan.log_line()}", flush=True)
+            print(f"capacity: {engine.capacity_line}", flush=True)
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
-            async_engine = app.state.kvfit.engine
-            serve(app, sock, async_engine.begin_shutdown, log_level=args.uvicorn_log_level or args.log_level, limits=limits,
-                  dead_reason=async_engine.check_dead)     # a dead engine ends the server: exit 1
-            dead_reason = async_engine.check_dead()
+            serve(app, sock, engine.begin_shutdown, log_level=args.uvicorn_log_level or args.log_level,
+                  limits=limits, dead_reason=engine.check_dead)     # a dead engine ends the server: exit 1
+            dead_reason = engine.check_dead()
         finally:
-            engine.shutdown()
+            engine.stop()
     finally:
         sock.close()
     print("kvfit serve: stopped", flush=True)

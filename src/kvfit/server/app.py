@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfit.errors import ConfigError
 from kvfit.server.async_engine import AsyncEngine, RequestStream, ServingEngine
-from kvfit.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, DEFAULT_MAX_BODY_BYTES
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.params import NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, completion_inputs
@@ -75,7 +75,7 @@ def _model_names(served_model_name: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def create_app(engine, served_model_name: str | Sequence[str], api_key: str | None = None,
-               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+               max_waiting_requests: int = APP_MAX_WAITING_REQUESTS,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
                chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS,
                prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES,

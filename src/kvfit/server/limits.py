@@ -1,7 +1,8 @@
 """Server defaults, importable without fastapi (the CLI reads them for --help)."""
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20          # 1 MiB: far beyond any prompt max_model_len allows
-DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_WAITING_REQUESTS = None       # kvfit serve: 16 x --max-num-seqs (commands/serve.py)
+APP_MAX_WAITING_REQUESTS = 1024           # create_app's default, for an engine served in-process
 # open connections (--max-connections; past it uvicorn answers 503). None: as many as the process's file
 # descriptor limit allows (raised to its hard limit at start-up, as vLLM does), less RESERVED_FDS for the
 # engine, the model files and the logs, so a burst of thousands of streams queues instead of being refused
