@@ -1,9 +1,11 @@
 """Tokenizer: tokenizer.json (the `tokenizers` library) plus tokenizer_config.json, as transformers reads them.
 
-Special tokens follow transformers 5: when tokenizer_config.json sets add_bos_token / add_eos_token
-(or tokenizer.json has no post-processor) the post-processor becomes `[bos] $A [eos]` per those flags;
-otherwise tokenizer.json's own post-processor decides. The chat template comes from
-chat_template.jinja if present, else tokenizer_config.json's chat_template.
+Special tokens follow transformers 5 (5.25): with a tokenizer.json, tokenizer_config.json's add_bos_token /
+add_eos_token are dropped (tokenization_utils_base's _from_pretrained pops them), so tokenizer.json's
+post-processor decides whatever the flags say, and one without a post-processor adds none. A few
+tokenizer classes set the post-processor from their own constructor defaults instead
+(CLASS_SPECIAL_TOKENS). vLLM encodes with the same AutoTokenizer, so its ids are these too.
+The chat template comes from chat_template.jinja if present, else tokenizer_config.json's chat_template.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from kvfit.model_facts import read_field, read_json_object
 from kvfit.models.chat_template import compile_chat_template, render_chat_template
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# tokenizer classes (tokenizer_config.json's tokenizer_class, "Fast" dropped) whose transformers 5 constructor
+# rebuilds the post-processor from its own (add_bos_token, add_eos_token) defaults, the config's being dropped
+CLASS_SPECIAL_TOKENS = {"CodeLlamaTokenizer": (True, False), "GPTNeoXTokenizer": (False, False),
+                        "ErgoTokenizer": (False, False)}
 # the clean-up transformers applies on decode when clean_up_tokenization_spaces is set (never for BPE)
 CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -67,10 +73,15 @@ class Tokenizer:
         if missing:   # as transformers does: a special token not in tokenizer.json gets the next free id
             self._tok.add_special_tokens(missing)
         self._check_special_ids(model_vocab_size)
-        add_bos, add_eos, clean_up = (read_field(config, key, "bool", source, default=False)
-                                      for key in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"))
-        if "add_bos_token" in config or "add_eos_token" in config or self._tok.post_processor is None:
-            self._set_post_processor(add_bos, add_eos)
+        clean_up = read_field(config, "clean_up_tokenization_spaces", "bool", source, default=False)
+        for key in ("add_bos_token", "add_eos_token"):      # type-checked (a corrupt file), then unused, as above
+            read_field(config, key, "bool", source, default=False)
+        tokenizer_class = config.get("tokenizer_class")
+        tokenizer_class = tokenizer_class.removesuffix("Fast") if isinstance(tokenizer_class, str) else None
+        if tokenizer_class in CLASS_SPECIAL_TOKENS:
+            self._set_post_processor(*CLASS_SPECIAL_TOKENS[tokenizer_class])
+        elif self._tok.post_processor is None:
+            self._set_post_processor(False, False)
         self._clean_up = clean_up and type(self._tok.model).__name__ != "BPE"
         self.chat_template = chat_template
         self._compiled: dict = {}             # template text -> compiled template

@@ -116,7 +116,9 @@ def as_api_error(exc: KvfitError) -> APIError:
 
 
 def _check_tokenize_request(body: TokenizeRequest, tokenizer) -> None:
+    from kvfit.server.tools import check_tokenize_tools
     check_unsupported(body)
+    check_tokenize_tools(body)
     if tokenizer is None:
         raise no_tokenizer_error("tokenize")
     if (body.prompt is None) == (body.messages is None):

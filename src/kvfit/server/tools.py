@@ -130,6 +130,13 @@ def tool_request(body) -> ToolRequest:
     return ToolRequest(tools, choice, False, parallel)
 
 
+def check_tokenize_tools(body) -> None:
+    """/tokenize: tools are checked, and they need messages (a prompt is not rendered, so they would do nothing)."""
+    if template_tools(body) is not None and getattr(body, "messages", None) is None:
+        raise bad_request("tools are rendered into a chat's messages; /tokenize with a prompt takes no tools",
+                          param="tools")
+
+
 def template_tools(body) -> list | None:
     """The tools the chat template renders (validated; None when the request has none)."""
     return tool_request(body).tools
