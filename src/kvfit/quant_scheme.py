@@ -31,6 +31,9 @@ WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("token", "group", "static")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 FP8_MAX = 448.0                              # largest finite float8_e4m3fn
+# scratch of one quantized GEMM per element of its input: the fp32 copy quantize_activations divides in
+# place, and the fp8 result (models/quant/fp8.py); the capacity estimate counts it
+ACTIVATION_SCRATCH_BYTES = 4 + 1
 
 
 @dataclass(frozen=True)

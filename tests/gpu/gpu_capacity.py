@@ -16,7 +16,7 @@ def estimated_blocks(model: str, settings: dict, llm) -> int:
     from kvfit.planning import spec_and_limits
     from kvfit.platforms.estimate import estimate_reading
     config = EngineConfig.from_kwargs(model, **settings)
-    facts = load_model_facts(model)
+    facts = load_model_facts(model, settings.get("quantization"))
     spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
     measured = llm.engine.readings[0]
     estimate = estimate_reading(facts, measured.total_bytes, config.cache, config.scheduler, 1, 2)

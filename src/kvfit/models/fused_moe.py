@@ -161,7 +161,23 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     counts), routing weights applied in fp32 and the k slots summed in fp32, in slot order
     (deterministic, no atomics).
     """
-    num_tokens, hidden, num_experts, inter, top_k = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    num_experts = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)[2]
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)                # [n, I] each
+        return F.linear(F.silu(gate) * up, w2[expert])
+    return experts_by_group(x, topk_weights, topk_ids, num_experts, expert_mlp)
+
+
+def experts_by_group(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                     expert_mlp) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_mlp(e, rows of e) with e = topk_ids[t, j]: x [T, H] -> [T, H].
+
+    Pairs sorted by expert, expert_mlp(e, [n, H]) -> [n, H] once per expert hit (one host sync for the
+    counts), routing weights applied in fp32 and the k slots summed in fp32, in slot order
+    (deterministic, no atomics). moe_reference's and the FP8 experts' loop."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).long()                                    # [T*k] pair -> expert
     order = torch.argsort(flat_ids, stable=True)                              # [T*k] pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=num_experts)
@@ -173,8 +189,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for expert, count in enumerate(counts.tolist()):
         if count:
             rows = slice(start, start + count)
-            gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)       # [n, I] each
-            ys[rows] = F.linear(F.silu(gate) * up, w2[expert])
+            ys[rows] = expert_mlp(expert, xs[rows])
             start += count
     pairs = torch.empty_like(ys).index_copy_(0, order, ys)                    # [T*k, H] back in pair order
     weighted = pairs.float() * topk_weights.reshape(-1, 1).float()

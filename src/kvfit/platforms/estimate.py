@@ -10,6 +10,7 @@ from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts
+from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES
 from kvfit.planning import persistent_batch_bytes
 from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 from kvfit.units import MiB, gib
@@ -61,7 +62,10 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     per_token = 2 * facts.hidden_size + 3 * inter // tp
     logits = max(min(sched.max_num_seqs, tokens) * LOGIT_BYTES,
                  min(PROMPT_LOGPROBS_SLICE, tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
-    return tokens * per_token * act_dtype_bytes + logits
+    # FP8 GEMMs quantize their input first: an fp32 copy and the fp8 values beside it, at the widest input
+    scratch = 0 if facts.quantization is None else \
+        tokens * ACTIVATION_SCRATCH_BYTES * max(facts.hidden_size, inter // tp)
+    return tokens * per_token * act_dtype_bytes + logits + scratch
 
 
 def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sched: SchedulerConfig,

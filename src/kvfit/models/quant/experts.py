@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
+from kvfit.models.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
 from kvfit.models.quant.gemm import fp8_linear
@@ -150,22 +151,9 @@ class Fp8Experts(torch.nn.Module):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
                                "16-bit experts); run with --enforce-eager")
-        num_tokens, hidden = x.shape
-        top_k = topk_ids.shape[1]
-        num_experts = self.gate_up_proj.shape[0]
-        flat_ids = topk_ids.reshape(-1).long()                                    # [T*k] pair -> expert
-        order = torch.argsort(flat_ids, stable=True)                              # [T*k] pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=num_experts)
-        xs = x.index_select(0, order // top_k)                                    # [T*k, H] grouped rows
-        ys = torch.empty_like(xs)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                rows = slice(start, start + count)
-                gate_up, down = self.expert_weights(expert)
-                gate, up = fp8_linear(xs[rows], gate_up).chunk(2, dim=-1)        # [n, I] each
-                ys[rows] = fp8_linear(F.silu(gate) * up, down)
-                start += count
-        pairs = torch.empty_like(ys).index_copy_(0, order, ys)                    # [T*k, H] back in pair order
-        weighted = pairs.float() * topk_weights.reshape(-1, 1).float()
-        return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = self.expert_weights(expert)
+            gate, up = fp8_linear(rows, gate_up).chunk(2, dim=-1)                # [n, I] each
+            return fp8_linear(F.silu(gate) * up, down)
+        return experts_by_group(x, topk_weights, topk_ids, self.gate_up_proj.shape[0], expert_mlp)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.quant_scheme import FP8_MAX
+from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, FP8_MAX  # noqa: F401  (the scratch it documents)
 
 FP8_DTYPE = torch.float8_e4m3fn
 MIN_AMAX = 1e-10            # an all-zero row still gets a finite scale (its values quantize to 0)
@@ -110,9 +110,6 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     scale = _amax(tiles, dim=2).clamp(min=MIN_AMAX) / FP8_MAX                               # [T, G]
     xq = _to_fp8_(tiles.div_(scale.unsqueeze(2))).view(t, groups * group)[:, :k]
     return xq, scale
-
-
-ACTIVATION_SCRATCH_BYTES = 4 + 1       # fp32 copy + fp8 result per element of a quantized GEMM's input
 
 
 def _amax(x32: torch.Tensor, dim: int) -> torch.Tensor:

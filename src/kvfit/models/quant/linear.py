@@ -31,8 +31,15 @@ def is_fp8_source(source) -> bool:
     return source.get_dtype() in SAFETENSORS_FP8
 
 
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+                      "F8_E5M2": "float8_e5m2"}
+
+
 def source_dtype_name(source) -> str:
-    return str(source.dtype).removeprefix("torch.") if isinstance(source, torch.Tensor) else source.get_dtype()
+    """A checkpoint tensor's dtype as torch names it (float32, bfloat16, float8_e4m3fn, ...)."""
+    if isinstance(source, torch.Tensor):
+        return str(source.dtype).removeprefix("torch.")
+    return SAFETENSORS_DTYPES.get(source.get_dtype(), source.get_dtype())
 
 
 def _scale_param(shape: tuple[int, ...], shard: Shard | None, device) -> torch.nn.Parameter:

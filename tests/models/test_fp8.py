@@ -1,0 +1,233 @@
+"""FP8 checkpoints (compressed-tensors and block-wise fp8) and --quantization fp8 through kvfit's real loader,
+against transformers running the dequantized weights with kvfit's activation quantization (fake-quant hooks);
+unsupported quantization configs are one-line errors, never a silent 16-bit load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from fp8_checkpoints import (fake_quant_experts, fake_quant_hooks, quantization_config, write_fp8_copy)
+from paged_batch import PagedCache, hf_logits, random_tokens
+
+from kvfit.attention.torch_ref import TorchReferenceBackend
+from kvfit.errors import ConfigError
+from kvfit.model_facts import facts_from_config, load_model_facts
+from kvfit.models.loader import load_model
+from kvfit.models.quant.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
+from kvfit.models.quant.linear import Fp8Linear
+from kvfit.quant_scheme import parse_quantization_config
+from tiny_models import make_tiny_model
+
+BACKEND = TorchReferenceBackend()
+FLIP_ATOL = 3e-2
+
+
+def _logits(folder: str, quantization: str | None = None, load_format: str = "auto"):
+    facts = load_model_facts(folder, quantization)
+    model = load_model(folder, facts, torch.float32, "cpu", BACKEND, load_format=load_format)
+    tokens = random_tokens(facts.vocab_size, 11, seed=0)
+    input_ids, positions, meta = PagedCache(facts).step([("s", 0, tokens)])
+    with torch.inference_mode():
+        return model, model.compute_logits(model(input_ids, positions, None, meta)), tokens
+
+
+def _reference(folder: str, tokens, fmt: str, block=(128, 128), experts: bool = False):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    fake_quant_hooks(hf, fmt, block)
+    if experts:
+        assert fake_quant_experts(hf, fmt, block) > 0
+    return hf_logits(hf, tokens)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    return root, {arch: make_tiny_model(root, arch=arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", "ct-channel"), ("llama", "ct-tensor"), ("llama", "ct-static"),
+                                      ("llama", "block"), ("qwen2", "ct-tensor"), ("qwen3", "block"),
+                                      ("qwen3", "ct-channel")])
+def test_dense_fp8_checkpoint_matches_the_dequantized_reference(models, arch, fmt):
+    root, src = models
+    fp8, deq = write_fp8_copy(src[arch], root / f"{arch}-{fmt}", fmt)
+    model, got, tokens = _logits(fp8)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == FP8_DTYPE
+    assert model.lm_head.weight.dtype == torch.float32            # ignored by the checkpoint: model dtype
+    want = _reference(deq, tokens, fmt)
+    # the same fp8 values and scales; fp32 summation order differs, and a 1e-7 difference can move one
+    # activation across an fp8 rounding boundary (one e4m3 step): FLIP_ATOL. Skipping the activation
+    # quantization alone is 0.2 off here; a wrong scale is off by the logits' size.
+    assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
+    assert got[-1].argmax() == want[-1].argmax()
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "block"), ("mixtral", "ct-channel"), ("qwen2_moe", "ct-tensor")])
+def test_moe_fp8_checkpoint_matches_the_dequantized_reference(tmp_path, arch, fmt):
+    moe = {"shared_expert_intermediate_size": 64} if arch == "qwen2_moe" else None
+    src = make_tiny_model(tmp_path, arch=arch, moe=moe)
+    block = (32, 32)                   # whole blocks of the tiny experts' 32 channels
+    fp8, deq = write_fp8_copy(src, tmp_path, fmt, block=block)
+    model, got, tokens = _logits(fp8)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.down_proj.dtype == FP8_DTYPE
+    want = _reference(deq, tokens, fmt, block, experts=True)
+    assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
+    assert got[-1].argmax() == want[-1].argmax()
+
+
+def test_ignored_layers_stay_in_the_model_dtype(models):
+    root, src = models
+    fp8, deq = write_fp8_copy(src["llama"], root / "ignore", "ct-channel", skip=(".mlp.down_proj",))
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp[.]down_proj$"]
+    json.dump(config, open(path, "w"))
+    model, got, tokens = _logits(fp8)
+    mlp = model.model.layers[1].mlp
+    assert mlp.down_proj.weight.dtype == torch.float32 and mlp.up_proj.weight.dtype == FP8_DTYPE
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    for handle, (name, _) in zip(fake_quant_hooks(hf, "ct-channel"), _quantized_linears(hf)):
+        if name.endswith("down_proj"):
+            handle.remove()
+    assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
+
+
+def _quantized_linears(hf):
+    from fp8_checkpoints import LINEAR
+    return [(n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and LINEAR.fullmatch(n + ".weight")]
+
+
+def test_online_fp8_is_per_channel_and_matches_its_reference(models, tmp_path):
+    """--quantization fp8 on a 16-bit checkpoint: every linear per output channel, activations per token."""
+    from safetensors.torch import load_file, save_file
+    root, src = models
+    model, got, tokens = _logits(src["qwen3"], quantization="fp8")
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight.dtype == FP8_DTYPE and q.weight_scale.shape == (q.weight.shape[0], 1)
+    # the reference: the checkpoint's weights quantized per channel and dequantized, in transformers
+    import shutil
+    deq = str(tmp_path / "deq")
+    shutil.copytree(src["qwen3"], deq)
+    tensors = load_file(os.path.join(deq, "model.safetensors"))
+    from fp8_checkpoints import LINEAR
+    for name, w in tensors.items():
+        if LINEAR.fullmatch(name):
+            tensors[name] = dequantize_weight(*quantize_weight_per_channel(w), None)
+    save_file(tensors, os.path.join(deq, "model.safetensors"), metadata={"format": "pt"})
+    assert torch.allclose(got, _reference(deq, tokens, "ct-channel"), atol=FLIP_ATOL)
+    _, bf16, _ = _logits(src["qwen3"])
+    # against the unquantized model: within fp8's precision (3 mantissa bits on weights and activations)
+    assert (got - bf16).abs().max() < 0.1 * bf16.abs().max()
+
+
+def test_online_fp8_with_dummy_weights_holds_one_byte_a_weight(models):
+    root, src = models
+    model, got, _ = _logits(src["llama"], quantization="fp8", load_format="dummy")
+    assert torch.isfinite(got).all()
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(linears) == 2 * 7 and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert all(m.weight_scale.abs().min() > 0 for m in linears)
+
+
+def test_fp8_tensors_without_quantization_config_are_an_error(models):
+    """The bug this fixes: an FP8 checkpoint whose config.json lacks quantization_config loaded as garbage."""
+    root, src = models
+    fp8, _ = write_fp8_copy(src["llama"], root / "noconfig", "ct-channel")
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    del config["quantization_config"]
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ConfigError, match=r"float8_e4m3fn \(an FP8 checkpoint's\) but config.json has no "
+                                          r"quantization_config"):
+        _logits(fp8)
+
+
+def test_a_16_bit_tensor_where_fp8_is_declared_is_an_error(models):
+    root, src = models
+    folder = str(root / "declared")
+    import shutil
+    shutil.copytree(src["llama"], folder)
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"] = quantization_config("block")
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ConfigError, match=r"is float32 but quantization_config \(fp8\) says float8_e4m3fn"):
+        _logits(folder)
+
+
+def test_quantization_flag_must_match_the_checkpoint(models):
+    root, src = models
+    fp8, _ = write_fp8_copy(src["llama"], root / "mismatch", "ct-channel")
+    with pytest.raises(ConfigError, match=r"--quantization fp8 does not match the checkpoint's quant_method "
+                                          r"'compressed-tensors'"):
+        load_model_facts(fp8, "fp8")
+    block, _ = write_fp8_copy(src["llama"], root / "match", "block")
+    assert load_model_facts(block, "fp8").quantization.weight_strategy == "block"
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported; kvfit runs FP8"),
+    ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, r"fp8 fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     r"block-wise fp8 needs activation_scheme dynamic"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, columns\]"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+     r"compressed-tensors format 'pack-quantized' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+     r"format 'int-quantized' is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+     r"weights of 4 bits, type 'int' are not supported; kvfit runs 8-bit float"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     r"weight-only FP8 \(no input_activations\) is not supported"),
+])
+def test_unsupported_quantization_configs_are_one_line_errors(quant, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_quantization_config(quant)
+    assert "\n" not in str(info.value)
+
+
+def test_hub_quantization_configs_parse():
+    qwen3_fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                 "weight_block_size": [128, 128]}
+    scheme = parse_quantization_config(qwen3_fp8)
+    assert (scheme.weight_strategy, scheme.activation, scheme.block_size, scheme.scale_name) == \
+        ("block", "group", (128, 128), "weight_scale_inv")
+    dynamic = quantization_config("ct-channel")              # the "-FP8-dynamic" releases' layout
+    scheme = parse_quantization_config(dynamic)
+    assert (scheme.weight_strategy, scheme.activation, scheme.quantizes("lm_head")) == ("channel", "token", False)
+    assert scheme.quantizes("model.layers.0.self_attn.q_proj")
+    block_ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*gate$"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                    "dynamic": False, "symmetric": True}, "input_activations": {
+                    "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}}}}
+    scheme = parse_quantization_config(block_ct)
+    assert scheme.block_size == (128, 128) and scheme.scale_name == "weight_scale"
+    assert not scheme.quantizes("model.layers.3.mlp.gate") and scheme.quantizes("model.layers.3.mlp.gate_proj")
+
+
+def test_plan_counts_fp8_weights(models):
+    from kvfit.platforms.estimate import estimate_weights_bytes
+    bf16 = load_model_facts("llama-3.1-8b")
+    fp8 = load_model_facts("llama-3.1-8b", "fp8")
+    embed = 2 * bf16.vocab_size * bf16.hidden_size * 2                # embed_tokens and lm_head stay bf16
+    assert fp8.weight_bytes == estimate_weights_bytes(fp8, None, 1)
+    assert abs(fp8.weight_bytes - (bf16.weight_bytes - embed) / 2 - embed) < 0.01 * fp8.weight_bytes
+    assert estimate_weights_bytes(fp8, None, 2) == fp8.weight_bytes // 2
+    with pytest.raises(ConfigError, match=r"--quantization 'int4' is not supported"):
+        load_model_facts("llama-3.1-8b", "int4")
+    raw = dict(bf16.raw, quantization_config={"quant_method": "awq"})
+    with pytest.raises(ConfigError, match=r"quant_method 'awq'"):
+        facts_from_config(raw)
