@@ -141,8 +141,8 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
                                              chat_template=override, template_kwargs=body.chat_template_kwargs,
                                              **({"tools": tools} if tools is not None else {}))
     except ConfigError as exc:
-        raise bad_request(f"this model has no chat template ({exc}); start the server with --chat-template, or "
-                          "use /v1/completions", param="messages", code="no_chat_template") from None
+        raise bad_request(f"{exc}; start the server with --chat-template, or use /v1/completions", param="messages",
+                          code="no_chat_template") from None
     except RequestError as exc:      # the template refused the messages (say, a role it does not know)
         raise bad_request(str(exc), param=exc.param or "messages") from None
 

@@ -14,6 +14,7 @@ import json
 import llguidance
 
 from kvfit.errors import RequestError
+from kvfit.structured.ascii_regex import ascii_classes
 from kvfit.structured.validate import check_definition, one_line
 from kvfit.structured_params import PARAM, StructuredOutputsParams
 
@@ -54,7 +55,9 @@ def grammar_definition(spec: StructuredOutputsParams) -> str:
             return _json_grammar(spec, {"type": "object"})
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
-        return llguidance.grammar_from(kind, getattr(spec, kind))   # "regex" or "grammar"
+        if kind == "regex":            # \d and \w ASCII, as vLLM's default backend (ascii_regex.py)
+            return llguidance.grammar_from("regex", ascii_classes(spec.regex))
+        return llguidance.grammar_from(kind, getattr(spec, kind))   # "grammar"
     except ValueError as exc:
         raise RequestError(f"structured_outputs.{kind}: {one_line(str(exc))}", PARAM) from None
 
