@@ -9,17 +9,24 @@ import os
 
 import pytest
 import torch
-from fp8_checkpoints import (fake_quant_experts, fake_quant_hooks, quantization_config, write_fp8_copy)
-from paged_batch import PagedCache, hf_logits, random_tokens
 
-from kvfit.attention.torch_ref import TorchReferenceBackend
-from kvfit.errors import ConfigError
-from kvfit.model_facts import facts_from_config, load_model_facts
-from kvfit.models.loader import load_model
-from kvfit.models.quant.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
-from kvfit.models.quant.linear import Fp8Linear
-from kvfit.quant_scheme import parse_quantization_config
-from tiny_models import make_tiny_model
+if not torch.cuda.is_available():
+    # triton.language must first be imported in interpreter mode, or the kernel tests collected after this
+    # module (test_fp8_gemm, test_fused_moe) cannot interpret their kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fp8_checkpoints import (fake_quant_experts, fake_quant_hooks, quantization_config,  # noqa: E402
+                             write_fp8_copy)
+from paged_batch import PagedCache, hf_logits, random_tokens  # noqa: E402
+
+from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from kvfit.errors import ConfigError  # noqa: E402
+from kvfit.model_facts import facts_from_config, load_model_facts  # noqa: E402
+from kvfit.models.loader import load_model  # noqa: E402
+from kvfit.models.quant.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel  # noqa: E402
+from kvfit.models.quant.linear import Fp8Linear  # noqa: E402
+from kvfit.quant_scheme import parse_quantization_config  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
 
 BACKEND = TorchReferenceBackend()
 FLIP_ATOL = 3e-2

@@ -54,7 +54,7 @@ if triton is not None:
         a_scale_ptrs = a_scale_ptr + offs_m * stride_asm                                     # [BM]
         b_scale_ptrs = b_scale_ptr + (offs_n // GROUP_N) * stride_bsn                        # [BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=(offs_k < k_left)[:, None] & n_mask[None, :], other=0.0)
