@@ -476,6 +476,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = ["ModelFacts", "facts_from_config", "load_model_facts", "count_parameters", "SUPPORTED_ARCHITECTURES",
-           "FAMILY_RULES", "FamilyRules", "with_quantization", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
+           "FAMILY_RULES", "FamilyRules", "DTYPE_ALIASES", "DTYPE_BYTES", "read_config_json", "read_json_object",
            "read_field", "ceil_div", "RopeConfig", "rope_config_from_raw", "ROPE_TYPES", "DEFAULT_ROPE_THETA",
-           "moe_sparse_layers"]
+           "moe_sparse_layers", "with_quantization"]

@@ -181,8 +181,8 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: 'modules_to_not_convert' must be a list of module names, got {_show(ignore)}")
     block = quant.get("weight_block_size")
     if block is None:
-        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation="token" if scheme == "dynamic" else "static",
-                         ignore=tuple(ignore))
+        activation = "token" if scheme == "dynamic" else "static"
+        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=tuple(ignore))
     block = _block_size(block, f"{where} weight_block_size")
     if scheme != "dynamic":
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")

@@ -90,7 +90,8 @@ def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
     try:
         facts = load_model_facts(model, "fp8")
         reading = llm.engine.readings[0]
-        print(f"\nweights measured {reading.weights_bytes} vs facts {facts.weight_bytes}; plan {llm.capacity.log_line()}")
+        print(f"\nweights measured {reading.weights_bytes} vs facts {facts.weight_bytes}; "
+              f"plan {llm.capacity.log_line()}")
         assert abs(reading.weights_bytes - facts.weight_bytes) <= 0.02 * facts.weight_bytes
         predicted = estimated_blocks(model, settings, llm)
         assert abs(predicted - llm.capacity.num_blocks) <= 0.02 * llm.capacity.num_blocks

@@ -73,8 +73,11 @@ def run(args) -> int:
         print(json.dumps({**plan.to_dict(), "model": args.model, "device": device_name,
                           "device_memory_bytes": total}))
     elif plan.fits:
+        weights = (facts.quantization.describe() if facts.quantization
+                   else facts.torch_dtype if dtype == "auto" else dtype)
         print(plan_table(plan, f"kvfit plan: {args.model} on {device_name} ({total:,} bytes), "
-                               f"tensor parallel {config.parallel.tensor_parallel_size}, memory estimated"))
+                               f"tensor parallel {config.parallel.tensor_parallel_size}, weights {weights}, "
+                               "memory estimated"))
     else:
         sys.stderr.write(f"error: {plan.reason}\n")
     return 0 if plan.fits else DOES_NOT_FIT

@@ -7,6 +7,7 @@ so no rank ever holds a whole sharded tensor, let alone the whole model.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterator
 
@@ -22,6 +23,7 @@ from kvfit.models.registry import model_class
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_SEED = 0
+logger = logging.getLogger("kvfit")
 DUMMY_STD = 0.02
 DUMMY_INPUT_SCALE = 1.0 / 64     # static FP8 activations: |x| up to 7 before clipping
 
@@ -42,6 +44,8 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
             model.load_weights(_iter_tensors(files))
         finalize_quantized(model)
         model.fuse_projections()
+        if facts.quantization is not None:
+            logger.info("weights: %s", facts.quantization.describe())
     except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
         # past int64 is a TypeError from torch.empty
         if not _is_allocation_failure(exc):
