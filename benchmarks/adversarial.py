@@ -1,8 +1,9 @@
-"""Adversarial inputs against a real `kvfit serve` subprocess and the real CLI (issue 12).
+"""Adversarial inputs against a real `kvfit serve` subprocess and the real CLI (issues 12 and 27).
 
 Builds a tiny random Llama folder (the recipe of tests/tiny_models.py, copied), starts
 `python3 -m kvfit.cli serve` on CPU with an API key (KVFIT_API_KEY), sends a few hundred seeded
-adversarial HTTP requests, then runs `kvfit generate/plan` on corrupt model folders and bad flags.
+adversarial HTTP requests (issue 27's cases among them: ISSUE_27_CASES of tests/server/test_adversarial.py,
+which pytest runs on its own as well), then runs `kvfit generate/plan` on corrupt model folders and bad flags.
 Counts per category: inputs tried, handled cleanly (4xx or the expected success), 5xx, tracebacks.
 
     python3 benchmarks/adversarial.py --out benchmarks/results/2026-12-03-cpu-adversarial.txt
@@ -107,13 +108,28 @@ KEY = "adv-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def issue_27_cases() -> list:
+    """tests/server/test_adversarial.py's ISSUE_27_CASES and its chat-template triggers (one list for both)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in ("tests", os.path.join("tests", "server")):
+        sys.path.insert(0, os.path.join(here, os.pardir, folder))
+    from test_adversarial import ISSUE_27_CASES
+    return ISSUE_27_CASES
+
+
 def start_server(model: str, workdir: str):
     env = dict(os.environ, KVFIT_API_KEY=KEY)
+    issue_27_cases()
+    from test_adversarial import TRIGGERS
+    template = os.path.join(workdir, "template.jinja")
+    with open(template, "w", encoding="utf-8") as fh:
+        fh.write(TRIGGERS + CHAT_TEMPLATE)       # issue 27 (12): a template that loops when a client's kwarg says so
     err_path = os.path.join(workdir, "serve.stderr")
     err = open(err_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvfit.cli", "serve", model, "--device", "cpu",
                              "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "64",
-                             "--port", "0", "--served-model-name", "tiny-llama"], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+                             "--port", "0", "--served-model-name", "tiny-llama",
+                             "--chat-template", template], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     url, lines, deadline = None, [], time.time() + 120
     while time.time() < deadline:
         line = proc.stdout.readline()
@@ -299,6 +315,9 @@ def run_http(url: str, err_path: str, tally: Tally, rng: random.Random):
                  ",".join(['{"role":"user","content":"a"}'] * 35000) + "]}",
                  '{"model":"tiny-llama","prompt":[' + ",".join(["5"] * 300000) + '],"max_tokens":1}'):
         send("1 MB bodies", "POST", CH if "messages" in body else C, content=body, ok=(400, 413, 422))
+    # issue 27: each case with the answer the test expects
+    for case, path, body, statuses, _ in issue_27_cases():
+        send("issue 27", "POST", path, json_body={**body, "model": "tiny-llama"}, ok=statuses)
     # health and a normal completion at the end
     for _ in range(3):
         send("health / final sanity", "GET", "/health", headers={}, ok=(200,))
