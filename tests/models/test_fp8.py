@@ -238,3 +238,29 @@ def test_plan_counts_fp8_weights(models):
     raw = dict(bf16.raw, quantization_config={"quant_method": "awq"})
     with pytest.raises(ConfigError, match=r"quant_method 'awq'"):
         facts_from_config(raw)
+
+
+def test_two_ranks_shard_fp8_weights_and_scales(tmp_path):
+    """Tensor parallelism (2 ranks, gloo) over FP8 checkpoints: block scales sharded on block boundaries
+    (16 x 16 blocks: every shard is whole blocks, so each rank's per-group activation scales are the
+    single rank's), per-tensor scales and static input scales replicated; the same logits as one rank."""
+    import torch.multiprocessing as mp
+    from tp_ranks import rank_main
+    llama = make_tiny_model(tmp_path, arch="llama")
+    moe = make_tiny_model(tmp_path, arch="qwen3_moe")
+    folders = [write_fp8_copy(llama, tmp_path / "llama", "block", block=(16, 16))[0],
+               write_fp8_copy(llama, tmp_path / "llama", "ct-static")[0],
+               write_fp8_copy(moe, tmp_path / "moe", "block", block=(16, 16))[0]]
+    tokens = random_tokens(load_model_facts(llama).vocab_size, 12, seed=3)
+    out_file = str(tmp_path / "logits.pt")
+    mp.spawn(rank_main, args=(2, str(tmp_path / "init"), folders, tokens, 8, out_file), nprocs=2, join=True)
+    results = torch.load(out_file)
+    for folder in folders:
+        facts = load_model_facts(folder)
+        model = load_model(folder, facts, torch.float32, "cpu", BACKEND)
+        cache = PagedCache(facts)
+        ids, pos, meta = cache.step([("s", 0, tokens)])
+        with torch.inference_mode():
+            one_rank = model.compute_logits(model(ids, pos, cache.caches, meta))
+        diff = (results[folder] - one_rank).abs().max()
+        assert results[folder].shape == one_rank.shape and diff <= FLIP_ATOL, (folder, diff)
