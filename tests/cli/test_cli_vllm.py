@@ -55,6 +55,7 @@ def test_flags_vllm_scripts_pass_are_accepted():
     (["--task", "embed"], "no pooling or embedding"),
     (["--hf-overrides", '{"a": 1}'], "config.json is read as it is"),
     (["--download-dir", "/d"], "never downloaded"),
+    (["--distributed-executor-backend", "ray"], "processes of this host"),
 ])
 def test_flags_kvfit_cannot_honour_are_one_line_errors_with_the_reason(argv, needle, capsys):
     assert main(["serve", "qwen3-0.6b", *argv]) == 2

@@ -34,6 +34,7 @@ def llm(tiny_llama):
     (dict(enable_chunked_prefill=False), "always split"),
     (dict(swap_space=-1), "swap_space"),
     (dict(trust_remote_code="yes"), "never runs code"),
+    (dict(distributed_executor_backend="ray"), "processes of this host"),
 ])
 def test_vllm_kwargs_kvfit_cannot_honour_say_why(tiny_llama, kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -90,3 +91,17 @@ def test_chat_outputs_carry_the_rendered_prompt(llm):
     text = llm.get_tokenizer().apply_chat_template(messages, True)
     assert out.prompt == text and "hello" in text
     assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+
+def test_chat_renders_tools_and_tool_call_history(llm):
+    template = ("{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}{% for m in messages %}"
+                "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }};{% endfor %}"
+                "{{ m.role }}: {{ m.content }};{% endfor %}")
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == "TOOL w;user: weather?;CALL Oslo;assistant: ;tool: sunny;"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'      # the caller's as given

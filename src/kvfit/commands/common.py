@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 import threading
 import time
@@ -11,7 +10,9 @@ from contextlib import contextmanager
 
 
 def setup_logging() -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s kvfit: %(message)s")
+    """Every command's log in the server's one format (level, time, logger: kvfit.server.logs)."""
+    from kvfit.server.logs import configure_logging
+    configure_logging("info")
 
 
 def add_sampling_flags(p) -> None:

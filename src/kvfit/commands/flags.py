@@ -145,6 +145,7 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
            ("1",))
     refuse(p, "--data-parallel-size", "data parallelism is not implemented; run one server per device", ("1",))
     refuse(p, "--cpu-offload-gb", "weights are not offloaded; use a smaller model or more devices", ("0",))
+    refuse(p, "--distributed-executor-backend", "tensor-parallel ranks run as processes of this host", ("mp",))
     refuse(p, "--enable-lora", "LoRA adapters are not implemented", None)
     refuse(p, "--speculative-config", "speculative decoding is not implemented")
     refuse(p, "--kv-transfer-config", "KV transfer is not implemented")

@@ -16,6 +16,7 @@ from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams, as_python
 from kvfit.errors import ConfigError, RequestError
+from kvfit.models.chat_template import tool_arguments_as_objects
 
 # vLLM's LLM(...) keyword arguments that kvfit has no setting for: the values that ask for what kvfit
 # does anyway (accepted), and why another value cannot be honoured (a ConfigError). tokenizer and
@@ -36,6 +37,7 @@ VLLM_KWARGS: dict[str, tuple[tuple, str]] = {
     "task": (("auto", "generate"), "only text generation is served (no pooling or embedding models)"),
     "runner": (("auto", "generate"), "only text generation is served (no pooling or embedding models)"),
     "download_dir": ((None,), "models are never downloaded; fetch one with `hf download`"),
+    "distributed_executor_backend": ((None, "mp"), "tensor-parallel ranks run as processes of this host (mp)"),
 }
 
 
@@ -103,11 +105,14 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them.
 
         Each is rendered with the model's chat template (or chat_template, a template text) to token ids
-        as transformers' apply_chat_template(tokenize=True) gives them (no second bos)."""
+        as transformers' apply_chat_template(tokenize=True) gives them (no second bos). tools: OpenAI
+        function tools for the template (vLLM's); assistant tool_calls reach it with their arguments as
+        objects. The outputs are text: the server's --tool-call-parser reads tool calls out of it."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise RequestError("chat needs a tokenizer (tokenizer.json), which this model folder lacks", "messages")
@@ -120,8 +125,9 @@ class LLM:
                 raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
                                    "messages")
             text = tokenizer.apply_chat_template(
-                list(conversation), add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, template_kwargs=chat_template_kwargs)
+                tool_arguments_as_objects(list(conversation)), add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                template_kwargs=chat_template_kwargs, **({"tools": tools} if tools is not None else {}))
             texts.append(text)
             # as apply_chat_template(tokenize=True): the template wrote its own special tokens
             prompts.append((tokenizer.encode(text, add_special_tokens=False), None))

@@ -281,6 +281,35 @@ class _Budget:
         return self._line
 
 
+def tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """messages with each assistant tool call's function.arguments as an object, as vLLM hands them to
+    Hugging Face templates (which read `tool_call.arguments | tojson`): a JSON string is parsed, an empty
+    one is {}. The caller's messages are not changed; a malformed call is a RequestError."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            message = {**message, "tool_calls": [_call_with_object_arguments(c, i) for i, c in enumerate(calls)]}
+        out.append(message)
+    return out
+
+
+def _call_with_object_arguments(call, i: int) -> dict:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise RequestError(f"an assistant message's tool_calls[{i}] must be {{\"id\", \"type\": \"function\", "
+                           "\"function\": {\"name\", \"arguments\"}}", "messages")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise RequestError(f"tool_calls[{i}].function.arguments is not JSON: {arguments[:60]!r}",
+                               "messages") from None
+    elif not arguments:
+        arguments = {}
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
 def _cut_at_continue_tag(text: str, final: str) -> str:
     """The rendered chat up to the end of the last message's text (transformers' rule)."""
     tag = _CONTINUE_TAG.strip()

@@ -144,30 +144,13 @@ def template_tools(body) -> list | None:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages for the template: an assistant's tool_calls get their arguments as objects, as vLLM
-    hands them to Hugging Face templates (a JSON string is parsed; empty is {})."""
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if message.get("role") == "assistant" and isinstance(calls, list):
-            message = {**message, "tool_calls": [_call_for_template(c, i) for i, c in enumerate(calls)]}
-        out.append(message)
-    return out
-
-
-def _call_for_template(call, i: int) -> dict:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise bad_request(f"an assistant message's tool_calls[{i}] must be {{\"id\", \"type\": \"function\", "
-                          "\"function\": {\"name\", \"arguments\"}}", param="messages")
-    arguments = call["function"].get("arguments")
-    if isinstance(arguments, str) and arguments:
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise bad_request(f"tool_calls[{i}].function.arguments is not JSON: {arguments[:60]!r}",
-                              param="messages") from None
-    elif not arguments:
-        arguments = {}
-    return {**call, "function": {**call["function"], "arguments": arguments}}
+    hands them to Hugging Face templates (models.chat_template.tool_arguments_as_objects); a 400 otherwise."""
+    from kvfit.errors import RequestError
+    from kvfit.models.chat_template import tool_arguments_as_objects
+    try:
+        return tool_arguments_as_objects(messages)
+    except RequestError as exc:
+        raise bad_request(str(exc), param="messages") from None
 
 
 # the plan of one request ------------------------------------------------------------------------
