@@ -1,6 +1,7 @@
 """FP8 on the GPU (issue 28): the CUDA GEMMs against the fp32 reference, tiny FP8 checkpoints greedy against
 the CPU path (logprob differences printed), and --quantization fp8 on llama-3.1-8b (dummy weights): FP8 weights
-in memory and `kvfit plan` within 2% of the profile; a block-wise FP8 Qwen3-30B-A3B shape (dummy) runs eagerly.
+in memory and `kvfit plan` within 2% of the profile; a block-wise FP8 Qwen3-30B-A3B shape (dummy) runs with CUDA
+graphs through the fused FP8 experts. tests/models/test_fp8_gemm.py runs its kernel tests on the GPU too.
 Run: python -m pytest tests/gpu/test_fp8_gpu.py -q -s
 """
 
@@ -66,8 +67,7 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
     prompts = ["The quick brown fox", "Hello world! How are you"]
     runs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(folder, dtype="bfloat16", device=device, kv_cache_memory="64MiB", max_model_len=256,
-                  enforce_eager=arch.endswith("moe"))        # FP8 experts run eagerly (see models/quant/experts.py)
+        llm = LLM(folder, dtype="bfloat16", device=device, kv_cache_memory="64MiB", max_model_len=256)
         runs[device] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
     for cpu, gpu in zip(runs["cpu"], runs["cuda"]):
@@ -102,9 +102,9 @@ def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
         llm.shutdown()
 
 
-def test_qwen3_30b_a3b_blockwise_fp8_runs_eagerly(tmp_path):
-    """The aim's shape: Qwen3-30B-A3B with [128, 128] FP8 blocks (dummy weights) on one GPU, experts in FP8
-    through the per-expert GEMMs (no CUDA graphs: --enforce-eager). Prints its KV blocks against bf16's plan."""
+def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
+    """The aim's shape: Qwen3-30B-A3B with [128, 128] FP8 blocks (dummy weights) on one GPU, experts in the
+    fused FP8 kernels, CUDA graphs on; `kvfit plan` within 2% of the profile; prints the FP8 plan."""
     from kvfit import LLM, SamplingParams
     from kvfit.catalog import model_config
     folder = tmp_path / "qwen3-30b-a3b-fp8"
@@ -112,11 +112,15 @@ def test_qwen3_30b_a3b_blockwise_fp8_runs_eagerly(tmp_path):
     config = dict(model_config("qwen3-30b-a3b"), quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     (folder / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda", enforce_eager=True,
-              max_model_len=8192, gpu_memory_utilization=0.85, max_num_seqs=32, max_num_batched_tokens=4096,
-              enable_prefix_caching=False)
+    settings = dict(load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
+                    gpu_memory_utilization=0.85, max_num_seqs=32, max_num_batched_tokens=4096,
+                    enable_prefix_caching=False)
+    llm = LLM(str(folder), **settings)
     try:
         print(f"\nFP8 plan: {llm.capacity.log_line()}")
+        from gpu_capacity import estimated_blocks
+        predicted = estimated_blocks(str(folder), settings, llm)
+        assert abs(predicted - llm.capacity.num_blocks) <= 0.02 * llm.capacity.num_blocks
         out = llm.generate([[10, 11, 12, 13]] * 4, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                            use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 16 for o in out)

@@ -21,7 +21,8 @@ except ImportError:  # CPU-only installs
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the block's columns (one scale per K step). The wide
 # tile takes 8 warps: with 4, its fp32 accumulator and the K step's partial product spill (ptxas, sm_90).
-# Not tuned on a GPU yet; Triton 3.6 does not software-pipeline these fp8 loads (tests/models/test_fp8_gemm.py).
+# Not tuned on a GPU yet. K is a compile-time constant (one compile per layer width): with a runtime K,
+# Triton 3.6 does not software-pipeline the loads (tests/models/test_fp8_gemm.py checks that it does).
 SMALL_M_CONFIG, LARGE_M_CONFIG = (16, 128, 4, 4), (64, 128, 8, 3)
 LARGE_M = 64
 
@@ -37,7 +38,7 @@ def config_for(m: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["M"])
-    def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, M, N, K,
+    def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, M, N, K: tl.constexpr,
                                stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
                                stride_bsn, stride_bsk, stride_cm, stride_cn,
                                GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -6,12 +6,10 @@ or per block ([E, 2 n / bn, ceil(H / bk)], [E, ceil(H / bn), n / bk]: the gate a
 row block, so n must be a multiple of bn). Filled from the Hub's per-expert tensors (`...experts.{e}.
 gate_proj.weight` + `weight_scale` / `weight_scale_inv`), or quantized per row from 16-bit ones (online).
 
-Compute: tokens grouped by expert (moe_reference's order), each expert's two GEMMs through gemm.fp8_linear
-with activations quantized per token (per group for blocks) as in the dense layers: the fp32 reference
-on the CPU, cuBLASLt / the Triton block GEMM per expert on CUDA. The per-expert loop reads the expert
-counts on the host, so it cannot be captured in a CUDA graph: a capture attempt is a one-line error
-asking for --enforce-eager (the fused Triton MoE kernels take 16-bit experts only; FP8 ones are future
-work, issue 28). Static activation scales for experts are not supported (a ConfigError at build).
+Compute: on CUDA with Triton, fused_experts.py's grouped GEMMs (FP8 tensor cores, no host sync: CUDA graphs
+capture them); elsewhere tokens grouped by expert (moe_reference's loop), each expert's two GEMMs through
+gemm.fp8_linear, with activations quantized per token (per group for blocks) at the same two points. Static
+activation scales for experts are not supported (a ConfigError at build).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from kvfit.errors import ConfigError
 from kvfit.models.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
+from kvfit.models.quant.fused_experts import fused_experts_applies, fused_fp8_experts
 from kvfit.models.quant.gemm import fp8_linear
 from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
 from kvfit.quant_scheme import Fp8Scheme
@@ -148,6 +147,9 @@ class Fp8Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, j]."""
+        if fused_experts_applies(x):
+            return fused_fp8_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                     self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
                                "16-bit experts); run with --enforce-eager")

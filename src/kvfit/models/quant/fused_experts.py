@@ -1,0 +1,192 @@
+"""FP8 experts in fused_moe's grouped GEMMs: the same pair grouping (moe_align) and launches, with FP8 weights
+and FP8 activations on Hopper's tensor cores, so the experts read one byte a weight and CUDA graphs capture them.
+
+1. x [T, H] quantized per token (per-channel weights) or per token and bk-column group (block weights);
+2. gate/up: acc = dot(xq, Wq) per K step (block: times the step's activation and weight scales; per channel:
+   scaled once at the end), SiLU(gate) * up in fp32 -> act [T*k, I] in x's dtype;
+3. act quantized as x was (per row, or per row and group);
+4. down: the same GEMM, the routing weight multiplied in -> [T, k, H]; the k slots summed in fp32.
+The quantization points equal Fp8Experts' reference loop (models/quant/experts.py), so the two agree up to
+fp32 summation order and the reference rounding gate/up to x's dtype before SiLU. Offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.models import fused_moe as fm
+from kvfit.models.moe_align import moe_align
+from kvfit.models.quant.fp8 import Fp8Weight, quantize_activations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def fused_experts_applies(x: torch.Tensor) -> bool:
+    """Triton is installed and x is a CUDA tensor of a 16-bit or fp32 dtype."""
+    return triton is not None and x.is_cuda and x.dtype in fm.FLOAT_DTYPES
+
+
+if triton is not None:
+    @triton.jit
+    def _scaled_dot(a_ptrs, w_ptrs, a_scale_ptrs, w_scale_ptrs, acc, row_mask, offs_k, n_mask, k_left, kb,
+                    BLOCKWISE: tl.constexpr, WHOLE_K: tl.constexpr, WHOLE_N: tl.constexpr, DOT_FP32: tl.constexpr):
+        """acc + one K step of fp8 rows . fp8 weights (block-wise: times this step's two scales)."""
+        a = fm._load_rows(a_ptrs, row_mask, offs_k, k_left, WHOLE_K)
+        w = fm._load_weights(w_ptrs, offs_k, k_left, n_mask, WHOLE_K, WHOLE_N)
+        if DOT_FP32:        # the interpreter has no fp8 dot: the same products, exact in fp32
+            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, w)
+        if BLOCKWISE:
+            a_s = tl.load(a_scale_ptrs + kb, mask=row_mask, other=0.0)
+            w_s = tl.load(w_scale_ptrs + kb, mask=n_mask, other=0.0)
+            return acc + part * a_s[:, None] * w_s[None, :]
+        return acc + part
+
+    @triton.jit
+    def _pair_tile(sorted_pair_ids_ptr, block_experts_ptr, num_pairs, num_m_blocks, N: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """This program's expert (>= E past the last group), its BLOCK_M pairs and BLOCK_N output columns."""
+        pid_m, pid_n = fm._block_ids(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+        pid_m = pid_m.to(tl.int64)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return expert, pairs, pairs < num_pairs, offs_n, offs_n < N
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+    def _gate_up_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_pair_ids_ptr, block_experts_ptr,
+                            num_pairs, num_m_blocks, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
+                            stride_wsn, stride_ap,
+                            HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+                            NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
+                            DOT_FP32: tl.constexpr):
+        # act[pair, n] = silu(xq[token] . w13[e, n]) * (xq[token] . w13[e, I + n]), scales applied;
+        # GROUP_N 0: per-channel scales (w_scale [E, 2I, 1], x_scale [T, 1]), else [bn, BLOCK_K] blocks
+        expert, pairs, row_mask, offs_n, n_mask = _pair_tile(sorted_pair_ids_ptr, block_experts_ptr, num_pairs,
+                                                             num_m_blocks, INTER, BLOCK_M, BLOCK_N, GROUP_M)
+        if expert >= NUM_EXPERTS:       # past the last group: nothing to compute
+            return
+        tokens = pairs // TOP_K
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+        x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]                     # [BM, BK] fp8
+        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] fp8
+        u_ptrs = g_ptrs + INTER * stride_wn
+        xs_ptrs = x_scale_ptr + tokens * stride_xst
+        if GROUP_N == 0:
+            gs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
+            us_ptrs = gs_ptrs + INTER * stride_wsn
+        else:
+            gs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
+            us_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + INTER) // GROUP_N) * stride_wsn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, (HIDDEN + BLOCK_K - 1) // BLOCK_K):
+            k_left = HIDDEN - kb * BLOCK_K
+            acc_g = _scaled_dot(x_ptrs, g_ptrs, xs_ptrs, gs_ptrs, acc_g, row_mask, offs_k, n_mask, k_left, kb,
+                                GROUP_N > 0, HIDDEN % BLOCK_K == 0, INTER % BLOCK_N == 0, DOT_FP32)
+            acc_u = _scaled_dot(x_ptrs, u_ptrs, xs_ptrs, us_ptrs, acc_u, row_mask, offs_k, n_mask, k_left, kb,
+                                GROUP_N > 0, HIDDEN % BLOCK_K == 0, INTER % BLOCK_N == 0, DOT_FP32)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        if GROUP_N == 0:
+            x_s = tl.load(xs_ptrs, mask=row_mask, other=0.0)[:, None]
+            acc_g *= x_s * tl.load(gs_ptrs, mask=n_mask, other=0.0)[None, :]
+            acc_u *= x_s * tl.load(us_ptrs, mask=n_mask, other=0.0)[None, :]
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                            # SiLU(gate) * up in fp32
+        out_ptrs = act_ptr + pairs[:, None] * stride_ap + offs_n[None, :]
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+    def _down_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, weights_ptr, sorted_pair_ids_ptr,
+                         block_experts_ptr, num_pairs, num_m_blocks, stride_ap, stride_asp, stride_we, stride_wn,
+                         stride_wse, stride_wsn, stride_op,
+                         HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
+                         DOT_FP32: tl.constexpr):
+        # out[pair, n] = topk_weight[pair] * (aq[pair] . w2[e, n]), scales applied
+        expert, pairs, row_mask, offs_n, n_mask = _pair_tile(sorted_pair_ids_ptr, block_experts_ptr, num_pairs,
+                                                             num_m_blocks, HIDDEN, BLOCK_M, BLOCK_N, GROUP_M)
+        if expert >= NUM_EXPERTS:
+            return
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+        a_ptrs = a_ptr + pairs[:, None] * stride_ap + offs_k[None, :]                       # [BM, BK] fp8
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] fp8
+        as_ptrs = a_scale_ptr + pairs * stride_asp
+        ws_ptrs = w_scale_ptr + expert * stride_wse + (offs_n if GROUP_N == 0 else offs_n // GROUP_N) * stride_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, (INTER + BLOCK_K - 1) // BLOCK_K):
+            acc = _scaled_dot(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, acc, row_mask, offs_k, n_mask, INTER - kb * BLOCK_K,
+                              kb, GROUP_N > 0, INTER % BLOCK_K == 0, HIDDEN % BLOCK_N == 0, DOT_FP32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if GROUP_N == 0:
+            acc *= tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None] * \
+                tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+        acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + pairs[:, None] * stride_op + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+# block scales: the K step is the block's columns; tiles past this many outputs hold two fp32 accumulators and
+# the step's scaled partials in registers and spill (ptxas, sm_90), so they narrow to BLOCK_N 64
+MAX_BLOCKWISE_TILE = 64 * 128
+
+
+def fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+               block_size: tuple[int, int] | None) -> dict[str, int]:
+    """fused_moe's launch config for this shape (its bf16 tuning), fitted to FP8 weights: block scales set
+    BLOCK_SIZE_K to the block's columns (one scale per K step) and keep the tile small enough not to spill."""
+    config = fm.get_config(num_tokens, num_experts, hidden, inter, top_k, torch.bfloat16)
+    if block_size is not None:
+        config["BLOCK_SIZE_K"] = block_size[1]
+        if config["BLOCK_SIZE_M"] * config["BLOCK_SIZE_N"] > MAX_BLOCKWISE_TILE:
+            config["BLOCK_SIZE_N"] = 64
+    return config
+
+
+def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, block_size: tuple[int, int] | None, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """FP8 experts (Fp8Experts' stacked tensors) in two grouped-GEMM launches: x [T, H] -> [T, H] in x's dtype.
+
+    w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with unit stride along K; scales per row ([E, rows, 1]) or
+    per block ([E, rows / bn, cols / bk]); topk_ids in [0, E) (not checked: that would sync the host)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    config = config or fp8_config(num_tokens, num_experts, hidden, inter, top_k, block_size)
+    group_n = 0 if block_size is None else block_size[0]
+    fm.check_config(config)
+    block_m, block_n, block_k = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    num_pairs = num_tokens * top_k
+    out = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)   # [T, k, H]
+    if num_pairs == 0:
+        return out.sum(dim=1)
+    probe = Fp8Weight(w13, w13_scale, block_size)       # only its block size and (absent) input scale are read
+    xq, x_scale = quantize_activations(x, probe)                                   # [T, H] fp8, [T, 1 or G]
+    sorted_pair_ids, block_experts = moe_align(topk_ids, num_experts, block_m)
+    num_m_blocks = block_experts.numel()
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)           # [T*k, I]
+    launch = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=block_k, GROUP_M=config["GROUP_SIZE_M"], GROUP_N=group_n, DOT_FP32=not x.is_cuda,
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+    xq = xq.contiguous()
+    _gate_up_fp8_kernel[(num_m_blocks * triton.cdiv(inter, block_n),)](
+        xq, x_scale, w13, w13_scale, act, sorted_pair_ids, block_experts, num_pairs, num_m_blocks,
+        xq.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        act.stride(0), TOP_K=top_k, **launch)
+    aq, a_scale = quantize_activations(act, probe)                                 # [T*k, I] fp8
+    aq = aq.contiguous()
+    pairs_out = out.view(num_pairs, hidden)
+    _down_fp8_kernel[(num_m_blocks * triton.cdiv(hidden, block_n),)](
+        aq, a_scale, w2, w2_scale, pairs_out, topk_weights.reshape(-1), sorted_pair_ids, block_experts, num_pairs,
+        num_m_blocks, aq.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+        w2_scale.stride(1), pairs_out.stride(0), **launch)
+    return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
