@@ -23,6 +23,7 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")     # or a folder path
 AUTO_MAX_MODEL_LEN = "auto"
 # Share of the memory available at start-up that the CPU platform gives the KV cache by default.
 CPU_KV_CACHE_SHARE = 0.25
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 def _check_bool(name: str, value) -> None:
@@ -99,7 +100,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    # a share of GPU memory; on the CPU only the default is accepted (platforms/cpu.py: --kv-cache-memory sizes it)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     max_num_blocks: int | None = None
@@ -124,7 +126,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: the platform's default (Platform.default_max_num_batched_tokens: 8,192 on CUDA, fewer on the CPU),
+    # filled in by start-up (Platform.resolve_config) before anything reads it
+    max_num_batched_tokens: int | None = None
     # decode steps run back to back on the device per scheduling round (tokens stay on the device
     # between them); None = auto: 8 on CUDA with one rank, else 1
     num_scheduler_steps: int | None = None
@@ -134,7 +138,7 @@ class SchedulerConfig:
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _check_int("num_scheduler_steps", self.num_scheduler_steps, allow_none=True)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)

@@ -60,17 +60,43 @@ def test_plot_checks_matplotlib_before_loading(capsys, tiny_llama, monkeypatch, 
     assert "--plot needs matplotlib" in line
 
 
-def test_cpu_startup_work_counts_the_load_and_the_profile():
+def test_cpu_startup_work_counts_the_load_the_profile_and_its_attention():
     config = EngineConfig.from_kwargs("llama-3.1-8b", device="cpu", max_num_batched_tokens=4096)
     facts = load_model_facts("llama-3.1-8b")
     load_bytes, flops = common.cpu_startup_work(facts, config)
     assert load_bytes == facts.num_params * 2                  # bfloat16 checkpoint
-    # widest step (256 sequences) and longest (one) differ: two profile passes over 4096 tokens
-    assert flops == 2 * facts.num_params * 4096 * 2
+    # widest step (256 sequences of 16 tokens) and longest (one of 4096) differ: two passes over 4096 tokens,
+    # each sequence's attention the whole square of its tokens
+    per_square = 4 * facts.num_attention_heads * facts.head_dim * facts.num_layers
+    assert common.profile_shapes(config, facts.max_position_embeddings) == [(256, 16), (1, 4096)]
+    assert flops == 2 * facts.num_params * 4096 * 2 + per_square * (256 * 16 ** 2 + 4096 ** 2)
+
+
+def test_the_cpu_profiles_fewer_tokens_by_default():
+    from kvfit.platforms.cpu import CPU_MAX_NUM_BATCHED_TOKENS, CpuPlatform
+    config = CpuPlatform().resolve_config(EngineConfig.from_kwargs("qwen3-0.6b", device="cpu"))
+    assert config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS < 8192
+    given = EngineConfig.from_kwargs("qwen3-0.6b", device="cpu", max_num_batched_tokens=512)
+    assert CpuPlatform().resolve_config(given).scheduler.max_num_batched_tokens == 512
+
+
+def test_gpu_memory_utilization_is_refused_on_the_cpu(capsys, tiny_llama):
+    line = one_error_line(capsys, ["generate", tiny_llama, "--prompt-token-ids", "5", "--device", "cpu",
+                                   "--gpu-memory-utilization", "0.5"])
+    assert "--gpu-memory-utilization 0.5" in line and "--kv-cache-memory" in line, line
+
+
+def test_a_512_token_profile_on_the_cpu_is_announced(monkeypatch):
+    # issue 32: 512 tokens of qwen3-0.6b took 110 s on a 2-core machine and said nothing
+    config = EngineConfig.from_kwargs("qwen3-0.6b", device="cpu", max_num_batched_tokens=512)
+    monkeypatch.setattr(common, "measured_matmul_flops", lambda dtype: 10e9)       # a 2-core VM in bf16
+    seconds, warning = common.cpu_startup_estimate(load_model_facts("qwen3-0.6b"), config)
+    assert seconds > common.CPU_SLOW_START_S and "512 tokens" in warning and "with attention" in warning
 
 
 def test_a_small_model_starts_without_a_warning(tiny_llama):
-    config = EngineConfig.from_kwargs(tiny_llama, device="cpu")
+    from kvfit.platforms.cpu import CpuPlatform
+    config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(tiny_llama, device="cpu"))
     assert common.cpu_startup_estimate(load_model_facts(tiny_llama), config) is None
 
 

@@ -15,7 +15,8 @@ def estimated_blocks(model: str, settings: dict, llm) -> int:
     from kvfit.model_facts import load_model_facts
     from kvfit.planning import spec_and_limits
     from kvfit.platforms.estimate import estimate_reading
-    config = EngineConfig.from_kwargs(model, **settings)
+    from kvfit.platforms.base import Platform
+    config = Platform().resolve_config(EngineConfig.from_kwargs(model, **settings))    # a GPU's defaults
     facts = load_model_facts(model, settings.get("quantization"))
     spec, limits = spec_and_limits(facts, config, 2**63 - 1, "triton")
     measured = llm.engine.readings[0]

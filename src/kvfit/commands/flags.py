@@ -194,7 +194,9 @@ class _ChunkedPrefill(argparse.Action):
 def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     """Flags that shape the KV plan (shared by plan, generate, serve, profile)."""
     p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
-                   help="fraction of device memory that may be in use while serving")
+                   help="fraction of GPU memory that may be in use while serving (GPU only: refused on the CPU, "
+                        "whose KV cache takes 25%% of the available RAM unless --kv-cache-memory sizes it; "
+                        "default: 0.9)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_flag, default=None,
                    help="ranks the model is split over, one device each")
     p.add_argument("--block-size", type=int_flag, default=None, help="tokens per KV block (a power of two)")
@@ -204,14 +206,16 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
                    help="longest request (prompt + output) in tokens, e.g. 4096, 32k (32,000) or 32K (32,768); "
                         "auto (or -1): the longest that one request can hold in the KV cache, at most the "
                         "model's (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-batched-tokens", type=int_flag, default=None, help="tokens per engine step")
+    p.add_argument("--max-num-batched-tokens", type=int_flag, default=None,
+                   help="tokens per engine step, and of the start-up profile's steps (default: 8192 on a GPU, "
+                        "64 on the CPU)")
     p.add_argument("--max-num-seqs", type=int_flag, default=None, help="requests in the batch at once")
     p.add_argument("--num-gpu-blocks-override", type=int_flag, default=None,
                    help="use exactly this many KV blocks, which must fit in memory (default: as many as fit)")
     p.add_argument("--max-num-blocks", type=int_flag, default=None, help="a cap on KV blocks (default: none)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size with a unit, e.g. 20GiB; replaces the --gpu-memory-utilization budget "
-                        "(default: what the budget leaves)")
+                        "(default: what the budget leaves on a GPU, 25%% of the available RAM on the CPU)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None,
                    help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output channel, "

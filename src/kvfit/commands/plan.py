@@ -18,6 +18,7 @@ from kvfit.planning import spec_and_limits
 from kvfit.kv.plan import MemoryReading, assess_kv_cache
 from kvfit.kv.report import plan_table
 from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts, load_model_facts
+from kvfit.platforms.base import Platform
 from kvfit.platforms.estimate import estimate_reading
 from kvfit.units import parse_bytes
 
@@ -61,6 +62,7 @@ def run(args) -> int:
     kwargs = engine_kwargs(args)
     kwargs.pop("attention_backend", None)
     config = EngineConfig.from_kwargs(args.model, **kwargs)     # a missing model is the first error
+    config = Platform().resolve_config(config)                  # a GPU's defaults (--max-num-batched-tokens)
     facts = load_model_facts(config.model.model, config.model.quantization)
     total, device_name = _device(args)
     backend = args.attention_backend or "triton"

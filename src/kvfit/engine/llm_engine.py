@@ -40,7 +40,7 @@ class LLMEngine:
         # read before the engine starts, so a bad file fails fast
         self.default_sampling_params = _generation_defaults(config)
         started = start_engine(config)
-        self.config = config
+        self.config = config = started.config        # with the platform's defaults filled in
         self.facts, self.platform, self.spec, self.limits = started.facts, started.platform, started.spec, started.limits
         self.workers = started.executor
         self.readings, self.plan = started.readings, started.plan

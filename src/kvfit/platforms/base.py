@@ -8,10 +8,11 @@ registry.py; this module knows none of them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from kvfit.config import CacheConfig
+from kvfit.config import CacheConfig, EngineConfig
 from kvfit.errors import ConfigError
 from kvfit.kv.plan import MemoryReading
 
@@ -37,6 +38,7 @@ class Platform:
     supports_graphs = False            # decode steps may be captured as CUDA graphs
     supported_backends: tuple[str, ...] = ("torch",)   # attention backends that run here
     default_backend = "torch"
+    default_max_num_batched_tokens = 8192   # --max-num-batched-tokens when not given (vLLM's GPU default)
 
     def __init__(self, device_index: int = 0):
         self.device_index = device_index
@@ -55,6 +57,11 @@ class Platform:
 
     def set_current_device(self) -> None:
         """Make this platform's device the process's current one (collectives use it). Default: nothing."""
+
+    def resolve_config(self, config: EngineConfig) -> EngineConfig:
+        """config with this platform's defaults in the settings left unset; raises a ConfigError for a
+        setting that means nothing here. The engine runs on what this returns."""
+        return with_default_batched_tokens(config, self.default_max_num_batched_tokens)
 
     def default_scheduler_steps(self, tensor_parallel_size: int) -> int:
         """Decode steps per scheduling round when --num-scheduler-steps is not given."""
@@ -80,3 +87,11 @@ class Platform:
     def keep_within(self, reading: MemoryReading) -> None:
         """After a step: hand cached memory back if this process holds more than reading's budget
         allows (an allocator cache can grow past the profiled peak). Default: nothing cached."""
+
+
+def with_default_batched_tokens(config: EngineConfig, default: int) -> EngineConfig:
+    """config with --max-num-batched-tokens `default` where it was not given."""
+    sched = config.scheduler
+    if sched.max_num_batched_tokens is not None:
+        return config
+    return dataclasses.replace(config, scheduler=dataclasses.replace(sched, max_num_batched_tokens=default))

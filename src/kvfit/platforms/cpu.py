@@ -1,12 +1,23 @@
-"""CPU platform: the KV budget is --kv-cache-memory, else a documented share of available RAM."""
+"""CPU platform: the KV budget is --kv-cache-memory, else a documented share of available RAM.
+
+--gpu-memory-utilization is a share of GPU memory: on the CPU it is refused (anything but its default),
+pointing to --kv-cache-memory. Steps carry fewer tokens by default than on a GPU (CPU_MAX_NUM_BATCHED_TOKENS),
+as vLLM's CPU backend lowers its token budget: the start-up profile runs the model over that many tokens
+twice, and a step of a 2-core CPU in bf16 takes about 0.1 s per token of a 0.6B model (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import os
 
-from kvfit.config import CPU_KV_CACHE_SHARE, CacheConfig
+from kvfit.config import CPU_KV_CACHE_SHARE, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, EngineConfig
+from kvfit.errors import ConfigError
 from kvfit.kv.plan import MemoryReading
 from kvfit.platforms.base import Platform, StartupSteps
+
+# --max-num-batched-tokens on the CPU when not given: prefills go in chunks of this many tokens, and
+# the start-up profile (the widest and the longest step) runs two forwards of this many tokens
+CPU_MAX_NUM_BATCHED_TOKENS = 64
 
 
 def read_meminfo() -> tuple[int, int]:
@@ -33,10 +44,20 @@ class CpuPlatform(Platform):
     supports_graphs = False
     supported_backends = ("torch",)
     default_backend = "torch"
+    default_max_num_batched_tokens = CPU_MAX_NUM_BATCHED_TOKENS
 
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def resolve_config(self, config: EngineConfig) -> EngineConfig:
+        util = config.cache.gpu_memory_utilization
+        if util != DEFAULT_GPU_MEMORY_UTILIZATION:
+            raise ConfigError(
+                f"--gpu-memory-utilization {util} is a share of GPU memory and means nothing on the CPU, where "
+                f"the KV cache takes {CPU_KV_CACHE_SHARE:.0%} of the RAM available at start-up; size it with "
+                "--kv-cache-memory instead, e.g. --kv-cache-memory 4GiB")
+        return super().resolve_config(config)
 
     def device_count(self) -> int:
         """Cores this process may run on (its affinity mask, where the OS has one)."""
