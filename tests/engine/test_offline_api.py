@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import threading
+import time
 
 import pytest
 
@@ -168,3 +169,11 @@ def test_shutdown_gives_the_memory_back_and_later_calls_are_a_clear_error(tiny_l
     with pytest.raises(KvfitError, match="shut down"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.shutdown()                                   # twice is fine
+
+
+def test_an_n_past_the_caches_token_capacity_is_refused_at_once(llm):
+    """n = 2**63 - 1 built children one by one before anything ran (memory grew until the OOM killer)."""
+    start = time.monotonic()
+    with pytest.raises(RequestError, match=r"n=9223372036854775807 samples is more than the KV cache's token"):
+        llm.generate(["Hello"], SamplingParams(n=2 ** 63 - 1, max_tokens=1), use_tqdm=False)
+    assert time.monotonic() - start < 5

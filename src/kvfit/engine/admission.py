@@ -44,6 +44,11 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
                            "sampling_params")
     check_logprobs_count(params.logprobs, max_logprobs, "logprobs")
     check_logprobs_count(params.prompt_logprobs, max_logprobs, "prompt_logprobs")
+    # each of n samples holds at least one token of its own in the KV cache: a larger n can never be
+    # served (and 2**63 children would be built one by one before anything ran)
+    if params.n > num_blocks * block_size:
+        raise RequestError(f"n={params.n} samples is more than the KV cache's token capacity "
+                           f"({num_blocks * block_size} tokens, one at least per sample); ask for fewer", "n")
     if not are_token_ids(prompt_ids):
         raise RequestError("a token-id prompt must be a list of integers", "prompt")
     _check_token_ids(params, vocab_size)
