@@ -88,25 +88,6 @@ def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
             f"shard{'s' if len(files) > 1 else ''}, run in {dtype}{ranks}")
 
 
-def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
-    """Start-up's first line: where the weights come from, their size and shards, the dtype they run in."""
-    from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES
-    from kvfit.units import gib
-    dtype = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES.get(config.model.dtype.lower(),
-                                                                                      config.model.dtype)
-    tp = config.parallel.tensor_parallel_size
-    ranks = f", split over {tp} tensor-parallel ranks" if tp > 1 else ""
-    if config.model.load_format == "dummy":
-        size = f", {gib(facts.num_params * DTYPE_BYTES[dtype])}" if dtype in DTYPE_BYTES else ""
-        return (f"loading: random weights (--load-format dummy) for {config.model.model}: "
-                f"{facts.num_params / 1e9:.2f}B parameters{size} in {dtype}{ranks}")
-    from kvfit.models.loader import safetensors_files
-    files = safetensors_files(config.model.model)
-    size_bytes = sum(os.path.getsize(path) for path in files)
-    return (f"loading: {config.model.model}: {gib(size_bytes)} of safetensors in {len(files)} "
-            f"shard{'s' if len(files) > 1 else ''}, run in {dtype}{ranks}")
-
-
 def start_engine(config: EngineConfig) -> StartedEngine:
     """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down."""
     facts = load_model_facts(config.model.model, config.model.quantization)
@@ -122,13 +103,9 @@ def start_engine(config: EngineConfig) -> StartedEngine:
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)
     logger.info(loading_line(config, facts))
     started = time.monotonic()
-    logger.info(loading_line(config, facts))
-    started = time.monotonic()
     executor = _make_executor(config, facts, platform, backend, spec)
     try:
         readings = executor.measure()
-        logger.info("loaded and profiled in %.1f s (weights %s a rank)", time.monotonic() - started,
-                    gib_of(max(r.weights_bytes for r in readings)))
         logger.info("loaded and profiled in %.1f s (weights %s a rank)", time.monotonic() - started,
                     gib(max(r.weights_bytes for r in readings)))
         plan = plan_kv_cache(readings, spec, limits, config.parallel.tensor_parallel_size)
