@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.models.quant.fp8 import Fp8Weight, quantize_groups
+from kvfit.models.quant.fp8 import Fp8Weight, quantize_activations
 
 try:
     import triton
@@ -98,5 +98,5 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: 
 
 def block_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (16-bit or fp32) -> [T, N] in x's dtype: per-token-group quantization, then the block GEMM."""
-    xq, x_scale = quantize_groups(x, w.block_size[1])
+    xq, x_scale = quantize_activations(x, w)                                   # per token and bk columns
     return block_fp8_gemm(xq.contiguous(), x_scale, w, bias, x.dtype)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, FP8_MAX  # noqa: F401  (the scratch it documents)
+from kvfit.models.quant.quantize_kernel import quantize_kernel_applies, quantize_rows
+from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, FP8_MAX, MIN_AMAX  # noqa: F401  (the scratch it documents)
 
 FP8_DTYPE = torch.float8_e4m3fn
-MIN_AMAX = 1e-10            # an all-zero row still gets a finite scale (its values quantize to 0)
 
 
 @dataclass
@@ -92,6 +92,8 @@ def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, t
     if w.input_scale is not None:
         scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
         return _to_fp8_(x.to(torch.float32, copy=True).div_(scale)), scale
+    if quantize_kernel_applies(x):        # CUDA: one launch, the same numbers
+        return quantize_rows(x, None if w.block_size is None else w.block_size[1])
     if w.block_size is None:
         x32 = x.to(torch.float32, copy=True)
         scale = _amax(x32, dim=1).clamp(min=MIN_AMAX).unsqueeze(1) / FP8_MAX                # [T, 1]
