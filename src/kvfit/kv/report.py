@@ -15,11 +15,12 @@ def plan_table(plan: KVPlan, title: str) -> str:
     def num(value):
         return "-" if value is None else f"{value:,}"
     r = plan.reading
+    per = " (per GPU)" if plan.tensor_parallel_size > 1 else ""      # readings and bytes are one rank's
     rows = [
         ("num_blocks", f"{plan.num_blocks:,}  (bound by {plan.bound_by})"),
         ("block_size", f"{plan.block_size} tokens"),
-        ("bytes_per_block", f"{plan.bytes_per_block:,}"),
-        ("kv_cache", f"{gib(plan.kv_cache_bytes)} of {gib(plan.available_kv_bytes)} available"),
+        ("bytes_per_block" + per, f"{plan.bytes_per_block:,}"),
+        ("kv_cache" + per, f"{gib(plan.kv_cache_bytes)} of {gib(plan.available_kv_bytes)} available"),
         ("token_capacity", f"{plan.token_capacity:,}"),
         ("max_model_len", f"{plan.max_model_len:,} tokens{plan.auto_note()}"),
         ("max_concurrency", f"{plan.max_concurrency:.2f} requests of {plan.max_model_len:,} tokens"),
@@ -29,13 +30,13 @@ def plan_table(plan: KVPlan, title: str) -> str:
         ("limit: override", num(plan.limits["override"])),
         ("limit: max_num_blocks", num(plan.limits["max_num_blocks"])),
         ("limit: index_width", f"{num(plan.limits['index_width'])} ({plan.backend}, offsets <= {plan.max_element_offset:,})"),
-        ("memory: total", gib(r["total_bytes"])),
-        ("memory: budget", gib(r["budget_bytes"])),
-        ("memory: weights", gib(r["weights_bytes"])),
-        ("memory: activation peak", gib(r["activation_peak_bytes"])),
-        ("memory: non-torch", gib(r["non_torch_bytes"])),
-        ("memory: CUDA graphs", gib(r["cuda_graph_bytes"])),
-        ("memory: in use at start", gib(r["in_use_at_start_bytes"])),
+        ("memory: total" + per, gib(r["total_bytes"])),
+        ("memory: budget" + per, gib(r["budget_bytes"])),
+        ("memory: weights" + per, gib(r["weights_bytes"])),
+        ("memory: activation peak" + per, gib(r["activation_peak_bytes"])),
+        ("memory: non-torch" + per, gib(r["non_torch_bytes"])),
+        ("memory: CUDA graphs" + per, gib(r["cuda_graph_bytes"])),
+        ("memory: in use at start" + per, gib(r["in_use_at_start_bytes"])),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [title] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
