@@ -92,12 +92,17 @@ class StructuredOutputsParams:
         if not isinstance(schema, dict):
             _fail(f"json must be a JSON schema object (a dict or its JSON text), got {type(schema).__name__}")
         _check_schema_shape(schema)
-        try:
-            text = json_module.dumps(schema, sort_keys=True, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            _fail(f"json must hold JSON values only ({exc})")
+        text = self._canonical_json(schema)
         _check_text_size("json", text)
         object.__setattr__(self, "_json_text", text)       # the cache key's form, computed once
+
+    def _canonical_json(self, schema=None) -> str:
+        if schema is None:
+            schema = json_module.loads(self.json) if isinstance(self.json, str) else self.json
+        try:
+            return json_module.dumps(schema, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            _fail(f"json must hold JSON values only ({exc})")
 
     def _check_choice(self) -> None:
         if not isinstance(self.choice, (list, tuple)) or not self.choice:
@@ -154,7 +159,8 @@ class StructuredOutputsParams:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            value = self._json_text
+            # computed when built; a copy rebuilt from the fields alone (another process) computes it again
+            value = self.__dict__.get("_json_text") or self._canonical_json()
         return (kind, value, self.disable_any_whitespace, self.disable_additional_properties,
                 self.whitespace_pattern)
 
