@@ -41,6 +41,15 @@ def test_vllm_kwargs_kvfit_cannot_honour_say_why(tiny_llama, kwargs, needle):
         LLM(tiny_llama, **kwargs, **SMALL)
 
 
+def test_numpy_settings_are_taken(tiny_llama):
+    from kvfit.config import EngineConfig
+    kwargs = {**SMALL, "max_model_len": np.int64(64), "max_num_seqs": torch.tensor(4)}
+    llm = LLM.__new__(LLM)
+    llm._start = lambda config: setattr(llm, "config", config)       # the config only: no engine started
+    LLM.__init__(llm, tiny_llama, **kwargs)
+    assert llm.config == EngineConfig.from_kwargs(tiny_llama, **SMALL)
+
+
 def test_a_tokenizer_of_another_folder_is_refused(tiny_llama, tiny_qwen2):
     with pytest.raises(ConfigError, match="not the model's folder"):
         LLM(tiny_llama, tokenizer=tiny_qwen2, **SMALL)

@@ -56,6 +56,7 @@ class LLM:
         downloaded; at `revision`, default main), or a catalog name (with load_format="dummy"). vLLM's
         keyword arguments without a kvfit setting (VLLM_KWARGS, tokenizer, swap_space) are accepted
         where kvfit does what they ask, else a ConfigError says why."""
+        kwargs = {k: as_python(v) for k, v in kwargs.items()}      # numpy / torch values, converted once here
         vllm_kwargs = {k: kwargs.pop(k) for k in [*VLLM_KWARGS, "tokenizer", "swap_space"] if k in kwargs}
         _check_vllm_kwargs(vllm_kwargs)
         config = EngineConfig.from_kwargs(model, **kwargs)     # resolves the model once, at its revision
