@@ -207,8 +207,10 @@ class MoECausalLM(CausalLM):
         """Compile the fused-MoE configs of every batch size up to max_num_tokens now (start-up), not
         in the first steps that need them; every sparse layer has the same shape, so one layer does."""
         for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoE) and not isinstance(layer.mlp.experts, Fp8Experts):
+            if isinstance(layer.mlp, SparseMoE):
                 experts = layer.mlp.experts
+                if isinstance(experts, Fp8Experts):
+                    return experts.warm_up(self.moe.top_k, max_num_tokens, layer.mlp.gate.weight.dtype)
                 return fused_moe.warm_up(experts.gate_up_proj, experts.down_proj, self.moe.top_k, max_num_tokens)
         return 0
 

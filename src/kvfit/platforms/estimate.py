@@ -10,7 +10,7 @@ from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts
-from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES
+from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
 from kvfit.planning import persistent_batch_bytes
 from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 from kvfit.units import MiB, gib
@@ -63,8 +63,11 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     logits = max(min(sched.max_num_seqs, tokens) * LOGIT_BYTES,
                  min(PROMPT_LOGPROBS_SLICE, tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
     # FP8 GEMMs quantize their input first: an fp32 copy and the fp8 values beside it, at the widest input
-    scratch = 0 if facts.quantization is None else \
-        tokens * ACTIVATION_SCRATCH_BYTES * max(facts.hidden_size, inter // tp)
+    scratch = 0
+    if facts.quantization is not None:
+        per_element = (STATIC_ACTIVATION_SCRATCH_BYTES if facts.quantization.activation == "static"
+                       else ACTIVATION_SCRATCH_BYTES)
+        scratch = tokens * per_element * max(facts.hidden_size, inter // tp)
     return tokens * per_token * act_dtype_bytes + logits + scratch
 
 

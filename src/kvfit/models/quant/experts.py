@@ -21,6 +21,7 @@ from kvfit.errors import ConfigError
 from kvfit.models.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
+from kvfit.models.quant import fused_experts
 from kvfit.models.quant.fused_experts import fused_experts_applies, fused_fp8_experts
 from kvfit.models.quant.gemm import fp8_linear
 from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
@@ -140,6 +141,12 @@ class Fp8Experts(torch.nn.Module):
             scale[e].copy_(s)
 
     # compute ------------------------------------------------------------------------------------
+    def warm_up(self, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
+        """Compile the fused kernels' configs for up to max_tokens tokens of activations in dtype now
+        (start-up); how many ran."""
+        return fused_experts.warm_up(self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                     self.down_proj_scale, self.scheme.block_size, top_k, max_tokens, dtype)
+
     def expert_weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:
         block = self.scheme.block_size
         return (Fp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], block),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.models.quant.quantize_kernel import quantize_kernel_applies, quantize_rows
-from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, FP8_MAX, MIN_AMAX  # noqa: F401  (the scratch it documents)
+from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -87,8 +87,8 @@ def quantize_weight_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torc
 def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] fp8, x_scale fp32: [T, 1] per token or static, [T, ceil(K/bk)] per group).
 
-    Scratch beyond x: one fp32 copy of it (divided and clamped in place) and the fp8 result,
-    ACTIVATION_SCRATCH_BYTES per element (the capacity estimate counts it)."""
+    Scratch beyond x: on CUDA (dynamic) the fp8 result only; else one fp32 copy of x (divided and clamped
+    in place) and the fp8 result (quant_scheme's *ACTIVATION_SCRATCH_BYTES, counted by the estimate)."""
     if w.input_scale is not None:
         scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
         return _to_fp8_(x.to(torch.float32, copy=True).div_(scale)), scale

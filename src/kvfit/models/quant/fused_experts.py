@@ -190,3 +190,23 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
         num_m_blocks, aq.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
         w2_scale.stride(1), pairs_out.stride(0), **launch)
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
+
+
+def warm_up(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+            block_size: tuple[int, int] | None, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
+    """Compile every launch config fp8_config picks for 1..max_tokens tokens (powers of two and max_tokens),
+    one call on zero activations per distinct config, so no compile lands in a served step; how many ran."""
+    if not fused_experts_applies(w13_scale) or max_tokens < 1:
+        return 0
+    num_experts, two_inter, hidden = w13.shape
+    seen = set()
+    for m in sorted({1 << p for p in range(max_tokens.bit_length())} | {max_tokens}):
+        config = fp8_config(m, num_experts, hidden, two_inter // 2, top_k, block_size)
+        if tuple(sorted(config.items())) in seen:
+            continue
+        seen.add(tuple(sorted(config.items())))
+        x = torch.zeros((m, hidden), dtype=dtype, device=w13.device)             # the model's activations
+        ids = (torch.arange(m * top_k, device=w13.device) % num_experts).view(m, top_k)
+        weights = torch.full((m, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+        fused_fp8_experts(x, w13, w13_scale, w2, w2_scale, block_size, weights, ids, config)
+    return len(seen)
