@@ -189,3 +189,13 @@ def test_assistant_tool_call_arguments_reach_the_template_as_objects():
     calls = template_messages(messages)[0]["tool_calls"]
     assert calls[0]["function"]["arguments"] == {"x": 1} and calls[1]["function"]["arguments"] == {}
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'       # the caller's untouched
+
+
+def test_with_the_mistral_parser_every_call_id_is_mistrals():
+    options = ToolOptions(True, "mistral")
+    body = _body(tools=[WEATHER], tool_choice="required")
+    plan = tool_plan(tool_request(body), options, body)
+    message, _ = plan.message('[{"name": "get_weather", "parameters": {"city": "A"}}]', "stop")
+    named = ToolPlan("named", True, function="f", mistral_ids=True).message("{}", "stop")[0]
+    for call in message["tool_calls"] + named["tool_calls"]:
+        assert len(call["id"]) == 9 and call["id"].isalnum()       # Mistral's templates refuse other ids

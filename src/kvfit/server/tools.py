@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from kvfit.errors import ConfigError
 from kvfit.server.protocol import bad_request
-from kvfit.server.tool_parsers import PARSERS, ToolCall, _decode_objects, get_parser, random_tool_call_id
+from kvfit.server.tool_parsers import (PARSERS, ToolCall, _decode_objects, get_parser, mistral_tool_call_id,
+                                       random_tool_call_id)
 
 MAX_TOOLS = 128                 # OpenAI's limit on tools per request
 TOOL_CHOICES = ("none", "auto", "required")
@@ -180,6 +181,10 @@ class ToolPlan:
     parallel: bool
     parser: str | None = None
     function: str | None = None
+    mistral_ids: bool = False      # --tool-call-parser mistral: 9-character ids (Mistral's templates check them)
+
+    def new_id(self) -> str:
+        return mistral_tool_call_id() if self.mistral_ids else random_tool_call_id()
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The full response's message and finish_reason for an output text."""
@@ -196,9 +201,9 @@ class ToolPlan:
 
     def _calls(self, text: str) -> tuple[list[ToolCall], str | None]:
         if self.mode == "named":
-            return [ToolCall(random_tool_call_id(), self.function, text)], None
+            return [ToolCall(self.new_id(), self.function, text)], None
         if self.mode == "required":
-            calls = _required_calls(text, whole=True)
+            calls = _required_calls(text, True, self.new_id)
             return (calls, None) if calls else ([], text)
         extracted = get_parser(self.parser).extract(text)
         return list(extracted.tool_calls), extracted.content
@@ -207,7 +212,7 @@ class ToolPlan:
         return ToolStream(self)
 
 
-def _required_calls(text: str, whole: bool) -> list[ToolCall] | None:
+def _required_calls(text: str, whole: bool, new_id) -> list[ToolCall] | None:
     """The {name, parameters} objects of required's JSON list (whole: all of it must parse)."""
     body = text.strip()
     if not body.startswith("["):
@@ -224,7 +229,7 @@ def _required_calls(text: str, whole: bool) -> list[ToolCall] | None:
     for v in values:
         if not isinstance(v, dict) or not isinstance(v.get("name"), str):
             return None
-        calls.append(ToolCall(random_tool_call_id(), v["name"],
+        calls.append(ToolCall(new_id(), v["name"],
                               json.dumps(v.get("parameters") or {}, ensure_ascii=False)))
     return calls
 
@@ -240,13 +245,14 @@ def tool_plan(req: ToolRequest, options: ToolOptions, body) -> ToolPlan | None:
                               "set on the server (or send tool_choice none, required or a named function)",
                               param="tool_choice")
         return ToolPlan("auto", req.parallel, parser=options.tool_call_parser)
+    mistral_ids = options.tool_call_parser == "mistral"
     if body.structured_outputs is not None or (body.response_format or {}).get("type") not in (None, "text"):
         field = "structured_outputs" if body.structured_outputs is not None else "response_format"
         raise bad_request(f"tool_choice {req.choice if not req.named else 'with a named function'} constrains the "
                           f"output to the tools' arguments; drop {field}", param=field)
     if req.named:
-        return ToolPlan("named", req.parallel, function=req.choice)
-    return ToolPlan("required", req.parallel)
+        return ToolPlan("named", req.parallel, function=req.choice, mistral_ids=mistral_ids)
+    return ToolPlan("required", req.parallel, mistral_ids=mistral_ids)
 
 
 def apply_tools(inp, body, options: ToolOptions):
@@ -285,7 +291,7 @@ class ToolStream:
         if self.plan.mode == "named":
             return self._named_delta(text)
         if self.plan.mode == "required":
-            calls = _required_calls(text, whole=finished) or []
+            calls = _required_calls(text, finished, self.plan.new_id) or []
             content_end = len(text) if finished and not calls and not self.calls else 0
         else:
             calls, content_end = self._auto(text, finished)
@@ -318,7 +324,7 @@ class ToolStream:
             return {}
         self.arguments_sent = len(text)
         if not self.calls:
-            self.calls.append(ToolCall(random_tool_call_id(), self.plan.function, ""))
+            self.calls.append(ToolCall(self.plan.new_id(), self.plan.function, ""))
             return {"tool_calls": [{"index": 0, **ToolCall(self.calls[0].id, self.plan.function, new).as_json()}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
 
