@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,6 +54,16 @@ _MIX2 = _signed(0x94D049BB133111EB)
 _UNIFORM_BITS = 23      # u = (j + 0.5) / 2^23: exact in fp32 and strictly inside (0, 1), so -log(u) > 0
 # When every filtering row sets a top-k no larger than this, a top-k of the largest k replaces the full sort.
 MAX_TOPK_CANDIDATES = 4096
+# Logits sampled at once. The sampler's temporaries (an edited fp32 copy, fp32 scaled logits, a sort's values
+# and int64 indices, softmax and cumsum, the hash state, fp32 noise: about 40 bytes a logit) are [rows, V]; a
+# step of more rows runs in chunks, so its peak is that of 2^22 logits (32 rows of a 131,072-id vocabulary,
+# about 170 MB) whatever max_num_seqs is, instead of 1.3 GB at 256 rows x 151,936 ids (issue 32 (1)).
+MAX_SAMPLER_LOGITS = 1 << 22
+
+
+def sampler_chunk_rows(vocab_size: int) -> int:
+    """Rows sample_step runs at once (the capacity estimate counts this many rows' temporaries)."""
+    return max(1, MAX_SAMPLER_LOGITS // vocab_size)
 
 
 def sampling_state_bytes(max_num_rows: int, vocab_size: int) -> int:
@@ -285,6 +296,38 @@ class SamplingState:
                     return SampleResult(self._count(tokens, logits, rows, counted, finite))
             tokens = torch.argmax(logits, dim=-1)                                          # [N]
             return SampleResult(self._count(tokens, logits, rows, counted))
+        chunk = sampler_chunk_rows(self.vocab_size)
+        if logits.shape[0] > chunk:
+            return self._sample_chunks(chunk, plan.num_logprobs, logits, rows, rows_host, num_generated, counted,
+                                       num_generated_host, bitmask, masked)
+        return self._sample_planned(plan, logits, rows, rows_host, num_generated, counted, bitmask)
+
+    def _sample_chunks(self, chunk: int, num_logprobs: int, logits, rows, rows_host, num_generated, counted,
+                       num_generated_host, bitmask, masked) -> SampleResult:
+        """sample_step over row chunks of `chunk` rows, so the fp32 temporaries are [chunk, V], not [N, V].
+        A row's token depends only on its own logits, parameters and noise, so the result is the one-pass
+        result (exactly, for greedy and seeded rows; unseeded rows draw the same distribution). Every chunk
+        packs logprobs num_logprobs wide, so their rows concatenate."""
+        results, starts = [], range(0, logits.shape[0], chunk)
+        for a in starts:
+            b = a + chunk
+            lo, hi = bisect.bisect_left(masked, a), bisect.bisect_left(masked, b)    # masked: ascending
+            plan = self._plan(rows_host[a:b], None if num_generated_host is None else num_generated_host[a:b],
+                              [m - a for m in masked[lo:hi]])
+            plan.num_logprobs = num_logprobs if plan.logprobs else 0
+            results.append(self._sample_planned(plan, logits[a:b], rows[a:b], rows_host[a:b], num_generated[a:b],
+                                                None if counted is None else counted[a:b],
+                                                None if bitmask is None or lo == hi else bitmask[lo:hi]))
+        tokens = torch.cat([r.tokens for r in results])                                    # [N]
+        packed = [r.logprobs for r in results if r.logprobs is not None]
+        if not packed:
+            return SampleResult(tokens)
+        return SampleResult(tokens, torch.cat(packed),
+                            [a + i for a, r in zip(starts, results) for i in r.logprob_positions or ()],
+                            [k for r in results for k in r.num_logprobs or ()])
+
+    def _sample_planned(self, plan: _Plan, logits, rows, rows_host, num_generated, counted, bitmask) -> SampleResult:
+        """sample_step's work past its plan, for rows whose temporaries fit at once."""
         index = plan.device_tensors(logits.device, logits.shape[0])
         raw = None
         if plan.logprobs:
