@@ -264,3 +264,29 @@ def test_two_ranks_shard_fp8_weights_and_scales(tmp_path):
             one_rank = model.compute_logits(model(ids, pos, cache.caches, meta))
         diff = (results[folder] - one_rank).abs().max()
         assert results[folder].shape == one_rank.shape and diff <= FLIP_ATOL, (folder, diff)
+
+
+def test_llm_generates_greedy_like_the_reference(models):
+    """Through the engine (start-up reads quantization_config; --quantization reaches the loader): greedy
+    tokens of an FP8 checkpoint equal transformers' on the dequantized weights with kvfit's activation
+    quantization, and LLM(quantization="fp8") runs a 16-bit checkpoint in FP8."""
+    from transformers import AutoModelForCausalLM
+
+    from kvfit import LLM, SamplingParams
+    root, src = models
+    fp8, deq = write_fp8_copy(src["llama"], root / "llm", "block")
+    prompt = [1, 40, 41, 42, 43, 44]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(fp8, dtype="float32", kv_cache_memory="16MiB", max_model_len=64)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    fake_quant_hooks(hf, "block")
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(got) == want
+    online = LLM(src["llama"], dtype="float32", kv_cache_memory="16MiB", max_model_len=64, quantization="fp8")
+    assert online.engine.facts.quantization.online
+    assert len(online.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    online.shutdown()
