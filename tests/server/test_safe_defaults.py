@@ -180,4 +180,4 @@ def test_serve_without_a_key_warns_and_refuses_a_foreign_host(tiny_llama, tmp_pa
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     log = (tmp_path / "stderr.txt").read_text()
-    assert "warning: no API key is set" in log and "Traceback" not in log, log
+    assert "WARNING" in log and "no API key is set" in log and "Traceback" not in log, log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from kvfit.errors import ConfigError
@@ -116,8 +117,8 @@ def run(args) -> int:
                              stats_interval_s=0 if args.vllm_disable_log_stats else STATS_INTERVAL_SECONDS)
             install_guards(app, guards)
             for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
-                print(line, file=sys.stderr, flush=True)
-            print(f"capacity: {engine.capacity_line}", flush=True)
+                logging.getLogger("kvfit").warning(line.removeprefix("warning: "))    # the log's one format
+            # the capacity line is the engine core's, in the log (once); stdout: the URL, then "stopped"
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
             serve(app, sock, engine.begin_shutdown, log_level=args.uvicorn_log_level or args.log_level,
                   limits=limits, dead_reason=engine.check_dead)     # a dead engine ends the server: exit 1
