@@ -25,7 +25,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from kvfit.errors import ConfigError
+from kvfit.errors import ConfigError, RequestError
 from kvfit.server.protocol import bad_request
 from kvfit.server.tool_parsers import (PARSERS, ToolCall, _decode_objects, get_parser, mistral_tool_call_id,
                                        random_tool_call_id)
@@ -264,14 +264,17 @@ def apply_tools(inp, body, options: ToolOptions):
     if plan is None:
         return inp
     changes = {}
-    if plan.mode == "named":
-        function = next(t["function"] for t in req.tools if t["function"]["name"] == plan.function)
-        schema = function.get("parameters") or NO_PARAMETERS
-        changes["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    elif plan.mode == "required":
-        changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel),
-                                                                disable_any_whitespace=True)
-    elif get_parser(plan.parser).keeps_special_tokens:
+    try:        # the tools' schemas become a constraint: past structured outputs' limits it is a 400 naming tools
+        if plan.mode == "named":
+            function = next(t["function"] for t in req.tools if t["function"]["name"] == plan.function)
+            schema = function.get("parameters") or NO_PARAMETERS
+            changes["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        elif plan.mode == "required":
+            changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel),
+                                                                    disable_any_whitespace=True)
+    except RequestError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
+    if plan.mode not in ("named", "required") and get_parser(plan.parser).keeps_special_tokens:
         changes["skip_special_tokens"] = False
     return dataclasses.replace(inp, params=dataclasses.replace(inp.params, **changes), tools=plan)
 
