@@ -176,3 +176,14 @@ def test_required_and_named_choices_are_constrained_so_arguments_parse(qwen_serv
             assert [name for name, _ in calls] == ["get_weather"] and reason == "stop"
         else:
             assert reason == "tool_calls" and (parallel or len(calls) == 1)
+
+
+@pytest.mark.parametrize("parameters", [{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+                                        {"type": "string", "pattern": "("}], ids=["dangling-ref", "bad-pattern"])
+def test_a_tool_schema_the_grammar_refuses_is_a_400_naming_tools(qwen_server, parameters):
+    client = _client(qwen_server)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=5)
+        assert info.value.body["param"] == "tools" and info.value.body["message"].startswith("tools: ")

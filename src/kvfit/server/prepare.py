@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvfit.errors import ConfigError, KvfitError, RequestError
 from kvfit.server.params import chat_messages, check_unsupported, structured_outputs_params
 from kvfit.server.protocol import APIError, TokenizeRequest, bad_request, parse_body
+from kvfit.server.tools import check_tool_constraint
 
 logger = logging.getLogger("kvfit")
 
@@ -56,6 +57,7 @@ def prepare_request(raw: bytes, model_class, context: PrepareContext, tokenizer,
     if model_class is TokenizeRequest:
         _check_tokenize_request(body, tokenizer)
     _check_grammar(body)
+    check_tool_constraint(body)                         # tool_choice required or named: the tools' schemas
     if getattr(body, "messages", None) is None:         # completions, /detokenize, a /tokenize prompt
         return Prepared(body)
     messages = chat_messages(body)

@@ -187,8 +187,9 @@ class ToolPlan:
         return mistral_tool_call_id() if self.mistral_ids else random_tool_call_id()
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The full response's message and finish_reason for an output text."""
-        calls, content = self._calls(text)
+        """The full response's message and finish_reason for an output text (an output the engine ended
+        with an error holds no calls: its text is the content)."""
+        calls, content = self._calls(text) if finish_reason != "error" else ([], text)
         if not self.parallel:
             calls = calls[:1]
         message = {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}
@@ -255,26 +256,48 @@ def tool_plan(req: ToolRequest, options: ToolOptions, body) -> ToolPlan | None:
     return ToolPlan("required", req.parallel, mistral_ids=mistral_ids)
 
 
+def tool_constraint(req: ToolRequest):
+    """The structured-outputs constraint of tool_choice required or a named function (None for auto and
+    none): the tools' schemas; a spec past structured outputs' limits is a 400 naming tools."""
+    from kvfit.structured_params import StructuredOutputsParams
+    if req.choice in ("none", "auto"):
+        return None
+    try:
+        if req.named:
+            function = next(t["function"] for t in req.tools if t["function"]["name"] == req.choice)
+            return StructuredOutputsParams(json=function.get("parameters") or NO_PARAMETERS,
+                                           disable_any_whitespace=True)
+        return StructuredOutputsParams(json=_required_schema(req.tools, req.parallel), disable_any_whitespace=True)
+    except RequestError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
+
+
+def check_tool_constraint(body) -> None:
+    """The prepare step's check (as for a request's own structured_outputs): the constraint of required or
+    a named function compiles, else a 400 naming tools, so the engine never gets one it cannot compile."""
+    if getattr(body, "tools", None) is None:
+        return
+    spec = tool_constraint(tool_request(body))
+    if spec is not None:
+        from kvfit.structured.grammar import check_spec
+        try:
+            check_spec(spec)
+        except RequestError as exc:
+            raise bad_request(f"tools: {exc}", param="tools") from None
+
+
 def apply_tools(inp, body, options: ToolOptions):
     """A chat's GenerateInput with its tool plan: the constraint of required or a named function set in
     its params, special tokens kept where the parser's markers are special (vLLM's adjust_request)."""
-    from kvfit.structured_params import StructuredOutputsParams
     req = tool_request(body)
     plan = tool_plan(req, options, body)
     if plan is None:
         return inp
     changes = {}
-    try:        # the tools' schemas become a constraint: past structured outputs' limits it is a 400 naming tools
-        if plan.mode == "named":
-            function = next(t["function"] for t in req.tools if t["function"]["name"] == plan.function)
-            schema = function.get("parameters") or NO_PARAMETERS
-            changes["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-        elif plan.mode == "required":
-            changes["structured_outputs"] = StructuredOutputsParams(json=_required_schema(req.tools, req.parallel),
-                                                                    disable_any_whitespace=True)
-    except RequestError as exc:
-        raise bad_request(f"tools: {exc}", param="tools") from None
-    if plan.mode not in ("named", "required") and get_parser(plan.parser).keeps_special_tokens:
+    spec = tool_constraint(req)
+    if spec is not None:
+        changes["structured_outputs"] = spec
+    elif get_parser(plan.parser).keeps_special_tokens:
         changes["skip_special_tokens"] = False
     return dataclasses.replace(inp, params=dataclasses.replace(inp.params, **changes), tools=plan)
 
