@@ -311,6 +311,7 @@ class ToolStream:
         self.content_sent = 0          # characters of text sent as content
         self.calls: list[ToolCall] = []
         self.arguments_sent = 0        # named: characters of arguments sent
+        self.parsed_upto = 0           # auto: the text length the calls were last parsed at
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta for text (cumulative; a finished one is final): {} when nothing new."""
@@ -342,6 +343,11 @@ class ToolStream:
             return [], (start if self.calls else len(text))
         if start is None:
             return [], len(text) - parser.held_back(text)
+        # a call closes with '}' (JSON) or '>' (</tool_call>): text without one adds no call, so the
+        # calls are parsed again only then (a long call is not re-parsed on every token)
+        if not any(c in text[self.parsed_upto:] for c in "}>"):
+            return self.calls, start
+        self.parsed_upto = len(text)
         return parser.complete_calls(text[start:]), start
 
     def _named_delta(self, text: str) -> dict:
