@@ -36,7 +36,8 @@ def measured_breakdown(engine, platform) -> dict:
     parts = {"total_bytes": r.total_bytes, "budget_bytes": r.budget_bytes, "weights_bytes": r.weights_bytes,
              "activation_peak_bytes": r.activation_peak_bytes, "non_torch_bytes": r.non_torch_bytes,
              "cuda_graph_bytes": r.cuda_graph_bytes, "in_use_at_start_bytes": r.in_use_at_start_bytes,
-             "kv_cache_bytes": engine.plan.kv_cache_bytes, "free_after_allocation_bytes": free_after}
+             "kv_cache_bytes": engine.plan.kv_cache_bytes, "free_after_allocation_bytes": free_after,
+             "co_tenants": [{"pid": pid, "name": name, "bytes": used} for pid, name, used in r.co_tenants]}
     if len(engine.readings) > 1:
         parts["per_rank_readings"] = [dataclasses.asdict(x) for x in engine.readings]
     return parts
@@ -103,6 +104,8 @@ def run(args) -> int:
                 print(f"  {key.removesuffix('_bytes'):<24} {gib(value):>12}  ({value:,} bytes)")
         print(f"  num_blocks               {plan.num_blocks:,} (bound by {plan.bound_by}), "
               f"token capacity {plan.token_capacity:,}")
+        for line in plan.co_tenants:     # other processes on the device that cost blocks (NVML)
+            print(f"  co-tenant                {line}")
     finally:
         engine.shutdown()
     return 0

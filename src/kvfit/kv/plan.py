@@ -42,6 +42,9 @@ class MemoryReading:
     own_torch_at_start_bytes: int = 0   # of that, this process's torch memory (inside its allocator's reserved)
     kv_cache_memory_bytes: int | None = None
     source: str = "measured"             # measured | estimated | explicit
+    # other processes holding the device, (pid, name, bytes) largest first (platforms/nvml.py): who holds part
+    # of in_use_at_start_bytes; () where the platform cannot tell
+    co_tenants: tuple = ()
 
     @property
     def non_kv_bytes(self) -> int:
@@ -64,10 +67,11 @@ class MemoryReading:
         return self.budget_bytes - self.non_torch_bytes - (self.in_use_at_start_bytes - self.own_torch_at_start_bytes)
 
     def explain(self) -> str:
+        others = "".join(f"; pid {pid} {name} holds {gib(used)}" for pid, name, used in self.co_tenants)
         return (f"budget {gib(self.budget_bytes)} - weights {gib(self.weights_bytes)} - activation peak "
                 f"{gib(self.activation_peak_bytes)} - non-torch {gib(self.non_torch_bytes)} - CUDA graphs "
                 f"{gib(self.cuda_graph_bytes)} - in use at start (context, other processes, own tensors) "
-                f"{gib(self.in_use_at_start_bytes)} = {gib(self.available_kv_bytes)}")
+                f"{gib(self.in_use_at_start_bytes)}{others} = {gib(self.available_kv_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class KVPlan:
     fits: bool = True                    # False only from assess_kv_cache: it cannot serve, see reason
     reason: str | None = None
     max_model_len_cap: int | None = None   # --max-model-len auto: the model's length it was capped at
+    co_tenants: list = field(default_factory=list)   # other processes that cost blocks, one line each
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +132,7 @@ class KVPlan:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens, bound by {self.bound_by}, "
                 f"{gib(self.kv_cache_bytes)}, token capacity {self.token_capacity}, "
                 f"max concurrency {self.max_concurrency:.2f}x at {self.max_model_len} tokens"
-                + self.auto_note())
+                + self.auto_note() + "".join(f"; {line}" for line in self.co_tenants))
 
     def auto_note(self) -> str:
         """How --max-model-len auto chose max_model_len ('' when it was not asked for)."""
@@ -214,8 +219,25 @@ def assess_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSp
         per_rank_available_kv_bytes=per_rank,
         warnings=_warnings(bound_by, memory, index, spec.max_addressable_blocks(limits.max_element_offset),
                            limits, per_rank),
+        co_tenants=co_tenant_costs(tightest, spec, num_blocks, candidates[1:]) if override is None else [],
         reading=asdict(tightest), fits=problem is None, reason=problem,
         max_model_len_cap=limits.max_model_len if limits.max_model_len_auto else None)
+
+
+def co_tenant_costs(reading: MemoryReading, spec: KVSpec, num_blocks: int, other_limits) -> list[str]:
+    """One line per other process whose memory costs the plan blocks: the blocks the plan would have without
+    it (the same limits, its bytes back in the budget) less those it has. other_limits: (name, blocks or None)."""
+    if reading.kv_cache_memory_bytes is not None:
+        return []                      # an explicit KV size: other processes change nothing
+    caps = [v for _, v in other_limits if v is not None]
+    lines = []
+    for pid, name, used in reading.co_tenants:
+        freed = MemoryReading(**{**asdict(reading), "in_use_at_start_bytes": reading.in_use_at_start_bytes - used,
+                                 "co_tenants": ()})
+        fewer = min([memory_limit_blocks(freed, spec), *caps]) - num_blocks
+        if fewer > 0:
+            lines.append(f"pid {pid} {name} holds {gib(used)} of the device: {fewer:,} blocks fewer")
+    return lines
 
 
 def _request_problem(num_blocks: int, blocks_per_seq: int, bound_by: str, available: int, spec: KVSpec,

@@ -10,6 +10,7 @@ from kvfit.config import CacheConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.platforms.base import Platform, StartupSteps
+from kvfit.platforms.nvml import co_tenant_note, co_tenants
 from kvfit.units import gib
 
 
@@ -42,6 +43,7 @@ class CudaPlatform(Platform):
     supports_graphs = True
     supported_backends = ("triton", "torch")
     default_backend = "triton"
+    nvml = None                          # the NVML binding co_tenants() reads (None: pynvml; tests: a fake)
 
     def __init__(self, device_index: int = 0):
         super().__init__(device_index)
@@ -89,11 +91,13 @@ class CudaPlatform(Platform):
         # Non-torch growth is measured from the outside-torch part alone.
         in_use_at_start = used
         outside_torch_at_start = used - torch.cuda.memory_reserved(self.device)
+        tenants = self.co_tenants()             # who else holds part of in_use_at_start (NVML)
         budget = int(total * cache.gpu_memory_utilization)
         if cache.kv_cache_memory is None and in_use_at_start >= budget:
+            who = f" ({co_tenant_note(tenants)})" if tenants else ""
             raise CapacityError(
                 f"free memory at start-up is {gib(total - used)} of {gib(total)}: {gib(in_use_at_start)} is "
-                f"already in use, more than --gpu-memory-utilization {cache.gpu_memory_utilization} allows "
+                f"already in use{who}, more than --gpu-memory-utilization {cache.gpu_memory_utilization} allows "
                 f"({gib(budget)}); raise it or free memory held by other processes or by this one")
         allocated_before = torch.cuda.memory_allocated(self.device)
         steps.load_weights()
@@ -114,7 +118,18 @@ class CudaPlatform(Platform):
             total_bytes=total, budget_bytes=budget, weights_bytes=after_weights - allocated_before,
             activation_peak_bytes=activation_peak, non_torch_bytes=non_torch, cuda_graph_bytes=graph_bytes,
             in_use_at_start_bytes=in_use_at_start, own_torch_at_start_bytes=in_use_at_start - outside_torch_at_start,
-            kv_cache_memory_bytes=cache.kv_cache_memory, source="measured")
+            kv_cache_memory_bytes=cache.kv_cache_memory, source="measured", co_tenants=tenants)
+
+    def co_tenants(self) -> tuple[tuple[int, str, int], ...]:
+        """Other processes on this GPU, (pid, name, bytes), through NVML (self.nvml: the binding, None =
+        pynvml); () where it cannot tell. The GPU is found by its UUID (CUDA_VISIBLE_DEVICES renumbers)."""
+        try:
+            uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        except (AttributeError, RuntimeError):
+            uuid = None
+        if uuid is not None and not uuid.startswith(("GPU-", "MIG-")):
+            uuid = f"GPU-{uuid}"
+        return co_tenants(uuid, getattr(self, "device_index", 0), nvml=self.nvml)
 
     def keep_within(self, reading: MemoryReading) -> None:
         # Live memory stays inside the plan (weights + KV + graphs + the profiled activation peak),
