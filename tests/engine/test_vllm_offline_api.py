@@ -41,9 +41,10 @@ def test_vllm_kwargs_kvfit_cannot_honour_say_why(tiny_llama, kwargs, needle):
         LLM(tiny_llama, **kwargs, **SMALL)
 
 
-def test_numpy_settings_are_taken(tiny_llama):
+def test_numpy_settings_and_none_are_taken(tiny_llama):
     from kvfit.config import EngineConfig
-    kwargs = {**SMALL, "max_model_len": np.int64(64), "max_num_seqs": torch.tensor(4)}
+    kwargs = {**SMALL, "max_model_len": np.int64(64), "max_num_seqs": torch.tensor(4), "seed": None, "block_size": None,
+              "enforce_eager": None}     # None: the setting's default, as vLLM's LLM takes it
     llm = LLM.__new__(LLM)
     llm._start = lambda config: setattr(llm, "config", config)       # the config only: no engine started
     LLM.__init__(llm, tiny_llama, **kwargs)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from kvfit.config import EngineConfig
+from kvfit.config import EngineConfig, setting_names
 from kvfit.hub import resolve_model_name
 from kvfit.engine.admission import are_token_ids, check_cache_salt
 from kvfit.engine.llm_engine import LLMEngine
@@ -56,7 +56,8 @@ class LLM:
         downloaded; at `revision`, default main), or a catalog name (with load_format="dummy"). vLLM's
         keyword arguments without a kvfit setting (VLLM_KWARGS, tokenizer, swap_space) are accepted
         where kvfit does what they ask, else a ConfigError says why."""
-        kwargs = {k: as_python(v) for k, v in kwargs.items()}      # numpy / torch values, converted once here
+        # numpy / torch values converted once here; None for a setting is its default, as in vLLM (seed=None: 0, vLLM v1's)
+        kwargs = {k: as_python(v) for k, v in kwargs.items() if v is not None or k not in setting_names()}
         vllm_kwargs = {k: kwargs.pop(k) for k in [*VLLM_KWARGS, "tokenizer", "swap_space"] if k in kwargs}
         _check_vllm_kwargs(vllm_kwargs)
         config = EngineConfig.from_kwargs(model, **kwargs)     # resolves the model once, at its revision
