@@ -16,6 +16,7 @@ after that, or after a rejected token, the mask allows only EOS.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -38,8 +39,14 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 # per definition character (Lark chains, choices, 2,000-property schemas), so an upper bound
 COMPILED_BYTES_PER_DEFINITION_CHAR = 200
 COMPILED_BASE_BYTES = 64 * 1024
-COMPILE_THREADS = 2
 COMPILE_STACK_BYTES = 64 * 2**20        # llguidance recurses over the grammar: never less stack than a main thread
+
+
+def compile_threads() -> int:
+    """Grammar threads: a quarter of the CPUs this process may use, 1 to 4 (each compile keeps a core busy;
+    the engine's own thread needs one)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cpus // 4))
 
 
 class _CompileThreads:
@@ -188,7 +195,7 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
                 return future
             if self._threads is None:
-                self._threads = _CompileThreads(COMPILE_THREADS, COMPILE_STACK_BYTES)
+                self._threads = _CompileThreads(compile_threads(), COMPILE_STACK_BYTES)
             future = self._cache[key] = self._threads.submit(self._build, spec)
         future.add_done_callback(lambda done: self._cached(key, done))
         return future
