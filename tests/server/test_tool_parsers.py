@@ -92,14 +92,31 @@ def test_streamed_deltas_add_up_to_the_full_response(parser, text, content):
         if delta:
             deltas.append(delta)
     streamed = "".join(d.get("content", "") for d in deltas) or None
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert streamed == content
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+    calls = {}          # index -> [id, name, arguments]: the first entry of a call has its id, type and name
+    for entry in (c for d in deltas for c in d.get("tool_calls", [])):
+        if entry["index"] not in calls:
+            assert entry["type"] == "function" and entry["id"] and entry["function"]["name"]
+            calls[entry["index"]] = [entry["id"], entry["function"]["name"], ""]
+        else:
+            assert "id" not in entry and "name" not in entry["function"]
+        calls[entry["index"]][2] += entry["function"].get("arguments", "")
+    assert [(i, name, json.loads(arguments)) for i, (_, name, arguments) in sorted(calls.items())] == \
         [(0, "get_time", {}), (1, "get_weather", {"city": "A"})]
-    assert all(c["type"] == "function" and c["id"] for c in calls)
-    assert len(calls) == 2 and stream.finish_reason("stop") == "tool_calls"
+    assert stream.finish_reason("stop") == "tool_calls"
     message, reason = plan.message(text, "stop")
     assert message["content"] == content and len(message["tool_calls"]) == 2 and reason == "tool_calls"
+
+
+def test_arguments_stream_piece_by_piece_as_vllm_streams_them():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}</tool_call>'
+    stream, entries = ToolPlan("auto", True, parser="hermes").stream(), []
+    for end in range(1, len(text) + 1):
+        entries += stream.delta(text[:end], end == len(text)).get("tool_calls", [])
+    assert entries[0]["function"]["name"] == "get_weather" and entries[0]["id"]
+    pieces = [e["function"].get("arguments", "") for e in entries]
+    assert len([p for p in pieces if p]) > 5                      # not one piece at the end
+    assert json.loads("".join(pieces)) == {"city": "Zürich", "days": [1, 2]}
 
 
 def test_hermes_stream_never_sends_a_marker_as_content():

@@ -116,6 +116,12 @@ class ToolParser:
         """The calls complete in text so far (text: from tool_start on), in order."""
         raise NotImplementedError
 
+    def partial_call(self, text: str, index: int) -> tuple[str, str] | None:
+        """The index-th call of text (from tool_start on) while it arrives: (its name, the raw text from
+        the start of its arguments object to the end of text), once the name and the arguments' opening
+        have come; None before, or for a format this parser does not stream piece by piece."""
+        return None
+
     def held_back(self, text: str) -> int:
         """How many characters at the end of text a stream holds back: they may begin a marker."""
         return max((k for m in self.start_markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
@@ -133,6 +139,33 @@ class ToolParser:
         raise NotImplementedError
 
 
+# the opening of a call object with its name first: {"name": "...", "arguments": (or "parameters")
+_NAME_THEN_ARGUMENTS = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def _name_and_arguments(body: str) -> tuple[str, str] | None:
+    """(name, raw arguments text to the end of body) of a call object body that has begun its arguments object."""
+    match = _NAME_THEN_ARGUMENTS.match(body)
+    if match is None:
+        return None
+    return json.loads(match.group(1)), body[match.end():]
+
+
+def _after_values(text: str, count: int, separator: str) -> str | None:
+    """text after its first `count` JSON values (each followed by `separator`), or None when fewer are there."""
+    at = 0
+    for _ in range(count):
+        try:
+            _, at = _DECODER.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        except json.JSONDecodeError:
+            return None
+        rest = text[at:].lstrip()
+        if not rest.startswith(separator):
+            return None
+        at = len(text) - len(rest) + len(separator)
+    return text[at:]
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     start_markers = ("<tool_call>",)
@@ -146,6 +179,10 @@ class HermesParser(ToolParser):
                 break
             calls.append(call)
         return calls
+
+    def partial_call(self, text: str, index: int) -> tuple[str, str] | None:
+        bodies = text.split("<tool_call>")[1:]
+        return _name_and_arguments(bodies[index]) if index < len(bodies) else None
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
@@ -178,6 +215,10 @@ class Llama3JsonParser(ToolParser):
         text = text.lstrip()
         return text[len("<|python_tag|>"):] if text.startswith("<|python_tag|>") else text
 
+    def partial_call(self, text: str, index: int) -> tuple[str, str] | None:
+        body = _after_values(self._body(text), index, ";")
+        return None if body is None else _name_and_arguments(body)
+
     def complete_calls(self, text: str) -> list[ToolCall]:
         values, _ = _decode_objects(self._body(text), ";")
         calls = [_call(v, self.new_id, ("arguments", "parameters")) for v in values]
@@ -195,6 +236,16 @@ class MistralParser(ToolParser):
 
     def new_id(self) -> str:
         return mistral_tool_call_id()
+
+    def partial_call(self, text: str, index: int) -> tuple[str, str] | None:
+        pieces = self._pieces(text)
+        if pieces and pieces[0].lstrip().startswith("["):        # one JSON list of calls
+            body = _after_values(pieces[0].lstrip()[1:], index, ",")
+            return None if body is None else _name_and_arguments(body)
+        if index >= len(pieces) or "[ARGS]" not in pieces[index]:   # name[ARGS]{...}, one piece a call
+            return None
+        name, _, arguments = pieces[index].partition("[ARGS]")
+        return (name.strip(), arguments.lstrip()) if name.strip() and arguments.lstrip().startswith("{") else None
 
     def _pieces(self, text: str) -> list[str]:
         return [p for p in text.split("[TOOL_CALLS]") if p.strip()]

@@ -15,8 +15,8 @@
 - finish_reason is "tool_calls" when auto or required produced calls; a named function keeps the
   engine's ("stop"), as OpenAI does for a forced function.
 Assistant messages' tool_calls reach the template with arguments as objects (vLLM and transformers
-templates read them so). Streams send each call as one OpenAI delta once it is complete (a named
-function's arguments stream as they come).
+templates read them so). Streams send a call as vLLM does: its id, type and name first, then its
+arguments piece by piece as they come (a call whose name does not come first goes out whole once complete).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from kvfit.errors import ConfigError, RequestError
 from kvfit.server.protocol import bad_request
-from kvfit.server.tool_parsers import (PARSERS, ToolCall, _decode_objects, get_parser, mistral_tool_call_id,
-                                       random_tool_call_id)
+from kvfit.server.tool_parsers import (_DECODER, PARSERS, ToolCall, _decode_objects, get_parser,
+                                       mistral_tool_call_id, random_tool_call_id)
 
 MAX_TOOLS = 128                 # OpenAI's limit on tools per request
 TOOL_CHOICES = ("none", "auto", "required")
@@ -310,8 +310,9 @@ class ToolStream:
         self.plan = plan
         self.content_sent = 0          # characters of text sent as content
         self.calls: list[ToolCall] = []
-        self.arguments_sent = 0        # named: characters of arguments sent
+        self.arguments_sent = 0        # named, or auto's call in progress: characters of its arguments sent
         self.parsed_upto = 0           # auto: the text length the calls were last parsed at
+        self.streaming: ToolCall | None = None   # auto: the call whose name went out, arguments coming (id, name)
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta for text (cumulative; a finished one is final): {} when nothing new."""
@@ -326,12 +327,56 @@ class ToolStream:
         if content_end > self.content_sent:
             out["content"] = text[self.content_sent:content_end]
             self.content_sent = content_end
-        new = calls[len(self.calls):] if self.plan.parallel else calls[len(self.calls):1]
-        if new:
-            start = len(self.calls)
-            self.calls.extend(new)
-            out["tool_calls"] = [{"index": start + i, **c.as_json()} for i, c in enumerate(new)]
+        entries = []
+        for i in range(len(self.calls), len(calls) if self.plan.parallel else min(len(calls), 1)):
+            if self.streaming is not None:      # begun piece by piece: the rest of its arguments, same id
+                rest = self._arguments_so_far(text)[self.arguments_sent:]
+                self.calls.append(ToolCall(self.streaming.id, calls[i].name, calls[i].arguments))
+                self.streaming = None
+                entries += [{"index": i, "function": {"arguments": rest}}] if rest else []
+            else:
+                self.calls.append(calls[i])
+                entries.append({"index": i, **calls[i].as_json()})
+        if self.plan.mode == "auto" and not finished and (self.plan.parallel or not self.calls):
+            entries += self._partial_entries(text)
+        if entries:
+            out["tool_calls"] = entries
         return out
+
+    def _arguments_so_far(self, text: str) -> str:
+        """The raw arguments text of the call in progress (auto): all of it while its object is open, up
+        to its closing brace once closed ("" when its opening is not there)."""
+        parser = get_parser(self.plan.parser)
+        start = parser.tool_start(text)
+        partial = None if start is None else parser.partial_call(text[start:], len(self.calls))
+        if partial is None:
+            return ""
+        raw = partial[1]
+        try:
+            return raw[:_DECODER.raw_decode(raw)[1]]
+        except json.JSONDecodeError:        # still open: every character so far is inside the arguments
+            return raw
+
+    def _partial_entries(self, text: str) -> list[dict]:
+        """vLLM's piece-by-piece stream of the call in progress: its id, type and name once they are known,
+        then its arguments as they come."""
+        parser = get_parser(self.plan.parser)
+        start = parser.tool_start(text)
+        partial = None if start is None else parser.partial_call(text[start:], len(self.calls))
+        if partial is None:
+            return []
+        entries, index = [], len(self.calls)
+        if self.streaming is None:
+            self.streaming, self.arguments_sent = ToolCall(parser.new_id(), partial[0], ""), 0
+            entries.append({"index": index, **self.streaming.as_json()})
+        arguments = self._arguments_so_far(text)
+        if len(arguments) > self.arguments_sent:
+            piece, self.arguments_sent = arguments[self.arguments_sent:], len(arguments)
+            if entries:
+                entries[0]["function"]["arguments"] = piece
+            else:
+                entries.append({"index": index, "function": {"arguments": piece}})
+        return entries
 
     def _auto(self, text: str, finished: bool) -> tuple[list[ToolCall], int]:
         parser = get_parser(self.plan.parser)
@@ -340,7 +385,7 @@ class ToolStream:
             extracted = parser.extract(text)
             if extracted.tools_called:
                 return list(extracted.tool_calls), start
-            return [], (start if self.calls else len(text))
+            return [], (start if self.calls or self.streaming is not None else len(text))
         if start is None:
             return [], len(text) - parser.held_back(text)
         # a call closes with '}' (JSON) or '>' (</tool_call>): text without one adds no call, so the
