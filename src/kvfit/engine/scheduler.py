@@ -1,5 +1,9 @@
 """Continuous batching policy: who runs, chunked prefill, preemption by recompute, multi-step rounds.
 
+A request whose grammar compiles or whose bad words tokenize off the engine thread is added PREPARING
+(vLLM's WAITING_FOR_FSM): it is in `preparing`, never scheduled, until the engine releases it to the
+waiting queue (or ends it); everyone else keeps stepping meanwhile.
+
 Each step: running requests first (oldest first), each takes its next tokens (1 for decode, a
 chunk for a prefill in progress) within max_num_batched_tokens; when no block is free the newest
 running request is preempted (blocks freed, recomputed later). Then waiting requests are admitted
