@@ -96,6 +96,9 @@ def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
                 def get_shape(self):
                     return sl.get_shape()
 
+                def get_dtype(self):
+                    return sl.get_dtype()
+
                 def __getitem__(self, index):
                     out = sl[index]
                     reads.append((name, tuple(out.shape)))
