@@ -147,7 +147,8 @@ def _slow_start(config) -> tuple[float, str] | None:
     if config.model.load_format != "dummy":     # missing weights fail at once (the loader's error): no wait to announce
         from kvfit.models.loader import safetensors_files
         safetensors_files(config.model.model)
-    return cpu_startup_estimate(load_model_facts(config.model.model), platform.resolve_config(config))
+    return cpu_startup_estimate(load_model_facts(config.model.model, config.model.quantization),
+                                platform.resolve_config(config))
 
 
 def _progress(stop: threading.Event, start: float, seconds: float, every: float) -> None:

@@ -77,8 +77,11 @@ def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
                                                                                       config.model.dtype)
     tp = config.parallel.tensor_parallel_size
     ranks = f", split over {tp} tensor-parallel ranks" if tp > 1 else ""
+    if facts.quantization is not None:          # FP8 linear weights, the rest in dtype
+        dtype = f"{dtype} with {facts.quantization.describe()}"
     if config.model.load_format == "dummy":
-        size = f", {gib(facts.num_params * DTYPE_BYTES[dtype])}" if dtype in DTYPE_BYTES else ""
+        size_bytes = facts.weight_bytes if facts.quantization else facts.num_params * DTYPE_BYTES.get(dtype, 0)
+        size = f", {gib(size_bytes)}" if size_bytes else ""
         return (f"loading: random weights (--load-format dummy) for {config.model.model}: "
                 f"{facts.num_params / 1e9:.2f}B parameters{size} in {dtype}{ranks}")
     from kvfit.models.loader import safetensors_files
