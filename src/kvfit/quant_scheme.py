@@ -119,6 +119,10 @@ def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
     if fmt not in ("float-quantized", "naive-quantized", None):
         raise ConfigError(f"{where}: compressed-tensors format {_show(fmt)} is not supported; kvfit runs "
                           "float-quantized (FP8) compressed-tensors checkpoints")
+    sparsity = quant.get("sparsity_config") or {}
+    if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+        raise ConfigError(f"{where}: compressed-tensors sparsity ({_show(sparsity.get('format'))}) is not "
+                          "supported; kvfit runs dense FP8 weights")
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{where}: compressed-tensors needs 'config_groups' (a JSON object of schemes)")
@@ -137,6 +141,10 @@ def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
 def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None, str]:
     if not isinstance(group, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {_show(group)}")
+    targets = group.get("targets", ["Linear"])
+    if targets != ["Linear"]:
+        raise ConfigError(f"{where}: targets {_show(targets)} are not supported; kvfit runs FP8 schemes that "
+                          "target every Linear (with an ignore list)")
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise ConfigError(f"{where}: a scheme without 'weights' is not supported; kvfit runs FP8 weights")

@@ -198,6 +198,10 @@ def test_quantization_flag_must_match_the_checkpoint(models):
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      r"weight-only FP8 \(no input_activations\) is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["re:.*self_attn.*"]}}},
+     r"targets \['re:.\*self_attn.\*'\] are not supported"),
+    ({"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24-bitmask"}, "config_groups": {}},
+     r"sparsity \('sparse-24-bitmask'\) is not supported"),
 ])
 def test_unsupported_quantization_configs_are_one_line_errors(quant, message):
     with pytest.raises(ConfigError, match=message) as info:
