@@ -20,6 +20,9 @@ repetition never hits the previous one's prompts. Groups (one engine configurati
           long-context:  32 requests of 8,000 in / 256 out
 KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment;
 KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (triton_prefill.PREFILL_CONFIG).
+KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
+config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
+"-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8).
 Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
 kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
 """
@@ -61,6 +64,30 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], list[int]]:
     raise ValueError(name)
 
 
+FP8_CONFIGS = {
+    "channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                          "symmetric": True}}}},
+    "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+def model_folder(model: str, engine: str) -> str:
+    """A folder holding the catalog model's config.json (with KVFIT_BENCH_FP8's quantization_config, if set)."""
+    from kvfit.catalog import model_config
+    fp8 = os.environ.get("KVFIT_BENCH_FP8")
+    folder = f"/tmp/{engine}-cfg/{model}{'-fp8-' + fp8 if fp8 else ''}"
+    os.makedirs(folder, exist_ok=True)
+    config = {"torch_dtype": "bfloat16", **model_config(model)}
+    if fp8:
+        config["quantization_config"] = FP8_CONFIGS[fp8]
+    with open(f"{folder}/config.json", "w") as fh:
+        json.dump(config, fh)
+    return folder
+
+
 class _Engine:
     """What both engines' wrappers share: self.llm has vLLM's LLM.reset_prefix_cache."""
 
@@ -78,6 +105,7 @@ class KvfitEngine(_Engine):
             # JSON [BLOCK_M, BLOCK_N, num_warps, num_stages]: the prefill attention tiles, for an experiment
             from kvfit.attention import triton_prefill
             triton_prefill.PREFILL_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_PREFILL"]))
+        model = model_folder(model, "kvfit") if os.environ.get("KVFIT_BENCH_FP8") else model
         self.llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
@@ -91,12 +119,8 @@ class KvfitEngine(_Engine):
 
 class VllmEngine(_Engine):
     def __init__(self, model: str, group: dict):
-        from kvfit.catalog import model_config
         from vllm import LLM
-        folder = f"/tmp/vllm-cfg/{model}"
-        os.makedirs(folder, exist_ok=True)
-        with open(f"{folder}/config.json", "w") as fh:
-            json.dump({"torch_dtype": "bfloat16", **model_config(model)}, fh)
+        folder = model_folder(model, "vllm")
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
