@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import types
 
 import httpx
 import msgspec
@@ -21,6 +22,9 @@ from server_testing import openai_error, running_server
 from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
 from kvfit.errors import ConfigError, KvfitError
 from kvfit.server.core_process import EngineCoreClient
+from kvfit.sampling_params import SamplingParams
+from kvfit.server.engine_core import EngineCore
+from kvfit.server.protocol import APIError
 from kvfit.server.core_protocol import ENCODER, REPLY_DECODER, DeltaTracker, OutputAccumulator, OutputBatch
 
 
@@ -155,15 +159,33 @@ def test_killing_the_core_process_makes_health_and_requests_503():
 
 
 # EngineCore's admission, on the in-thread transport -------------------------------------------------
+class _FullEngine:
+    """An engine whose batch is full (2 of 2 slots) with 2 requests waiting."""
+
+    config = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_num_seqs=2))
+
+    def __init__(self):
+        self.added = []
+
+    def stats(self):
+        return {"kv_blocks_total": 64, "kv_blocks_free": 0, "kv_blocks_used": 64, "kv_blocks_cached": 0,
+                "token_capacity": 1024, "running": 2, "waiting": 2 + len(self.added)}
+
+    def add_request(self, prompt, params, request_id, strict_context=False, cache_salt=None):
+        self.added += [request_id] * params.n
+
+
 def test_n_samples_count_as_n_against_the_waiting_queue():
-    engine = FakeEngine(max_model_len=256, max_running=1, step_seconds=0.05)
-    with running_server(engine, max_waiting_requests=4) as (url, app):
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "n": 5},
-                       timeout=30)
-        assert r.status_code == 429, r.text      # 5 samples wait where 4 may
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1, "n": 4},
-                       timeout=30)
-        assert r.status_code == 200, r.text
+    engine = _FullEngine()
+    core = EngineCore(engine, max_waiting_requests=4)
+    with pytest.raises(APIError) as info:
+        core.add("a", [1, 2], SamplingParams(n=3))          # 2 waiting + 3 samples > 4
+    assert info.value.status == 429
+    assert core.add("b", [1, 2], SamplingParams(n=2)) == 2  # 2 + 2 fit
+    with pytest.raises(APIError) as info:
+        core.add("c", [1, 2], SamplingParams(n=7))          # can never be queued: 2 slots + 4 waiting
+    assert info.value.status == 400 and info.value.param == "n"
+    assert engine.added == ["b", "b"]
 
 
 def test_a_non_streamed_request_is_aborted_as_soon_as_its_client_leaves():
@@ -202,9 +224,9 @@ def test_health_answers_while_a_big_logprob_response_is_built():
         thread = threading.Thread(target=probe)
         thread.start()
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "Hi", "max_tokens": 200, "n": 40, "logprobs": 20})
+            "model": "tiny", "prompt": "Hi", "max_tokens": 100, "n": 10, "logprobs": 20})
         done.set()
         thread.join()
         assert r.status_code == 200, r.text
-        assert len(r.json()["choices"]) == 40
+        assert len(r.json()["choices"]) == 10
         assert max(latencies) < 1.0, max(latencies)

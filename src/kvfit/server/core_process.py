@@ -77,6 +77,7 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
     configure_logging(log_level)
     context = zmq.Context()
     commands, replies = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    _unbounded(commands, replies)
     commands.connect(commands_address)
     replies.connect(replies_address)
 
@@ -119,12 +120,14 @@ class _CoreLoop:
     def run(self) -> None:
         core = self.core
         while True:
-            added = [self._handle(command) for command in self._receive()]
-            added = [result for result in added if result is not None]
+            commands = self._receive()
+            added = [result for command in commands if (result := self._handle(command)) is not None]
             errors: list[tuple[str, ErrorInfo]] = []
             if self.closing or self.stopping:
                 errors += self._abort_all(shutting_down_error())
-            if added or errors:          # adds answered before the step: a slow step does not delay them
+            # adds answered before the step (a slow step does not delay them); after aborts alone too,
+            # so the stats the front-end shows count the freed blocks while the core sleeps
+            if commands or errors:
                 core.refresh()
                 self.send(OutputBatch(added, [], errors, core.stats))
                 added, errors = [], []
@@ -228,6 +231,7 @@ class EngineCoreClient(ServingEngine):
         folder = tempfile.mkdtemp(prefix="kvfit-core-")
         context = zmq.Context()
         commands, replies = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+        _unbounded(commands, replies)
         commands_address, replies_address = f"ipc://{folder}/commands", f"ipc://{folder}/replies"
         commands.bind(commands_address)
         replies.bind(replies_address)
@@ -300,9 +304,15 @@ class EngineCoreClient(ServingEngine):
         self._shutdown_prepare()
 
     def _send(self, message) -> None:
+        """Never blocks the event loop: queued without bound while the core is busy; dropped once the
+        core is gone (its death is reported by check_dead and the reader)."""
         with self._send_lock:
-            if not self._commands.closed:
-                self._commands.send(ENCODER.encode(message), copy=False)
+            if self._commands.closed:
+                return
+            try:
+                self._commands.send(ENCODER.encode(message), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.debug("the engine core process is not there to take %s", type(message).__name__)
 
     # reader thread -> loop -------------------------------------------------------------------------
     def _read(self) -> None:
@@ -368,6 +378,14 @@ class EngineCoreClient(ServingEngine):
         for stream, _ in self._streams.values():
             stream.queue.put_nowait(error)
         self._streams.clear()
+
+
+def _unbounded(*sockets: zmq.Socket) -> None:
+    """No high-water mark: a burst of adds while the core runs a long step waits in the queue (the
+    waiting queue's bound is --max-waiting-requests, enforced by the core), it never blocks a sender."""
+    for sock in sockets:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
 
 
 def _end_process(process, timeout: float) -> None:
