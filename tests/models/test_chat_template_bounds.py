@@ -50,10 +50,19 @@ def test_a_looping_template_is_stopped_at_its_cpu_budget(monkeypatch):
     ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", ["+"]),
     ("{{ ('a' * 100000)|replace('a', 'a' * 1000) }}", ["replace"]),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}" * 2, ["rendered chat"]),
+    ("{{ '{:>10000000000}'.format(1) }}", ["format width"]),
+    ("{{ '{a:>10000000000}'.format_map({'a': 1}) }}", ["format width"]),
+    ("{{ '%10000000000d' % 1 }}", ["format width"]),
+    ("{{ '%10000000000d'|format(1) }}", ["format width"]),
     ("{{ messages[0].content + 1 }}", ["TypeError"]),
 ])
 def test_what_used_to_be_a_500_or_a_hang_is_one_clear_line(source, words):
     _refused(source, *words)
+
+
+def test_ordinary_formatting_still_renders():
+    template = compile_chat_template("{{ '{0:>4}|{a}'.format(3, a='x') }}{{ '%3d' % 7 }}{{ 7 % 3 }}")
+    assert render_chat_template(template, MESSAGES, False, {}) == "   3|x  71"
 
 
 def test_chat_template_kwargs_cannot_shadow_helpers_and_self_is_a_plain_variable():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 import time
 from datetime import datetime
@@ -24,6 +25,7 @@ MAX_RENDERED_CHARS = 16 * 2**20       # output of one rendering (more than any -
 MAX_POWER_BITS = 4096                 # `x ** n` in a template: a result of at most this many bits
 _TEMPLATE_FILE = "<template>"         # the code file name of a template compiled from a string
 _STEPS_PER_CLOCK_READ = 1024
+_DIGIT_RUNS = re.compile(r"\d+")
 
 
 class TemplateBudgetError(Exception):
@@ -47,6 +49,15 @@ def _check_replace(text, old, new) -> None:
         _check_size("a replace", len(text) + (text.count(old) if old else len(text) + 1) * (len(new) - len(old)))
 
 
+def _check_format(fmt) -> None:
+    """A format string ('{:>N}', '%Nd') whose width or precision would build a value past MAX_RENDERED_CHARS."""
+    if isinstance(fmt, str):
+        for digits in _DIGIT_RUNS.findall(fmt):
+            if len(digits) > 8 or int(digits) > MAX_RENDERED_CHARS:
+                raise TemplateBudgetError(f"a format width of {digits[:20]} is past kvfit's limit of "
+                                          f"{MAX_RENDERED_CHARS}")
+
+
 def _check_result(what: str, value):
     if isinstance(value, (str, list, tuple)):
         _check_size(what, len(value))
@@ -60,6 +71,8 @@ def _bounded_filter(name: str, fn):
         _check_args(f"the filter {name}", values[1:], kwargs)
         if name == "replace" and len(values) == 3:
             _check_replace(*values)
+        if name == "format" and values:
+            _check_format(values[0])
         return _check_result(f"the filter {name}'s result", fn(*args, **kwargs))
     return bounded
 
@@ -107,12 +120,14 @@ def _environment():
             self.write("))")
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "+"})
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
         code_generator_class = BoundedCodeGenerator
         bounded_concat = staticmethod(_bounded_concat)
 
         def call_binop(self, context, operator, left, right):
-            if operator == "+":
+            if operator == "%":
+                _check_format(left)
+            elif operator == "+":
                 if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                     _check_size("a + concatenation", len(left) + len(right))
             elif operator == "*":
@@ -129,6 +144,10 @@ def _environment():
             _check_args(name, args, kwargs)
             if name == "replace" and isinstance(getattr(__obj, "__self__", None), str) and len(args) >= 2:
                 _check_replace(__obj.__self__, args[0], args[1])
+            # the sandbox hands str.format out wrapped (functools.update_wrapper keeps the method as __wrapped__)
+            method = getattr(__obj, "__wrapped__", __obj)
+            if name in ("format", "format_map") and isinstance(getattr(method, "__self__", None), str):
+                _check_format(method.__self__)
             return _check_result(f"{name}'s result", super().call(__context, __obj, *args, **kwargs))
 
     # an empty loader: {% include %} / {% import %} / {% extends %} find nothing (TemplateNotFound)
