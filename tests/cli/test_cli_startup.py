@@ -105,9 +105,9 @@ def test_a_long_cpu_start_is_announced(capsys, tiny_llama, monkeypatch):
     status = main(["generate", tiny_llama, "--prompt-token-ids", "5,6", "--max-tokens", "2", *CPU])
     err = capsys.readouterr().err
     assert status == 0, err
-    warning = next(line for line in err.splitlines() if line.startswith("warning: starting"))
+    warning = next(line for line in err.splitlines() if line.startswith("WARNING ") and "] starting " in line)
     assert "on the CPU will take about" in warning and "an estimate" in warning and "measured here" in warning
-    assert "kvfit: started in" in err
+    assert "[kvfit] started in" in err           # the log's one format (kvfit.server.logs)
 
 
 def test_progress_lines_until_the_engine_is_up(monkeypatch, tiny_llama):
@@ -120,7 +120,7 @@ def test_progress_lines_until_the_engine_is_up(monkeypatch, tiny_llama):
         while "still starting" not in stderr.getvalue() and time.monotonic() < deadline:
             time.sleep(0.01)
     lines = stderr.getvalue().splitlines()
-    assert lines[0] == "warning: slow"
-    assert any(line.startswith("kvfit: still starting,") and "of about 10 min 0 s (estimated)" in line
-               for line in lines)
-    assert lines[-1].startswith("kvfit: started in")
+    assert lines[0].startswith("WARNING ") and lines[0].endswith("[kvfit] slow")
+    assert any(line.startswith("INFO ") and "[kvfit] still starting," in line and
+               "of about 10 min 0 s (estimated)" in line for line in lines)
+    assert lines[-1].startswith("INFO ") and "[kvfit] started in" in lines[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -151,10 +152,18 @@ def _slow_start(config) -> tuple[float, str] | None:
                                 platform.resolve_config(config))
 
 
+def _notice(level: int, message: str) -> None:
+    """A start-up notice on stderr in the log's one format (kvfit.server.logs), shown whether or not
+    logging is configured (a notice the user waits on is never dropped)."""
+    from kvfit.server.logs import LOG_DATE_FORMAT, LOG_FORMAT
+    record = logging.LogRecord("kvfit", level, __file__, 0, message, None, None)
+    print(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT).format(record), file=sys.stderr, flush=True)
+
+
 def _progress(stop: threading.Event, start: float, seconds: float, every: float) -> None:
     while not stop.wait(every):
-        print(f"kvfit: still starting, {_duration(time.monotonic() - start)} of about {_duration(seconds)} "
-              "(estimated)", file=sys.stderr, flush=True)
+        _notice(logging.INFO, f"still starting, {_duration(time.monotonic() - start)} of about "
+                              f"{_duration(seconds)} (estimated)")
 
 
 @contextmanager
@@ -166,7 +175,7 @@ def engine_startup(config):
         yield
         return
     seconds, warning = notice
-    print(warning, file=sys.stderr, flush=True)
+    _notice(logging.WARNING, warning.removeprefix("warning: "))
     start, stop = time.monotonic(), threading.Event()
     ticker = threading.Thread(target=_progress, args=(stop, start, seconds, PROGRESS_EVERY_S), daemon=True,
                               name="kvfit-startup-progress")
@@ -176,4 +185,4 @@ def engine_startup(config):
     finally:
         stop.set()
         ticker.join()
-    print(f"kvfit: started in {_duration(time.monotonic() - start)}", file=sys.stderr, flush=True)
+    _notice(logging.INFO, f"started in {_duration(time.monotonic() - start)}")
