@@ -86,6 +86,7 @@ class Tally:
     def __init__(self):
         self.rows: dict[str, dict] = {}
         self.failures: list[str] = []
+        self.current = "start"           # the category being sent
 
     def add(self, cat: str, status, clean: bool, detail: str = ""):
         r = self.rows.setdefault(cat, {"n": 0, "clean": 0, "5xx": 0, "tb": 0, "codes": {}})
@@ -147,6 +148,93 @@ def start_server(model: str, workdir: str):
     return proc, url, err_path, lines
 
 
+class Probe:
+    """While the attacks run: /health every 50 ms and back-to-back streams, the worst wait of each and how many
+    waits passed STALL_S (issue 27: no stall over 100 ms); the server's memory (front end and core processes)
+    and its KV cache usage before and after."""
+
+    STALL_S = 0.1
+
+    def __init__(self, url: str, pid: int, tally: Tally):
+        self.url, self.pid, self.tally, self.stop = url, pid, tally, threading.Event()
+        self.stalls_by_category: dict[str, list[float]] = {}
+        self.waits = {"health": [0.0, 0, 0], "stream gap": [0.0, 0, 0]}    # worst, count over STALL_S, samples
+        self.threads = [threading.Thread(target=fn, daemon=True) for fn in (self._health, self._stream)]
+        self.rss_start = self.rss()
+
+    def rss(self) -> float:
+        """MiB resident in the server's process tree (Linux /proc)."""
+        children: dict[int, list[int]] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+        tree, frontier = {self.pid}, [self.pid]
+        while frontier:
+            kids = children.get(frontier.pop(), [])
+            tree.update(kids)
+            frontier.extend(kids)
+        total_kib = 0
+        for pid in tree:
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    total_kib += next((int(line.split()[1]) for line in fh if line.startswith("VmRSS:")), 0)
+            except OSError:
+                continue
+        return total_kib / 1024
+
+    def kv_usage(self) -> str:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return next((line.split()[-1] for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")), "?")
+
+    def _record(self, what: str, seconds: float) -> None:
+        entry = self.waits[what]
+        entry[0], entry[1], entry[2] = max(entry[0], seconds), entry[1] + (seconds > self.STALL_S), entry[2] + 1
+        if seconds > self.STALL_S:
+            self.stalls_by_category.setdefault(f"{what} in {self.tally.current}", []).append(seconds)
+
+    def _health(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                client.get("/health")
+                self._record("health", time.monotonic() - start)
+                self.stop.wait(0.05)
+
+    def _stream(self) -> None:
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=self.url, timeout=60, headers=AUTH) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:         # 429 while the queue is full: try again
+                        self.stop.wait(0.05)
+                        continue
+                    last = None
+                    for line in response.iter_lines():
+                        now = time.monotonic()
+                        if line.startswith("data: {") and last is not None:
+                            self._record("stream gap", now - last)
+                        last = now if line.startswith("data: {") else last
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> list[str]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+        lines = [f"{what}: worst {worst * 1000:.0f} ms, {slow} of {n} over {self.STALL_S * 1000:.0f} ms"
+                 for what, (worst, slow, n) in self.waits.items()]
+        lines += [f"  {where}: {len(waits)}, worst {max(waits) * 1000:.0f} ms"
+                  for where, waits in sorted(self.stalls_by_category.items(), key=lambda kv: -max(kv[1]))]
+        return lines + [f"server memory (front end + core): {self.rss_start:.0f} MiB before the attacks, "
+                        f"{self.rss():.0f} MiB after; KV cache usage after: {self.kv_usage()}"]
+
+
 def log_tracebacks(err_path: str, start: int) -> tuple[int, str]:
     text = open(err_path, errors="replace").read()
     new = text[start:]
@@ -161,6 +249,7 @@ def run_http(url: str, err_path: str, tally: Tally, rng: random.Random):
     def send(cat, method, path, *, content=None, headers=None, ok=(400, 401, 403, 404, 405, 411, 413, 415, 422),
              json_body=None):
         pos = os.path.getsize(err_path)
+        tally.current = cat              # the probe names the category a stall happened in
         h = dict(J) if headers is None else headers
         try:
             if json_body is not None:
@@ -290,6 +379,7 @@ def run_http(url: str, err_path: str, tally: Tally, rng: random.Random):
     # streaming closed mid-stream
     for i in range(15):
         pos = os.path.getsize(err_path)
+        tally.current = "stream closed early"
         path = C if i % 2 else CH
         body = (dict(good, max_tokens=60, stream=True, ignore_eos=True) if path == C else
                 {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
@@ -439,8 +529,11 @@ def main():
     tally = Tally()
     proc, url, err_path, out_lines = start_server(model, root)
     try:
+        probe = Probe(url, proc.pid, tally)
+        probe.start()
         run_http(url, err_path, tally, rng)
         health_ok = httpx.get(url + "/health", timeout=10).status_code == 200
+        probe_lines = probe.finish()
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -464,6 +557,7 @@ def main():
         lines.append(f"{cat:<26} {r['n']:>6} {r['clean']:>6} {r['5xx']:>4} {r['tb']:>10}  {codes}")
     lines += ["-" * len(hdr), f"{'TOTAL':<26} {tot['n']:>6} {tot['clean']:>6} {tot['5xx']:>4} {tot['tb']:>10}", "",
               f"server log tracebacks total: {server_tb}; /health 200 at end: {health_ok}; serve exit after SIGTERM: {rc}",
+              *probe_lines,
               "", f"not handled cleanly ({len(tally.failures)} shown):"]
     lines += ["  " + f for f in tally.failures] or ["  none"]
     if server_tb:
