@@ -195,8 +195,7 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     """Flags that shape the KV plan (shared by plan, generate, serve, profile)."""
     p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
                    help="fraction of GPU memory that may be in use while serving (GPU only: refused on the CPU, "
-                        "whose KV cache takes 25%% of the available RAM unless --kv-cache-memory sizes it; "
-                        "default: 0.9)")
+                        "whose KV cache takes 25%% of the available RAM unless --kv-cache-memory sizes it)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_flag, default=None,
                    help="ranks the model is split over, one device each")
     p.add_argument("--block-size", type=int_flag, default=None, help="tokens per KV block (a power of two)")
