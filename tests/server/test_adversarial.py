@@ -244,9 +244,6 @@ def _gauge(server, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
-@pytest.mark.xfail(strict=False, reason="the lead's part: the client's leaving aborts the request at once (the log "
-                   "says so and generation stops), but the core's stats, and so /metrics and the queue's room, keep "
-                   "the aborted samples as running/waiting until the next step")
 def test_a_non_streamed_request_stops_when_its_client_leaves(server):
     # (4): n = 60 samples of 120 tokens; the client gives up after 1 s and the work stops at once
     body = {**GOOD, "n": 60, "max_tokens": 120, "ignore_eos": True}
