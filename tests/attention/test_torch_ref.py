@@ -30,7 +30,9 @@ def run(q_lens, ctx_lens, num_heads, seed=0):
     v_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=gen)
     k_cache[0], v_cache[0] = float("nan"), float("nan")      # block 0 is no sequence's: padding may read, not use it
     width = max(-(-n // BLOCK) for n in ctx_lens)
-    table = torch.zeros(len(ctx_lens), width, dtype=torch.int32)
+    # columns past a sequence's own blocks hold stale ids, even ids past this cache (the profile's scratch
+    # cache was larger): they must never be read
+    table = torch.full((len(ctx_lens), width), num_blocks + 5, dtype=torch.int32)
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1            # scattered, never in order
     used = 0
     for i, n in enumerate(ctx_lens):

@@ -38,7 +38,7 @@ class TorchReferenceBackend(AttentionBackend):
         if num_seqs * max_ctx * max(num_heads * max_q, num_kv_heads * head_dim) <= MAX_SCORE_ELEMENTS:
             # every sequence in one padded call (decode steps, the profile's widest step)
             q = _padded_queries(query, starts, q_lens, max_q)                          # [B, Lmax, Hq, D]
-            k, v = _gather_kv(k_cache, v_cache, meta.block_tables[:num_seqs], max_ctx)   # [B, Smax, Hkv, D]
+            k, v = _gather_kv(k_cache, v_cache, meta.block_tables[:num_seqs], max_ctx, lens)   # [B, Smax, Hkv, D]
             # a shorter sequence's padding holds whatever its blocks (or block 0) held, NaN included: a
             # masked key still multiplies its value by 0, so it must be a number
             pad = torch.arange(max_ctx, device=query.device)[None, :] >= torch.tensor(lens, device=query.device)[:, None]
@@ -67,10 +67,15 @@ class TorchReferenceBackend(AttentionBackend):
 MAX_SCORE_ELEMENTS = 1 << 26
 
 
-def _gather_kv(k_cache, v_cache, block_tables, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # block_tables: [B, W] int32 -> K, V [B, max_ctx, Hkv, D] fp32 (past a sequence's length: padding)
+def _gather_kv(k_cache, v_cache, block_tables, max_ctx: int, ctx_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_tables: [B, W] int32 -> K, V [B, max_ctx, Hkv, D] fp32 (past a sequence's length: padding).
+    # ctx_lens (host ints): a table column past a sequence's own blocks holds a stale id (an earlier request's,
+    # or the profile's larger scratch cache's), read as block 0 instead
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     blocks = block_tables[:, :-(-max_ctx // block_size)].long()                  # [B, nb]
+    if ctx_lens is not None:
+        own = torch.tensor([-(-n // block_size) for n in ctx_lens], device=blocks.device)
+        blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=blocks.device)[None, :] >= own[:, None], 0)
     shape = (blocks.shape[0], -1, num_kv_heads, head_dim)
     return (k_cache[blocks].reshape(shape)[:, :max_ctx].float(), v_cache[blocks].reshape(shape)[:, :max_ctx].float())
 
