@@ -230,3 +230,25 @@ def test_health_answers_while_a_big_logprob_response_is_built():
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 10
         assert max(latencies) < 1.0, max(latencies)
+
+
+def test_a_wedged_core_is_reported_dead_and_its_requests_end():
+    """A core that sends nothing while requests wait (a step that never returns) is dead to /health
+    (which `kvfit serve` polls every 0.1 s), and the requests waiting on it get the 503."""
+    client = launch(functools.partial(FakeEngine, step_seconds=5.0))
+    client.stall_timeout_s = 1.0
+    try:
+        with running_server(client) as (url, app):
+            replies = []
+            thread = threading.Thread(target=lambda: replies.append(httpx.post(
+                f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=30)))
+            thread.start()
+            deadline = time.monotonic() + 4
+            while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+                assert time.monotonic() < deadline, "the wedged core went unnoticed"
+                time.sleep(0.1)
+            assert "wedged" in openai_error(health)["message"]
+            thread.join()
+            assert replies[0].status_code == 503 and openai_error(replies[0])["code"] == "engine_dead"
+    finally:
+        client.stop()

@@ -50,6 +50,9 @@ from kvfit.server.protocol import APIError
 logger = logging.getLogger("kvfit")
 
 IDLE_POLL_MS = 500                # an idle core checks its parent is alive this often
+# a core with requests to run that sends nothing for this long is wedged: /health says so and the
+# server exits 1 (a supervisor restarts it); far above any one step (a CPU prefill chunk, a graph capture)
+DEFAULT_STALL_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0             # after a stop, how long the core gets to exit before it is killed
 _PR_SET_PDEATHSIG = 1
 
@@ -221,11 +224,14 @@ class EngineCoreClient(ServingEngine):
         self._pending: dict[str, _Add] = {}                     # adds sent, not yet answered (loop only)
         self._streams: dict[str, tuple[RequestStream, OutputAccumulator]] = {}   # loop only
         self._stopped = False
+        self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+        self._last_message = time.monotonic()               # when the core last sent anything (reader)
         self._reader = threading.Thread(target=self._read, name="kvfit-core-reader", daemon=True)
 
     @classmethod
     def launch(cls, factory, *, tokenizer, generation_config, model_folder: str | None,
-               max_waiting_requests: int, log_level: str = "info") -> "EngineCoreClient":
+               max_waiting_requests: int, log_level: str = "info",
+               stall_timeout_s: float | None = None) -> "EngineCoreClient":
         """Spawn the engine core process, wait for its start-up; raises ConfigError/KvfitError with its
         reason when it cannot start."""
         folder = tempfile.mkdtemp(prefix="kvfit-core-")
@@ -245,7 +251,10 @@ class EngineCoreClient(ServingEngine):
             _end_process(process, 0)
             _close(context, [commands, replies], folder)
             raise
-        return cls(process, context, commands, replies, folder, first, tokenizer, generation_config, model_folder)
+        client = cls(process, context, commands, replies, folder, first, tokenizer, generation_config, model_folder)
+        if stall_timeout_s is not None:
+            client.stall_timeout_s = stall_timeout_s
+        return client
 
     @staticmethod
     def _wait_for_start(process, replies: zmq.Socket) -> Ready:
@@ -266,8 +275,15 @@ class EngineCoreClient(ServingEngine):
         self._reader.start()
 
     def check_dead(self) -> str | None:
-        if self.dead_reason is None and not self._stopped and not self._process.is_alive():
-            self.dead_reason = f"the engine core process exited (exit code {self._process.exitcode})"
+        """Why the core cannot serve: it said so, its process is gone, or it is wedged (requests wait and
+        it has sent nothing for stall_timeout_s: one step never takes that long)."""
+        if self.dead_reason is None and not self._stopped:
+            if not self._process.is_alive():
+                self.dead_reason = f"the engine core process exited (exit code {self._process.exitcode})"
+            elif (self._pending or self._streams) and time.monotonic() - self._last_message > self.stall_timeout_s:
+                self.dead_reason = (f"the engine core sent nothing for {self.stall_timeout_s:.0f} s while requests "
+                                    "waited (wedged)")
+                self._fail_everything(self.dead_reason)
         return self.dead_reason
 
     def stats(self) -> dict:
@@ -326,6 +342,7 @@ class EngineCoreClient(ServingEngine):
                         return
                     continue
                 message = REPLY_DECODER.decode(self._replies.recv(copy=False))
+                self._last_message = time.monotonic()
             except zmq.ZMQError:           # closed by stop()
                 return
             self._call_on_loop(self._dispatch, message, time.monotonic())
