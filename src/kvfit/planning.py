@@ -57,3 +57,16 @@ def persistent_batch_bytes(max_num_seqs: int, max_blocks_per_seq: int, vocab_siz
     table = max_num_seqs * max_blocks_per_seq * BLOCK_ID_BYTES
     sampling = max_num_seqs * (SAMPLING_ROW_BYTES + 4 * vocab_size) if with_sampling else 0
     return table + sampling
+
+
+# Logits sampled at once (runner/sampling_state.py samples in chunks of these rows). The sampler's temporaries
+# (an edited fp32 copy, fp32 scaled logits, a sort's values and int64 indices, softmax and cumsum, the hash
+# state, fp32 noise: about 40 bytes a logit) are [rows, V]; a step of more rows runs in chunks, so its peak is
+# that of 2^22 logits (32 rows of a 131,072-id vocabulary, about 170 MB) whatever max_num_seqs is, instead of
+# 1.3 GB at 256 rows x 151,936 ids (issue 32 (1)). The capacity estimate counts this many rows' temporaries.
+MAX_SAMPLER_LOGITS = 1 << 22
+
+
+def sampler_chunk_rows(vocab_size: int) -> int:
+    """Rows sample_step runs at once (the capacity estimate counts this many rows' temporaries)."""
+    return max(1, MAX_SAMPLER_LOGITS // vocab_size)

@@ -29,7 +29,7 @@ def activation_peak(max_num_seqs: int) -> tuple[int, int]:
 
 
 def test_the_peak_grows_by_the_rows_not_by_the_sampler_temporaries():
-    from kvfit.runner.sampling_state import sampler_chunk_rows
+    from kvfit.planning import sampler_chunk_rows
     small, vocab = activation_peak(32)
     large, _ = activation_peak(256)
     extra_rows = 256 - 32

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.runner import sampling_state
+from kvfit import planning
 from kvfit.runner.logits_processing import RowExtras
-from kvfit.runner.sampling_state import SamplingState, sampler_chunk_rows
+from kvfit.planning import sampler_chunk_rows
+from kvfit.runner.sampling_state import SamplingState
 from kvfit.sampling_params import SamplingParams
 from kvfit.structured.bitmask import bitmask_words
 
@@ -23,7 +24,7 @@ MASKED = [1, 4, 5, 9]                              # positions with a grammar bi
 
 
 def run(monkeypatch, max_logits: int):
-    monkeypatch.setattr(sampling_state, "MAX_SAMPLER_LOGITS", max_logits)
+    monkeypatch.setattr(planning, "MAX_SAMPLER_LOGITS", max_logits)
     n = len(PARAMS)
     state = SamplingState(n + 2, V, torch.device("cpu"))
     rows = [n + 1, 0, 3, 2, 5, 4, 7, 6, 9, 8]      # persistent rows out of order
@@ -55,5 +56,5 @@ def test_chunked_sampler_equals_one_pass(monkeypatch):
 
 
 def test_chunk_rows_bound_the_temporaries():
-    assert sampler_chunk_rows(151_936) * 151_936 <= sampling_state.MAX_SAMPLER_LOGITS
+    assert sampler_chunk_rows(151_936) * 151_936 <= planning.MAX_SAMPLER_LOGITS
     assert sampler_chunk_rows(10 ** 8) == 1

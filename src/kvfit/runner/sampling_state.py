@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from kvfit.planning import persistent_batch_bytes
+from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows
 from kvfit.runner.logits_processing import (PROMPT_BIT, RowEdits, RowExtras, StepEdits, apply_edits,
                                             apply_penalties, pack_logprobs, row_edits, top_logprobs)
 from kvfit.sampling_params import SamplingParams
@@ -54,16 +54,6 @@ _MIX2 = _signed(0x94D049BB133111EB)
 _UNIFORM_BITS = 23      # u = (j + 0.5) / 2^23: exact in fp32 and strictly inside (0, 1), so -log(u) > 0
 # When every filtering row sets a top-k no larger than this, a top-k of the largest k replaces the full sort.
 MAX_TOPK_CANDIDATES = 4096
-# Logits sampled at once. The sampler's temporaries (an edited fp32 copy, fp32 scaled logits, a sort's values
-# and int64 indices, softmax and cumsum, the hash state, fp32 noise: about 40 bytes a logit) are [rows, V]; a
-# step of more rows runs in chunks, so its peak is that of 2^22 logits (32 rows of a 131,072-id vocabulary,
-# about 170 MB) whatever max_num_seqs is, instead of 1.3 GB at 256 rows x 151,936 ids (issue 32 (1)).
-MAX_SAMPLER_LOGITS = 1 << 22
-
-
-def sampler_chunk_rows(vocab_size: int) -> int:
-    """Rows sample_step runs at once (the capacity estimate counts this many rows' temporaries)."""
-    return max(1, MAX_SAMPLER_LOGITS // vocab_size)
 
 
 def sampling_state_bytes(max_num_rows: int, vocab_size: int) -> int:
