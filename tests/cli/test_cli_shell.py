@@ -66,7 +66,7 @@ def test_help_shows_every_default(command):
     sub = _subparsers()[command]
     formatter = sub._get_formatter()
     for action in sub._actions:
-        if not action.option_strings or action.default is argparse.SUPPRESS:   # MODEL, --help
+        if not action.option_strings or argparse.SUPPRESS in (action.default, action.help):   # MODEL, --help, hidden
             continue
         text = formatter._expand_help(action) if action.help is not None else ""
         assert "default" in text, f"kvfit {command} {action.option_strings[0]}: no default in {text!r}"

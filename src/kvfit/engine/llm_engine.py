@@ -24,6 +24,7 @@ from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.startup import start_engine
 from kvfit.errors import ConfigError, KvfitError, RequestError
 from kvfit.kv.manager import KVCacheManager
+from kvfit.model_facts import load_model_facts
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
 from kvfit.step import NONFINITE_TOKEN, SampledTokens, StepDelta
@@ -39,6 +40,9 @@ class LLMEngine:
         # vLLM's get_diff_sampling_param: what a request (or LLM.generate without params) does not set;
         # read before the engine starts, so a bad file fails fast
         self.default_sampling_params = _generation_defaults(config)
+        # the folder's tokenizer and eos ids too: a broken file is one error line before any weight loads
+        tokenizer = _load_tokenizer(config.model.model)
+        eos_token_ids = _eos_ids(config.model.model, load_model_facts(config.model.model, config.model.quantization))
         started = start_engine(config)
         self.config = config = started.config        # with the platform's defaults filled in
         self.facts, self.platform, self.spec, self.limits = started.facts, started.platform, started.spec, started.limits
@@ -52,9 +56,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, self.spec.block_size)
         self.scheduler = Scheduler(self.kv, self.limits.max_model_len, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens)
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids
         self._ids = itertools.count()
         self._parents: dict[str, ParentRequest] = {}     # n > 1 requests by id
         self._structured_outputs = None
@@ -63,18 +67,6 @@ class LLMEngine:
     @property
     def device_name(self) -> str:
         return self.platform.name
-
-    def _load_tokenizer(self):
-        path = self.config.model.model
-        if not os.path.isdir(path):
-            return None
-        from kvfit.models.tokenizer import load_tokenizer
-        return load_tokenizer(path)
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        from kvfit.models.loader import load_generation_eos
-        path = self.config.model.model
-        return tuple(load_generation_eos(path if os.path.isdir(path) else None, self.facts))
 
     @property
     def max_model_len(self) -> int:
@@ -378,6 +370,18 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self._shut_down:
             raise KvfitError("this engine was shut down (its memory given back); create a new one to generate again")
+
+
+def _load_tokenizer(path: str):
+    if not os.path.isdir(path):
+        return None
+    from kvfit.models.tokenizer import load_tokenizer
+    return load_tokenizer(path)
+
+
+def _eos_ids(path: str, facts) -> tuple[int, ...]:
+    from kvfit.models.loader import load_generation_eos
+    return tuple(load_generation_eos(path if os.path.isdir(path) else None, facts))
 
 
 def _generation_defaults(config: EngineConfig) -> dict:

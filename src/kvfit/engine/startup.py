@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from kvfit.attention.registry import get_backend
 from kvfit.config import EngineConfig
-from kvfit.errors import ConfigError
+from kvfit.errors import CapacityError, ConfigError
 from kvfit.kv.plan import KVPlan, MemoryReading, PlanLimits, plan_kv_cache
 from kvfit.kv.report import write_plan_json
 from kvfit.kv.spec import KVSpec
@@ -91,6 +91,18 @@ def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
             f"shard{'s' if len(files) > 1 else ''}, run in {dtype}{ranks}")
 
 
+def _check_weights_can_fit(config: EngineConfig, facts: ModelFacts, platform) -> None:
+    """Weights that could not fit a rank's device at one byte a parameter: one error line before loading
+    (the loader's own check catches the rest when an allocation fails)."""
+    total = platform.total_device_bytes()
+    tp_size = config.parallel.tensor_parallel_size
+    if total is not None and facts.num_params // tp_size > total:
+        raise CapacityError(
+            f"the weights do not fit: {facts.num_params:,} parameters need at least {gib(facts.num_params // tp_size)} "
+            f"per rank, more than the {gib(total)} of {platform.torch_device()}; use a larger device, --tensor-parallel-size "
+            "or a smaller model")
+
+
 def start_engine(config: EngineConfig) -> StartedEngine:
     """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down."""
     facts = load_model_facts(config.model.model, config.model.quantization)
@@ -104,6 +116,10 @@ def start_engine(config: EngineConfig) -> StartedEngine:
     num_steps = scheduler_steps(config, platform)
     use_async = async_scheduling(config)
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)
+    if config.parallel.tensor_parallel_size > 1:    # too few devices: one error line before the loading line
+        from kvfit.runner.tp_executor import check_world
+        check_world(config.parallel.tensor_parallel_size, platform, facts)
+    _check_weights_can_fit(config, facts, platform)
     logger.info(loading_line(config, facts))
     started = time.monotonic()
     executor = _make_executor(config, facts, platform, backend, spec)

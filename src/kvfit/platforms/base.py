@@ -81,6 +81,10 @@ class Platform:
         """Free device memory now, where the device reports it (None: it does not)."""
         return None
 
+    def total_device_bytes(self) -> int | None:
+        """The device's whole memory, where it reports it (None: it does not)."""
+        return None
+
     def measure(self, steps: StartupSteps, cache: CacheConfig) -> MemoryReading:
         raise NotImplementedError
 

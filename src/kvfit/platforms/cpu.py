@@ -65,6 +65,9 @@ class CpuPlatform(Platform):
             return len(os.sched_getaffinity(0))
         return os.cpu_count() or 1
 
+    def total_device_bytes(self) -> int | None:
+        return read_meminfo()[0] or None
+
     def torch_device(self):
         import torch
         return torch.device("cpu")

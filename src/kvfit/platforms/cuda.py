@@ -71,6 +71,9 @@ class CudaPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(self.device)
         return free
 
+    def total_device_bytes(self) -> int | None:
+        return torch.cuda.mem_get_info(self.device)[1]
+
     def _used_bytes(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free, total

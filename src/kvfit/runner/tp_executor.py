@@ -296,7 +296,7 @@ class _Ranks:
             dist.broadcast_object_list([_STOP], src=0, group=self.control)
 
 
-def _check_world(world: int, platform, facts) -> None:
+def check_world(world: int, platform, facts) -> None:
     """One-line ConfigErrors before anything starts: too few devices, heads that do not split."""
     from kvfit.models.parallel import check_tensor_parallel
     from kvfit.models.registry import is_runnable
@@ -339,7 +339,7 @@ class TensorParallelWorkers:
 
     def __init__(self, config, facts, platform, backend, spec):
         world = config.parallel.tensor_parallel_size
-        _check_world(world, platform, facts)
+        check_world(world, platform, facts)
         self.hooks = [RankHooks.for_rank(config.parallel, rank) for rank in range(world)]
         device = platform.name
         launch_args = dict(device_type=device, timeout_s=config.parallel.tp_timeout_s,
