@@ -23,7 +23,8 @@ LAYERS = {
     "kv": 3,
     "config": 4,
     "structured_params": 4,              # StructuredOutputsParams, held by sampling_params
-    "planning": 5, "sampling_params": 5,
+    "sampling_params": 5,
+    "planning": 6,                       # reads sampling_params (the prompt-logprobs slice bound)
     "step": 6,
     "attention": 7,
     "models": 8,

@@ -10,6 +10,7 @@ from kvfit.errors import ConfigError
 from kvfit.kv.plan import PlanLimits
 from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
+from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 
 
 def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int:
@@ -65,6 +66,13 @@ def persistent_batch_bytes(max_num_seqs: int, max_blocks_per_seq: int, vocab_siz
 # that of 2^22 logits (32 rows of a 131,072-id vocabulary, about 170 MB) whatever max_num_seqs is, instead of
 # 1.3 GB at 256 rows x 151,936 ids (issue 32 (1)). The capacity estimate counts this many rows' temporaries.
 MAX_SAMPLER_LOGITS = 1 << 22
+
+
+def prompt_logprobs_slice(vocab_size: int) -> int:
+    """Positions whose prompt logprobs are computed at once: their logits stay within the sampler's bound
+    (MAX_SAMPLER_LOGITS), at most PROMPT_LOGPROBS_SLICE. The start-up profile runs one such slice, so the
+    reserve for a prompt-logprobs request no longer grows to 256 positions of a whole vocabulary."""
+    return max(1, min(PROMPT_LOGPROBS_SLICE, MAX_SAMPLER_LOGITS // vocab_size))
 
 
 def sampler_chunk_rows(vocab_size: int) -> int:

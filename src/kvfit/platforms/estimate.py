@@ -11,8 +11,7 @@ from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts
 from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
-from kvfit.planning import persistent_batch_bytes
-from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
+from kvfit.planning import persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
 from kvfit.units import MiB, gib
 
 # CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
@@ -30,7 +29,7 @@ CUDA_GRAPH_BYTES = 64 * MiB
 # edited first (penalties, logit_bias, bad words, min_tokens, a grammar bitmask) keep an fp32 edited copy
 # beside them: 4 more (estimated from the code, not yet measured; logprobs keep only [rows] values alive).
 LOGIT_BYTES = 2 + 4 + 36
-# prompt_logprobs: PROMPT_LOGPROBS_SLICE positions of logits at a time: the LM head's output (2), its fp32
+# prompt_logprobs: planning.prompt_logprobs_slice positions of logits at a time: the LM head's output (2), its fp32
 # copy and logsumexp's temporary (8), top-k and the rank's comparison (about 4); estimated.
 PROMPT_LOGIT_BYTES = 2 + 12
 
@@ -60,8 +59,11 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     # the MLP is the peak: gate, up and act(gate) * up of every token, beside the residual stream
     # and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b)
     per_token = 2 * facts.hidden_size + 3 * inter // tp
-    logits = max(min(sched.max_num_seqs, tokens) * LOGIT_BYTES,
-                 min(PROMPT_LOGPROBS_SLICE, tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
+    # the LM head's logits of every row (2 bytes each); the sampler's fp32 copies and temporaries exist
+    # for one chunk of rows at a time (sample_step runs sampler_chunk_rows rows at once)
+    rows = min(sched.max_num_seqs, tokens)
+    sampled = rows * 2 + min(rows, sampler_chunk_rows(facts.vocab_size)) * (LOGIT_BYTES - 2)
+    logits = max(sampled, min(prompt_logprobs_slice(facts.vocab_size), tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
     # FP8 GEMMs quantize their input first: an fp32 copy and the fp8 values beside it, at the widest input
     scratch = 0
     if facts.quantization is not None:

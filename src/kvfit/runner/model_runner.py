@@ -14,7 +14,7 @@ import torch
 from kvfit.config import EngineConfig
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
-from kvfit.planning import resolve_max_logprobs, resolve_max_model_len
+from kvfit.planning import prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
@@ -28,7 +28,7 @@ from kvfit.step import NewRequest, SampledTokens, StepDelta
 # The sampler's most expensive rows, for the profile: seeded (hashed noise) with top-p and no top-k
 # (a full sort of the vocabulary), min_p, every penalty (the edited fp32 copy and the counts' temporaries),
 # a logit bias, the most top-k logprobs (--max-logprobs: profile_sampling), prompt logprobs
-# (PROMPT_LOGPROBS_SLICE positions of logits at a time) and a grammar bitmask on every row (_profile_delta).
+# (planning.prompt_logprobs_slice positions of logits at a time) and a grammar bitmask on every row (_profile_delta).
 # Every row of the profiled steps uses them, so enabling any of them never takes more than the measured
 # activation peak.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0, min_p=0.01, repetition_penalty=1.1,
@@ -295,7 +295,7 @@ class ModelRunner:
         if not jobs:
             return dict
         return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0,
-                                       to_host=_to_host)
+                                       to_host=_to_host, slice_positions=prompt_logprobs_slice(self.facts.vocab_size))
 
     def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> Callable[[], SampledTokens]:
         """Launch an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled

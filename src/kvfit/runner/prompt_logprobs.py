@@ -29,17 +29,19 @@ def prompt_logprob_positions(num_computed: int, num_scheduled: int, num_prompt_t
 def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             jobs: list[tuple[str, int, int, int, list[int], int]], keep: bool,
                             to_host: Callable[[torch.Tensor], torch.Tensor],
+                            slice_positions: int = PROMPT_LOGPROBS_SLICE,
                             ) -> Callable[[], dict[str, tuple[int, list[TokenLogprobs]]]]:
     """jobs: (request_id, first hidden row, first position, count, the request's token ids, k).
 
     Launches the work and returns what reads it: {request_id: (first target position, entries)} where the
     entry for target position t = p + 1 is prompt token t given tokens < t; {} when not keep (ranks other
-    than 0 compute logits only). to_host starts the one device-to-host copy (the runner's: pinned, not
+    than 0 compute logits only); slice_positions: positions whose logits exist at once (planning.
+    prompt_logprobs_slice). to_host starts the one device-to-host copy (the runner's: pinned, not
     blocking); the reader must run after it has landed."""
     packed, spans = [], []
     for request_id, row, first, count, token_ids, k in jobs:
-        for start in range(0, count, PROMPT_LOGPROBS_SLICE):
-            n = min(PROMPT_LOGPROBS_SLICE, count - start)
+        for start in range(0, count, slice_positions):
+            n = min(slice_positions, count - start)
             logits = compute_logits(hidden[row + start:row + start + n])                 # [n, V]
             if not keep:
                 continue
