@@ -252,3 +252,28 @@ def test_a_wedged_core_is_reported_dead_and_its_requests_end():
             assert replies[0].status_code == 503 and openai_error(replies[0])["code"] == "engine_dead"
     finally:
         client.stop()
+
+
+def test_requests_after_an_idle_spell_longer_than_the_stall_limit_are_not_a_wedged_core():
+    """The stall clock runs from when requests start waiting, not from the core's last message: two
+    requests arriving together after a quiet spell (the first's AddResult not back yet when the second
+    comes) are served, and the core stays healthy."""
+    client = launch(functools.partial(FakeEngine, step_seconds=0.0))
+    client.stall_timeout_s = 0.3
+    try:
+        async def burst_after_idle():
+            client.start(asyncio.get_running_loop())
+            await asyncio.sleep(0.6)                # idle: the core has nothing to say
+            streams = await asyncio.gather(*[client.add(f"r{i}", [104, 105], SamplingParams(max_tokens=2))
+                                             for i in range(2)])
+            outputs = []
+            for stream in streams:
+                output = None
+                while output is None or not output.finished:
+                    output = await stream.next(timeout=5)
+                outputs.append(output.outputs[0].text)
+            return outputs
+        assert asyncio.run(burst_after_idle()) == ["ab", "ab"]
+        assert client.check_dead() is None
+    finally:
+        client.stop()

@@ -226,6 +226,7 @@ class EngineCoreClient(ServingEngine):
         self._stopped = False
         self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
         self._last_message = time.monotonic()               # when the core last sent anything (reader)
+        self._waiting_since = self._last_message            # when requests last began to wait on an idle core
         self._reader = threading.Thread(target=self._read, name="kvfit-core-reader", daemon=True)
 
     @classmethod
@@ -280,7 +281,8 @@ class EngineCoreClient(ServingEngine):
         if self.dead_reason is None and not self._stopped:
             if not self._process.is_alive():
                 self.dead_reason = f"the engine core process exited (exit code {self._process.exitcode})"
-            elif (self._pending or self._streams) and time.monotonic() - self._last_message > self.stall_timeout_s:
+            elif ((self._pending or self._streams)
+                  and time.monotonic() - max(self._last_message, self._waiting_since) > self.stall_timeout_s):
                 self.dead_reason = (f"the engine core sent nothing for {self.stall_timeout_s:.0f} s while requests "
                                     "waited (wedged)")
                 self._fail_everything(self.dead_reason)
@@ -292,6 +294,8 @@ class EngineCoreClient(ServingEngine):
     def _submit_add(self, command: _Add) -> None:
         if (error := self.health()) is not None:
             raise error
+        if not (self._pending or self._streams):     # the stall clock starts now, not at the core's last word
+            self._waiting_since = time.monotonic()
         self._pending[command.request_id] = command
         self._send(AddCommand(command.request_id, command.prompt_ids, pickle.dumps(command.params),
                               command.max_tokens_given, command.cache_salt))
