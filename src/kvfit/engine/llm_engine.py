@@ -16,6 +16,7 @@ import os
 from kvfit.config import EngineConfig
 from kvfit.engine.admission import bad_words_token_ids, check_cache_salt, check_request
 from kvfit.planning import resolve_max_logprobs
+from kvfit.engine.headroom import HeadroomWatch
 from kvfit.engine.output import RequestOutput
 from kvfit.engine.output_processor import OutputProcessor
 from kvfit.engine.parallel_sampling import ParentRequest, child_request_id
@@ -56,6 +57,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, self.spec.block_size)
         self.scheduler = Scheduler(self.kv, self.limits.max_model_len, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens)
+        # memory outside the plan growing while serving slows admission before an out-of-memory
+        self.headroom = HeadroomWatch(self.platform.free_device_bytes, self.platform.total_device_bytes())
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids
@@ -236,6 +239,7 @@ class LLMEngine:
                 self.outputs.add_prompt_logprobs(req, first, entries)
         for k in range(delta.max_num_steps):
             self._apply(delta, tokens, k, stream, outputs)
+        self.scheduler.admission_paused = self.headroom.after_step()
         return self._fold_samples(outputs, stream)
 
     def _launch_and_read(self) -> tuple[StepDelta, SampledTokens] | None:
@@ -358,7 +362,9 @@ class LLMEngine:
                 # a request being prepared (grammar, bad words) is waiting too
                 "waiting": len(sched.waiting) + len(sched.preparing), "preparing": len(sched.preparing),
                 "preemptions": sched.num_preemptions,
-                "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits}
+                "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits,
+                # free device memory at the last check (None: the platform cannot say); admission_paused: too little
+                "device_headroom_bytes": self.headroom.headroom_bytes, "admission_paused": self.headroom.paused}
 
     def shutdown(self) -> None:
         """Stop the workers and give their device memory back; the engine serves nothing after it."""

@@ -49,6 +49,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
+        # set by the engine while device memory outside the plan is short (engine/headroom.py): no new
+        # request is admitted while another runs
+        self.admission_paused = False
         self.running: list[Request] = []
         # added, not yet schedulable: their grammar or bad words are prepared off the engine thread
         # (vLLM's WAITING_FOR_FSM); the engine releases them to `waiting` in arrival order, or ends them
@@ -236,6 +239,8 @@ class Scheduler:
         needs the host's grammar state) and at one whose id the step in flight holds (an ended request's id
         used again: applying that step must not find the new request running under it)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.admission_paused and self.running:    # low device headroom: the running ones finish first
+                break
             req = self.waiting[0]
             if in_flight is not None and (req.single_step or req.request_id in in_flight):
                 break

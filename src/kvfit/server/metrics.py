@@ -80,6 +80,12 @@ class _EngineCollector:
                                 "(preempted ones included)", value=s["waiting"])
         yield CounterMetricFamily("kvfit_preemptions", "running requests preempted (recomputed later) "
                                   "because no block was free", value=s["preemptions"])
+        if s.get("device_headroom_bytes") is not None:     # platforms that report free device memory
+            yield GaugeMetricFamily("kvfit:device_headroom_bytes", "free device memory at the last check; under "
+                                    "the low mark new requests wait while others run (engine/headroom.py)",
+                                    value=s["device_headroom_bytes"])
+            yield GaugeMetricFamily("kvfit:admission_paused", "1 while low device headroom holds new requests back",
+                                    value=float(bool(s.get("admission_paused"))))
         queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
         if not self._exact_prefix_cache:
             yield GaugeMetricFamily("kvfit_prefix_cache_hit_rate", "share of prompt tokens found in the prefix "
