@@ -277,3 +277,26 @@ def test_requests_after_an_idle_spell_longer_than_the_stall_limit_are_not_a_wedg
         assert client.check_dead() is None
     finally:
         client.stop()
+
+
+def test_stop_ends_every_open_request_with_the_shutting_down_error():
+    """As AsyncEngine.stop: a stream still running and an add not yet answered when the client stops
+    get the 503 (the reader reads the core's last batch before it exits), none waits forever."""
+    client = launch(functools.partial(FakeEngine, max_model_len=4096, step_seconds=0.01))
+
+    async def stop_while_running():
+        client.start(asyncio.get_running_loop())
+        stream = await client.add("running", [104, 105], SamplingParams(max_tokens=4000))
+        await stream.next(timeout=5)
+        stopping = asyncio.ensure_future(asyncio.to_thread(client.stop))
+        errors = []
+        try:
+            while True:
+                await stream.next(timeout=5)
+        except APIError as exc:
+            errors.append(exc)
+        await stopping
+        return errors
+    [error] = asyncio.run(stop_while_running())
+    assert error.status == 503 and error.code == "server_shutting_down"
+    assert client.check_dead() is None            # a stop is not a dead engine (kvfit serve exits 0)

@@ -319,8 +319,10 @@ class EngineCoreClient(ServingEngine):
         self._stopped = True
         _end_process(self._process, timeout)
         if self._reader.is_alive():
-            self._reader.join()          # it sees _stopped within IDLE_POLL_MS; sockets close after it
+            self._reader.join()          # it reads the core's last batch, then exits; sockets close after it
         _close(self._context, [self._commands, self._replies], self._folder)
+        # what the core never answered (it was killed, or the reader never ran) ends too, after the last batch
+        self._call_on_loop(self._end_all, shutting_down_error())
         self._shutdown_prepare()
 
     def _send(self, message) -> None:
@@ -337,14 +339,15 @@ class EngineCoreClient(ServingEngine):
     # reader thread -> loop -------------------------------------------------------------------------
     def _read(self) -> None:
         """Decode the core's batches off the event loop; hand each to the loop. Notices the core dying."""
-        while not self._stopped:
+        while True:
             try:
                 if not self._replies.poll(IDLE_POLL_MS):
-                    if not self._process.is_alive() and not self._stopped:
+                    if self._process.is_alive():
+                        continue
+                    if not self._stopped:
                         reason = f"the engine core process exited (exit code {self._process.exitcode})"
                         self._call_on_loop(self._fail_everything, reason)
-                        return
-                    continue
+                    return                 # stopped: the core's last batch (its 503s) has been read
                 message = REPLY_DECODER.decode(self._replies.recv(copy=False))
                 self._last_message = time.monotonic()
             except zmq.ZMQError:           # closed by stop()
@@ -352,6 +355,8 @@ class EngineCoreClient(ServingEngine):
             self._call_on_loop(self._dispatch, message, time.monotonic())
 
     def _call_on_loop(self, fn, *args) -> None:
+        if self._loop is None:       # never started: no request was taken
+            return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:         # the loop is closed: nobody is left to tell
@@ -391,7 +396,9 @@ class EngineCoreClient(ServingEngine):
 
     def _fail_everything(self, reason: str) -> None:
         self.dead_reason = self.dead_reason or reason
-        error = engine_dead_error(self.dead_reason)
+        self._end_all(engine_dead_error(self.dead_reason))
+
+    def _end_all(self, error: APIError) -> None:
         for command in self._pending.values():
             if not command.future.done():
                 command.future.set_exception(error)
