@@ -300,3 +300,29 @@ def test_stop_ends_every_open_request_with_the_shutting_down_error():
     [error] = asyncio.run(stop_while_running())
     assert error.status == 503 and error.code == "server_shutting_down"
     assert client.check_dead() is None            # a stop is not a dead engine (kvfit serve exits 0)
+
+
+def test_an_abort_racing_stop_is_dropped_not_raised():
+    """stop() runs off the event loop (the app's lifespan) while handlers may still abort: the command
+    socket is closed under the send lock, so a late abort is dropped instead of raising ZMQError (or
+    using a zmq socket from two threads at once)."""
+    for _ in range(2):
+        client = launch(FakeEngine)
+        done, errors = threading.Event(), []
+
+        def spam():
+            while not done.is_set():
+                try:
+                    client.abort("gone")
+                except Exception as exc:           # noqa: BLE001 - the test reports any
+                    errors.append(exc)
+                    return
+        thread = threading.Thread(target=spam)
+        thread.start()
+        time.sleep(0.05)
+        try:
+            client.stop()
+        finally:
+            done.set()
+            thread.join()
+        assert errors == []

@@ -320,7 +320,8 @@ class EngineCoreClient(ServingEngine):
         _end_process(self._process, timeout)
         if self._reader.is_alive():
             self._reader.join()          # it reads the core's last batch, then exits; sockets close after it
-        _close(self._context, [self._commands, self._replies], self._folder)
+        with self._send_lock:            # an abort from the event loop may be sending right now
+            _close(self._context, [self._commands, self._replies], self._folder)
         # what the core never answered (it was killed, or the reader never ran) ends too, after the last batch
         self._call_on_loop(self._end_all, shutting_down_error())
         self._shutdown_prepare()
