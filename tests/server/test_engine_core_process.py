@@ -326,3 +326,24 @@ def test_an_abort_racing_stop_is_dropped_not_raised():
             done.set()
             thread.join()
         assert errors == []
+
+
+def _marking_factory(path: str):
+    open(path, "w").close()
+    return FakeEngine()
+
+
+def test_a_core_whose_server_died_before_it_started_does_not_build_the_engine(tmp_path):
+    """PR_SET_PDEATHSIG only covers a parent that dies after it is set: a server killed while the core
+    was still importing left a core that loaded the model (minutes, device memory) for nobody. The
+    core checks its parent right after setting it (here: a parent pid that is not its parent)."""
+    import multiprocessing
+    from kvfit.server.core_process import run_engine_core
+    marker = tmp_path / "built"
+    address = f"ipc://{tmp_path}/nobody"
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(functools.partial(_marking_factory, str(marker)), address, address, 16,
+                                      "warning", os.getpid() + 10 ** 6))
+    process.start()
+    process.join(30)
+    assert process.exitcode == 0 and not marker.exists()

@@ -75,6 +75,8 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
                     log_level: str, parent_pid: int) -> None:
     """The engine core process's main: build the engine with factory(), report Ready, serve commands."""
     _die_with_parent()
+    if os.getppid() != parent_pid:      # it died before the death signal was set: build nothing for nobody
+        return
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # the front-end stops us in order
     from kvfit.server.logs import configure_logging
     configure_logging(log_level)
