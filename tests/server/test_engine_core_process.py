@@ -347,3 +347,23 @@ def test_a_core_whose_server_died_before_it_started_does_not_build_the_engine(tm
     process.start()
     process.join(30)
     assert process.exitcode == 0 and not marker.exists()
+
+
+def test_ending_a_core_at_once_logs_no_timeout_warning():
+    """A Ctrl-C during start-up ends the core at once (timeout 0): that is no 'did not exit within 0 s'
+    warning before the one 'interrupted' line."""
+    import logging
+    import multiprocessing
+    from kvfit.server.core_process import _end_process
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("kvfit")
+    logger.addHandler(handler)
+    try:
+        process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+        process.start()
+        _end_process(process, 0)
+    finally:
+        logger.removeHandler(handler)
+    assert not process.is_alive() and records == []

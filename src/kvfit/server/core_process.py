@@ -424,7 +424,8 @@ def _end_process(process, timeout: float) -> None:
         return
     process.join(timeout)
     if process.is_alive():
-        logger.warning("the engine core process did not exit within %.0f s; terminating it", timeout)
+        if timeout > 0:              # 0: ended at once on purpose (an interrupted start-up)
+            logger.warning("the engine core process did not exit within %.0f s; terminating it", timeout)
         process.terminate()
         process.join(5)
     if process.is_alive():
