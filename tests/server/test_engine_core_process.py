@@ -367,3 +367,43 @@ def test_ending_a_core_at_once_logs_no_timeout_warning():
     finally:
         logger.removeHandler(handler)
     assert not process.is_alive() and records == []
+
+
+def _slow_factory():
+    time.sleep(60)
+    return FakeEngine()
+
+
+_LAUNCH_SLOWLY = """
+import functools, sys, os
+sys.path.insert(0, {tests!r})
+import test_engine_core_process as t
+from kvfit.server import core_process
+print(os.getpid(), flush=True)
+try:
+    t.launch(t._slow_factory)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_a_sigterm_during_start_up_ends_the_core_and_removes_its_socket_folder(tmp_path):
+    """A supervisor's SIGTERM while the engine loads (minutes on a GPU) is an interrupted start-up,
+    as a Ctrl-C is: the core is ended and the private socket folder removed (the default action
+    killed the server at once and left the folder in the temporary directory)."""
+    import subprocess
+    import sys
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH_SLOWLY.format(tests=os.path.dirname(__file__))],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    proc.stdout.readline()
+    deadline = time.monotonic() + 20
+    while not list(tmp_path.glob("kvfit-core-*/commands")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in out
+    assert list(tmp_path.glob("kvfit-core-*")) == []

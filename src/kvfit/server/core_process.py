@@ -24,6 +24,7 @@ serve` exits 1 (GracefulServer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -248,8 +249,9 @@ class EngineCoreClient(ServingEngine):
             target=run_engine_core, name="kvfit-engine-core",
             args=(factory, commands_address, replies_address, max_waiting_requests, log_level, os.getpid()))
         try:
-            process.start()
-            first = cls._wait_for_start(process, replies)
+            with _sigterm_interrupts():
+                process.start()
+                first = cls._wait_for_start(process, replies)
         except BaseException:
             _end_process(process, 0)
             _close(context, [commands, replies], folder)
@@ -409,6 +411,24 @@ class EngineCoreClient(ServingEngine):
         for stream, _ in self._streams.values():
             stream.queue.put_nowait(error)
         self._streams.clear()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While the engine starts (minutes on a GPU), a SIGTERM interrupts as a Ctrl-C does, so the core is
+    ended and the socket folder removed (the default action kills at once); only in the main thread and
+    where nobody set a SIGTERM handler."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _unbounded(*sockets: zmq.Socket) -> None:
