@@ -407,3 +407,28 @@ def test_a_sigterm_during_start_up_ends_the_core_and_removes_its_socket_folder(t
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "interrupted" in out
     assert list(tmp_path.glob("kvfit-core-*")) == []
+
+
+def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
+    """One broken delta in a batch: its request gets a 500 and is aborted; the batch's other requests go on."""
+    from kvfit.server.async_engine import RequestStream
+    from kvfit.server.core_protocol import RequestDelta, SampleDelta
+
+    async def run():
+        client = EngineCoreClient.__new__(EngineCoreClient)
+        client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
+        sent = []
+        client.abort = sent.append
+        good, bad = RequestStream("good"), RequestStream("bad")
+        client._streams["good"] = (good, OutputAccumulator("good", [1]))
+        client._streams["bad"] = (bad, OutputAccumulator("bad", [1]))
+        broken = SampleDelta(0, 5, "x", [2], None, None, None, None)      # keeps 5 chars of an empty text
+        client._streams["bad"][1].apply = lambda delta: (_ for _ in ()).throw(ValueError("broken"))
+        client._dispatch(OutputBatch([], [RequestDelta("bad", False, [broken]),
+                                          RequestDelta("good", True, [SampleDelta(0, 0, "hi", [7], None, None,
+                                                                                  "length", None)])], [], {}), 0.0)
+        with pytest.raises(APIError) as info:
+            await bad.next()
+        assert info.value.status == 500 and sent == ["bad"]
+        assert (await good.next()).outputs[0].text == "hi"
+    asyncio.run(run())

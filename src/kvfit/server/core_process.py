@@ -377,7 +377,16 @@ class EngineCoreClient(ServingEngine):
             stream, accumulator = entry
             if delta.finished:
                 del self._streams[delta.request_id]
-            stream.queue.put_nowait((accumulator.apply(delta), now))
+            try:
+                output = accumulator.apply(delta)
+            except Exception:          # a bug folding one delta: that request fails, the batch's others go on
+                logger.exception("request %s: its output could not be rebuilt", delta.request_id)
+                self._streams.pop(delta.request_id, None)
+                self.abort(delta.request_id)
+                stream.queue.put_nowait(APIError(500, "internal error while building this request's output; see "
+                                                      "the server log", "server_error"))
+                continue
+            stream.queue.put_nowait((output, now))
         for request_id, info in batch.errors:
             entry = self._streams.pop(request_id, None)
             if entry is not None:
