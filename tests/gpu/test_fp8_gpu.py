@@ -24,6 +24,14 @@ from kvfit.models.quant.fp8 import (Fp8Weight, fp8_linear_reference, quantize_we
 from kvfit.models.quant.gemm import fp8_linear, scaled_mm_applies  # noqa: E402
 
 
+def _generates_in_full(llm, max_tokens: int) -> None:
+    """Four greedy requests each get all max_tokens tokens."""
+    from kvfit import SamplingParams
+    out = llm.generate([[10, 11, 12, 13]] * 4, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in out)
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
@@ -81,7 +89,7 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
 def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
     from gpu_capacity import estimated_blocks
 
-    from kvfit import LLM, SamplingParams
+    from kvfit import LLM
     from kvfit.model_facts import load_model_facts
     model = "llama-3.1-8b"
     settings = dict(load_format="dummy", dtype="bfloat16", device="cuda", quantization="fp8", max_model_len=8192,
@@ -95,9 +103,7 @@ def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
         assert abs(reading.weights_bytes - facts.weight_bytes) <= 0.02 * facts.weight_bytes
         predicted = estimated_blocks(model, settings, llm)
         assert abs(predicted - llm.capacity.num_blocks) <= 0.02 * llm.capacity.num_blocks
-        out = llm.generate([[10, 11, 12, 13]] * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                           use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 32 for o in out)
+        _generates_in_full(llm, 32)
     finally:
         llm.shutdown()
 
@@ -105,7 +111,7 @@ def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
 def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
     """The aim's shape: Qwen3-30B-A3B with [128, 128] FP8 blocks (dummy weights) on one GPU, experts in the
     fused FP8 kernels, CUDA graphs on; `kvfit plan` within 2% of the profile; prints the FP8 plan."""
-    from kvfit import LLM, SamplingParams
+    from kvfit import LLM
     from kvfit.catalog import model_config
     folder = tmp_path / "qwen3-30b-a3b-fp8"
     folder.mkdir()
@@ -121,8 +127,6 @@ def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
         from gpu_capacity import estimated_blocks
         predicted = estimated_blocks(str(folder), settings, llm)
         assert abs(predicted - llm.capacity.num_blocks) <= 0.02 * llm.capacity.num_blocks
-        out = llm.generate([[10, 11, 12, 13]] * 4, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                           use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+        _generates_in_full(llm, 16)
     finally:
         llm.shutdown()
