@@ -43,8 +43,9 @@ class LLMEngine:
         self.default_sampling_params = _generation_defaults(config)
         # the folder's tokenizer and eos ids too: a broken file is one error line before any weight loads
         tokenizer = _load_tokenizer(config.model.model)
-        eos_token_ids = _eos_ids(config.model.model, load_model_facts(config.model.model, config.model.quantization))
-        started = start_engine(config)
+        facts = load_model_facts(config.model.model, config.model.quantization)
+        eos_token_ids = _eos_ids(config.model.model, facts)
+        started = start_engine(config, facts)          # the facts read once
         self.config = config = started.config        # with the platform's defaults filled in
         self.facts, self.platform, self.spec, self.limits = started.facts, started.platform, started.spec, started.limits
         self.workers = started.executor
@@ -82,12 +83,7 @@ class LLMEngine:
 
     # requests -----------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str):
-            raise RequestError(f"a prompt to encode must be a string, got {type(prompt).__name__}", "prompt")
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text",
-                               "prompt")
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     strict_context: bool = False, cache_salt: str | None = None) -> str:
@@ -376,6 +372,16 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self._shut_down:
             raise KvfitError("this engine was shut down (its memory given back); create a new one to generate again")
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A prompt text's token ids, special tokens added; RequestErrors for a non-string or no tokenizer."""
+    if not isinstance(prompt, str):
+        raise RequestError(f"a prompt to encode must be a string, got {type(prompt).__name__}", "prompt")
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text",
+                           "prompt")
+    return tokenizer.encode(prompt)
 
 
 def _load_tokenizer(path: str):

@@ -103,9 +103,11 @@ def _check_weights_can_fit(config: EngineConfig, facts: ModelFacts, platform) ->
             "or a smaller model")
 
 
-def start_engine(config: EngineConfig) -> StartedEngine:
-    """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down."""
-    facts = load_model_facts(config.model.model, config.model.quantization)
+def start_engine(config: EngineConfig, facts: ModelFacts | None = None) -> StartedEngine:
+    """Load, profile, measure, plan, allocate and capture; on any failure the executor is shut down.
+    facts: the model's, where the caller has read them already (else read here)."""
+    if facts is None:
+        facts = load_model_facts(config.model.model, config.model.quantization)
     platform = get_platform(config.device.device)
     config = platform.resolve_config(config)    # the platform's defaults (--max-num-batched-tokens); the engine uses this
     backend_name = config.device.attention_backend or platform.default_backend
