@@ -19,8 +19,8 @@ import re
 import llguidance
 
 from kvfit.errors import RequestError
+from kvfit.structured_params import PARAM      # no torch: the fork server stays small
 
-PARAM = "structured_outputs"
 SMALL_DEFINITION_CHARS = 4096       # at most ~250 chained rules: far from the ~2,600 that crash llguidance
 VALIDATE_TIMEOUT_S = 10.0           # a definition that takes longer to validate is refused
 PARSER_LIMITS = dict(verbose_errors=False)   # llguidance's LLParserLimits for every kvfit grammar
