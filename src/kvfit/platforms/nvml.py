@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from kvfit.units import gib
+
 
 def _binding():
     try:
@@ -69,5 +71,5 @@ def co_tenant_note(tenants, bytes_per_block: int | None = None) -> str:
     parts = []
     for pid, name, used in tenants:
         blocks = f": {used // bytes_per_block:,} blocks fewer" if bytes_per_block else ""
-        parts.append(f"pid {pid} {name} holds {used / 2**30:.2f} GiB{blocks}")
+        parts.append(f"pid {pid} {name} holds {gib(used)}{blocks}")
     return "; ".join(parts)
