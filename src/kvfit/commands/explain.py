@@ -12,6 +12,7 @@ from typing import Callable
 
 from kvfit.errors import KvfitError
 from kvfit.kv.plan import KVPlan
+from kvfit.units import gib
 
 CONTEXT_LENGTHS = (1024, 4096, 8192, 32768, 131072)      # rows of the table, up to --max-model-len
 MAX_TP = 8                                               # a plan that does not fit tries -tp up to this
@@ -132,12 +133,12 @@ def explanation(settings: dict, plan: KVPlan, plan_of: Callable[[dict], KVPlan],
         if lever.plan is None:
             return {"flag": lever.flag, "settings": lever.settings, "refused": lever.refused}
         p = lever.plan
+        kv_requests = requests_at(p, p.max_model_len)
+        concurrent = min(kv_requests, lever.settings.get("max_num_seqs", seqs))
         return {"flag": lever.flag, "settings": lever.settings, "fits": p.fits, "num_blocks": p.num_blocks,
                 "blocks_change": p.num_blocks - plan.num_blocks, "max_model_len": p.max_model_len,
-                "kv_requests": requests_at(p, p.max_model_len),
-                "concurrent_requests": min(requests_at(p, p.max_model_len), lever.settings.get("max_num_seqs", seqs)),
-                "concurrency_change": min(requests_at(p, p.max_model_len), lever.settings.get("max_num_seqs", seqs))
-                - min(at_max, seqs),
+                "kv_requests": kv_requests, "concurrent_requests": concurrent,
+                "concurrency_change": concurrent - min(at_max, seqs),
                 "per_gpu_kv_cache_bytes": p.kv_cache_bytes, "tensor_parallel_size": p.tensor_parallel_size}
     out = {**facts_line, "binding": binding(plan, seqs), "contexts": context_rows(plan, seqs),
            "levers": [lever_dict(lv) for lv in levers(settings, plan, plan_of, model_max_len)]}
@@ -173,5 +174,5 @@ def _lever_line(lever: dict) -> str:
         return f"  {lever['flag']:<34} {lever['num_blocks']:>10,} blocks ({lever['blocks_change']:+,}): does not fit"
     return (f"  {lever['flag']:<34} {lever['num_blocks']:>10,} blocks ({lever['blocks_change']:+,}), "
             f"{lever['concurrent_requests']:,} at once of {lever['max_model_len']:,} tokens "
-            f"({lever['concurrency_change']:+,}), KV {lever['per_gpu_kv_cache_bytes'] / 2**30:.2f} GiB"
+            f"({lever['concurrency_change']:+,}), KV {gib(lever['per_gpu_kv_cache_bytes'])}"
             + (" per GPU" if lever["tensor_parallel_size"] > 1 else ""))
