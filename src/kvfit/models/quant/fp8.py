@@ -51,10 +51,13 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tup
     w = weight.float()
     if block_size is None:
         return w * scale.float().reshape(-1, 1) if scale.numel() > 1 else w * scale.float().reshape(())
+    return w * _expand_blocks(scale.float(), block_size, *w.shape)                      # [N, K]
+
+
+def _expand_blocks(scale: torch.Tensor, block_size: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    """A block scale [ceil(N/bn), ceil(K/bk)] repeated over its tiles: one value per weight, [N, K]."""
     bn, bk = block_size
-    n, k = w.shape
-    full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]     # [N, K]
-    return w * full
+    return scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +76,7 @@ def quantize_weight_blocks(weight: torch.Tensor, block_size: tuple[int, int]) ->
     padded[:n, :k] = weight.float()
     tiles = padded.view(rows, bn, cols, bk)
     scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX            # [rows, cols]
-    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-    return _to_fp8(weight.float() / full), scale
+    return _to_fp8(weight.float() / _expand_blocks(scale, block_size, n, k)), scale
 
 
 def quantize_weight_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
