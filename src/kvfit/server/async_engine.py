@@ -32,7 +32,8 @@ from typing import Callable
 
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams
-from kvfit.errors import KvfitError, RequestError
+from kvfit.engine.llm_engine import encode_prompt
+from kvfit.errors import KvfitError
 from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
 from kvfit.server.prepare import as_api_error, check_prompt_chars
 from kvfit.server.protocol import APIError
@@ -146,10 +147,7 @@ class ServingEngine:
 
     def encode_now(self, text: str) -> list[int]:
         """A prompt's token ids, special tokens added (as LLMEngine.encode)."""
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer (tokenizer.json); pass prompt token ids instead of text",
-                               "prompt")
-        return self.tokenizer.encode(text)
+        return encode_prompt(self.tokenizer, text)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt text, tokenized off the event loop and the engine; a text with more

@@ -68,10 +68,6 @@ def _die_with_parent() -> None:
             pass
 
 
-def _info(error: APIError) -> ErrorInfo:
-    return ErrorInfo(error.status, error.message, error.type, error.param, error.code)
-
-
 def run_engine_core(factory, commands_address: str, replies_address: str, max_waiting_requests: int,
                     log_level: str, parent_pid: int) -> None:
     """The engine core process's main: build the engine with factory(), report Ready, serve commands."""
@@ -187,15 +183,15 @@ class _CoreLoop:
 
     def _add(self, command: AddCommand) -> AddResult:
         if self.closing or self.stopping:
-            return AddResult(command.request_id, 0, _info(shutting_down_error()))
+            return AddResult(command.request_id, 0, ErrorInfo.of(shutting_down_error()))
         try:
             params = pickle.loads(command.params)
             num_prompt_tokens = self.core.add(command.request_id, command.prompt_ids, params,
                                               command.max_tokens_given, command.cache_salt)
         except APIError as exc:
-            return AddResult(command.request_id, 0, _info(exc))
+            return AddResult(command.request_id, 0, ErrorInfo.of(exc))
         except KvfitError as exc:
-            return AddResult(command.request_id, 0, _info(as_api_error(exc)))
+            return AddResult(command.request_id, 0, ErrorInfo.of(as_api_error(exc)))
         except Exception:             # one bad request must not take the loop down
             logger.exception("adding request %s failed", command.request_id)
             return AddResult(command.request_id, 0, ErrorInfo(
@@ -206,7 +202,7 @@ class _CoreLoop:
         ids = self.core.abort_all()
         for request_id in ids:
             self.tracker.drop(request_id)
-        info = _info(error)
+        info = ErrorInfo.of(error)
         return [(request_id, info) for request_id in ids]
 
 
@@ -390,7 +386,7 @@ class EngineCoreClient(ServingEngine):
         for request_id, info in batch.errors:
             entry = self._streams.pop(request_id, None)
             if entry is not None:
-                entry[0].queue.put_nowait(APIError(info.status, info.message, info.type, info.param, info.code))
+                entry[0].queue.put_nowait(info.error())
         self._stats = batch.stats
         if batch.dead_reason is not None:
             self._fail_everything(batch.dead_reason)
@@ -402,8 +398,7 @@ class EngineCoreClient(ServingEngine):
         if command.future.done():
             return
         if result.error is not None:
-            e = result.error
-            command.future.set_exception(APIError(e.status, e.message, e.type, e.param, e.code))
+            command.future.set_exception(result.error.error())
             return
         self._streams[result.request_id] = (command.stream, OutputAccumulator(result.request_id, command.prompt_ids))
         command.future.set_result(result.num_prompt_tokens)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
+from kvfit.server.protocol import APIError
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -26,6 +27,13 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+
+    @classmethod
+    def of(cls, error: APIError) -> "ErrorInfo":
+        return cls(error.status, error.message, error.type, error.param, error.code)
+
+    def error(self) -> APIError:
+        return APIError(self.status, self.message, self.type, self.param, self.code)
 
 
 # front-end -> core -------------------------------------------------------------------------------
