@@ -237,10 +237,6 @@ def _token_ids(value) -> list[int] | None:
     return ids if are_token_ids(ids) else None
 
 
-def _is_token_ids(value) -> bool:
-    return _token_ids(value) is not None
-
-
 def _refuse_non_int_ids(value) -> None:
     """A RequestError naming the type of the first non-integer of a would-be token-id list (a list or
     array of numbers, some not integers: floats, bools); nothing for anything else."""
@@ -259,8 +255,9 @@ def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
         cache_salt = check_cache_salt(prompt.get("cache_salt"))
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"], cache_salt
-        if keys == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
-            return _token_ids(prompt["prompt_token_ids"]), cache_salt
+        ids = _token_ids(prompt["prompt_token_ids"]) if keys == {"prompt_token_ids"} else None
+        if ids is not None:
+            return ids, cache_salt
         raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, with an optional '
                            f'"cache_salt"; got {_describe(prompt)}', "prompt")
     if isinstance(prompt, str):
@@ -288,7 +285,8 @@ def _prompt_list(prompts) -> list:
         raise RequestError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of those; got "
                            f"{type(prompts).__name__}", "prompt")
     prompts = list(prompts)
-    if prompts and _is_token_ids(prompts):
-        return [(_token_ids(prompts), None)]
+    ids = _token_ids(prompts) if prompts else None
+    if ids is not None:
+        return [(ids, None)]
     _refuse_non_int_ids(prompts)
     return [_one_prompt(p) for p in prompts]
