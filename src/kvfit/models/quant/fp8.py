@@ -21,10 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.models.quant.quantize_kernel import quantize_kernel_applies, quantize_rows
+from kvfit.models.quant.quantize_kernel import FP8_DTYPE, quantize_kernel_applies, quantize_rows
 from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
-
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass
