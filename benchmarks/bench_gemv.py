@@ -1,9 +1,11 @@
 """Batch-1 linear layers: cuBLAS (F.linear) against kvfit's Triton GEMV, against copy bandwidth.
 
-python benchmarks/bench_gemv.py [--model llama-3.1-8b]
+python benchmarks/bench_gemv.py [--model llama-3.1-8b] [--fp8]
 For each weight shape of the model (q/k/v, o, gate/up, down, lm_head) at one token: the time of a
 CUDA graph replaying the product over enough weight copies that nothing stays in L2, as bytes of
 weight read per second, for cuBLAS and each Triton config; then the whole decode step's linears.
+--fp8: per-channel FP8 weights: cuBLASLt's _scaled_mm (with the activation's quantize kernel, the W8A8 path)
+against the FP8 GEMV (models/quant/fp8_gemv.py) in each of FP8_CONFIGS.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from common import gpu_only
 # matter. The 2026-12-03 sweep's losers (wide BLOCK_N, short BLOCK_K) are gone; one-row programs added.
 CONFIGS = [(2, 2048, 4, 3), (1, 4096, 4, 1), (2, 4096, 4, 1), (2, 4096, 8, 1), (1, 2048, 4, 1), (4, 2048, 8, 1),
            (2, 1024, 4, 1), (1, 4096, 8, 1), (4, 4096, 8, 1), (1, 8192, 8, 1), (1, 1024, 2, 1), (2, 2048, 2, 1)]
+
+FP8_CONFIGS = [(4, 1024, 4), (1, 4096, 4), (4, 2048, 8), (2, 2048, 4), (2, 4096, 8), (1, 8192, 8), (8, 1024, 8),
+               (2, 1024, 4), (4, 512, 4), (1, 2048, 2)]
 
 
 def shapes(model: str) -> dict[str, tuple[int, int, int]]:
@@ -57,10 +62,13 @@ def graph_time(fn, x, weights, reps: int = 20) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--fp8", action="store_true", help="per-channel FP8 weights: _scaled_mm against the FP8 GEMV")
     args = ap.parse_args()
     if not gpu_only("bench_gemv"):
         return 0
     from common import copy_bandwidth
+    if args.fp8:
+        return run_fp8(args.model)
     from kvfit.models.gemv import gemv
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -96,6 +104,41 @@ def main() -> int:
     print(f"best config per shape: {best}")
     print("RESULT " + json.dumps({"model": args.model, "copy_bandwidth_Bps": bandwidth, "rows": rows,
                                   "step_totals_s": totals}))
+    return 0
+
+
+def run_fp8(model: str) -> int:
+    """The --fp8 sweep: bytes of FP8 weight read per second, _scaled_mm (W8A8) against each GEMV config."""
+    from kvfit.models.quant.fp8 import Fp8Weight, quantize_weight_per_channel
+    from kvfit.models.quant.fp8_gemv import fp8_gemv
+    from kvfit.models.quant.gemm import _scaled_mm_linear
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    totals, best, rows = {"scaled_mm": 0.0}, {}, []
+    for name, (n, k, per_step) in shapes(model).items():
+        copies = max(2, -(-(512 << 20) // (n * k)))
+        weights = [Fp8Weight(*quantize_weight_per_channel(
+            torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)), None) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        ref = x.float() @ weights[0].dequantize().t()
+        results = {"scaled_mm": graph_time(lambda a, w: _scaled_mm_linear(a, w, None), x, weights)}
+        for cfg in FP8_CONFIGS:
+            got = fp8_gemv(x, weights[0], config=cfg).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, cfg, err)
+            results[str(cfg)] = graph_time(lambda a, w, c=cfg: fp8_gemv(a, w, config=c), x, weights)
+        winner = min((c for c in results if c != "scaled_mm"), key=results.get)
+        best[name] = winner
+        for c, t in results.items():
+            totals[c] = totals.get(c, 0.0) + per_step * t
+        totals["gemv best"] = totals.get("gemv best", 0.0) + per_step * results[winner]
+        print(f"{name:8s} N={n:6d} K={k:5d} TB/s read  "
+              + " ".join(f"{c}:{n * k / t / 1e12:.2f}" for c, t in results.items()), flush=True)
+        rows.append({"name": name, "n": n, "k": k, "seconds": results, "best": winner})
+        del weights
+        torch.cuda.empty_cache()
+    print("per decode step (all linears, FP8): " + ", ".join(f"{c} {t * 1e3:.3f} ms" for c, t in totals.items()))
+    print(f"best config per shape: {best}")
+    print("RESULT " + json.dumps({"model": model, "fp8": True, "rows": rows, "step_totals_s": totals}))
     return 0
 
 

@@ -71,7 +71,7 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
 
     from kvfit import LLM, SamplingParams
     folder, _ = write_fp8_copy(make_tiny_model(tmp_path, arch=arch), tmp_path, fmt, block=block)
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
     prompts = ["The quick brown fox", "Hello world! How are you"]
     runs = {}
     for device in ("cpu", "cuda"):
@@ -83,7 +83,14 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         diffs = [abs(pa[t].logprob - pb[t].logprob) for pa, pb, t in zip(a.logprobs, b.logprobs, a.token_ids[:same])]
         print(f"{arch} {fmt}: {same} of {len(a.token_ids)} greedy tokens equal; max |logprob diff| {max(diffs):.3e}")
-        assert same >= 8          # bf16 on both; the first tokens must agree, later ones may tie-break apart
+        # bf16 on both: the tokens agree, and the logprobs to within bf16's rounding over a few layers
+        assert same >= 1 and max(diffs) < 0.2
+        if same < len(a.token_ids):
+            # a tiny random model's next-token distribution is nearly flat: where the paths part, the CPU's
+            # token must have been a near-tie on the GPU too (in its top 5, within 0.2 of the GPU's pick)
+            cpu_token, gpu_top = a.token_ids[same], b.logprobs[same]
+            assert cpu_token in gpu_top, (same, cpu_token, gpu_top)
+            assert gpu_top[b.token_ids[same]].logprob - gpu_top[cpu_token].logprob < 0.2
 
 
 def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():

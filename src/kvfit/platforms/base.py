@@ -92,6 +92,11 @@ class Platform:
         """After a step: hand cached memory back if this process holds more than reading's budget
         allows (an allocator cache can grow past the profiled peak). Default: nothing cached."""
 
+    def hold_activation_reserve(self, reading: MemoryReading) -> int:
+        """After the KV cache and graphs are in: make the allocator hold the profiled activation peak, so memory
+        the plan gave the steps cannot be taken by another process while serving. Bytes held; default 0."""
+        return 0
+
 
 def with_default_batched_tokens(config: EngineConfig, default: int) -> EngineConfig:
     """config with --max-num-batched-tokens `default` where it was not given."""

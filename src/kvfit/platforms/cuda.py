@@ -144,6 +144,23 @@ class CudaPlatform(Platform):
             torch.cuda.empty_cache()
             self.num_cache_releases += 1
 
+    def hold_activation_reserve(self, reading: MemoryReading) -> int:
+        # One allocation of the profiled peak, freed at once: the caching allocator keeps it reserved (until an
+        # empty_cache, which keep_within does only past the budget), and the steps' activations reuse it. Without
+        # this the plan's activation memory stays free on the device between steps, and a co-tenant that takes it
+        # turns the next large step into an out-of-memory the headroom watchdog cannot prevent.
+        cap = reading.process_budget_bytes if reading is not None else None
+        size = reading.activation_peak_bytes if reading is not None else 0
+        if cap is not None:
+            size = min(size, cap - torch.cuda.memory_reserved(self.device))
+        if size <= 0:
+            return 0
+        try:
+            torch.empty(size, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            return 0            # someone took it already: the watchdog will see the low headroom
+        return size
+
     def _graph_bytes(self, steps: StartupSteps) -> int:
         """Torch memory a trial capture of the decode graphs holds (their private pool).
 

@@ -66,6 +66,8 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
+        if self.reading is not None:
+            self.platform.hold_activation_reserve(self.reading)
 
     @property
     def num_cache_blocks(self) -> int:

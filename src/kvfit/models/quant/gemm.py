@@ -1,6 +1,7 @@
-"""The FP8 GEMM a quantized linear runs, chosen per call: cuBLASLt's torch._scaled_mm (per-channel weights,
-rowwise scales) or the Triton block GEMM on CUDA, the fp32 reference (fp8.py) elsewhere and for shapes
-cuBLASLt refuses (K or N not a multiple of 16: correct, slower)."""
+"""The FP8 GEMM a quantized linear runs, chosen per call: on CUDA the Triton FP8 GEMV for one token (batch-1
+decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales) or the Triton block GEMM
+for more; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
+correct, slower)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from kvfit.models.quant.block_gemm import block_fp8_linear, block_gemm_applies
 from kvfit.models.quant.fp8 import Fp8Weight, fp8_linear_reference, quantize_activations
+from kvfit.models.quant.fp8_gemv import fp8_gemv, fp8_gemv_applies
 
 
 def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -20,7 +22,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     """y = x W^T + b with W in FP8: x [..., K] -> [..., N] in x's dtype (see the module docstring's paths)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [T, K]
-    if scaled_mm_applies(x2, w):
+    if fp8_gemv_applies(x2, w):
+        y = fp8_gemv(x2, w, bias)
+    elif scaled_mm_applies(x2, w):
         y = _scaled_mm_linear(x2, w, bias)
     elif x2.is_cuda and w.block_size is not None:
         y = block_fp8_linear(x2, w, bias) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
