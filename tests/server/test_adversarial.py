@@ -1,6 +1,6 @@
 """Issue 27's adversarial cases against a real `kvfit serve` subprocess (CPU, API key, tiny Llama): every input
 gets its documented answer (a 400 naming the field and the limit, or a 200), the server never dies, never logs
-a traceback, keeps /health fast and keeps other requests moving. benchmarks/adversarial.py runs ISSUE_27_CASES
+a traceback, keeps /health fast and keeps other requests moving. tests/tools/adversarial.py runs ISSUE_27_CASES
 too, beside its older categories.
 
 The chat template the server is started with loops, includes, recurses or asks for range(10**9) when a

@@ -6,7 +6,7 @@ adversarial HTTP requests (issue 27's cases among them: ISSUE_27_CASES of tests/
 which pytest runs on its own as well), then runs `kvfit generate/plan` on corrupt model folders and bad flags.
 Counts per category: inputs tried, handled cleanly (4xx or the expected success), 5xx, tracebacks.
 
-    python3 benchmarks/adversarial.py --out benchmarks/results/2026-12-03-cpu-adversarial.txt
+    python3 tests/tools/adversarial.py --out benchmarks/results/2026-12-03-cpu-adversarial.txt
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import urllib.parse
 
 import httpx
 
-# ---------------------------------------------------------------- tiny model (copied recipe)
-UNK, BOS, EOS = "<unk>", "<s>", "</s>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# ---------------------------------------------------------------- tiny model (tests/tiny_models.py's recipe, copied)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this file is tests/tools/adversarial.py
+for _folder in (TESTS, os.path.join(TESTS, "server")):                 # tiny_models, test_adversarial
+    sys.path.insert(0, _folder)
+from tiny_models import BOS, CHAT_TEMPLATE, EOS, UNK  # noqa: E402
+
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A paged key value cache stores attention keys and values
 in fixed size blocks, so memory is allocated on demand and shared between sequences with a common prefix.
@@ -111,9 +108,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def issue_27_cases() -> list:
     """tests/server/test_adversarial.py's ISSUE_27_CASES and its chat-template triggers (one list for both)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for folder in ("tests", os.path.join("tests", "server")):
-        sys.path.insert(0, os.path.join(here, os.pardir, folder))
     from test_adversarial import ISSUE_27_CASES
     return ISSUE_27_CASES
 

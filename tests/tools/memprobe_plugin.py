@@ -1,6 +1,6 @@
 """pytest plugin: after every test, the device memory in use outside this process's torch allocator.
 
-PYTHONPATH=src:benchmarks python -m pytest -q -s tests/gpu -p memprobe_plugin | grep memprobe
+PYTHONPATH=src:tests/tools python -m pytest -q -s tests/gpu -p memprobe_plugin | grep memprobe
 """
 import gc
 import torch
