@@ -275,7 +275,7 @@ def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, s
 
 def test_cascade_rule_and_prefix_splits():
     backend = TritonBackend()
-    # the H200 in CUDA graphs (benchmarks/run_h200.sh cascade-rule): faster from about 32,000 sequences x tokens
+    # the H200 in CUDA graphs (benchmarks/run_gpu_steps.sh cascade-rule): faster from about 32,000 sequences x tokens
     assert backend.cascade_tokens(shared_tokens=2000, num_seqs=16) == 2000     # 1.27-1.33x
     assert backend.cascade_tokens(shared_tokens=256, num_seqs=128) == 256      # 1.06x
     assert backend.cascade_tokens(shared_tokens=2000, num_seqs=8) == 0         # 1.03x: not worth the launches

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU steps named on the command line, each under its own timeout, logs to $OUT.
-# usage: bash benchmarks/run_h200.sh profile capacity throughput-small ...
+# usage: bash benchmarks/run_gpu_steps.sh profile-small capacity throughput-small ...
 # vLLM steps need its bundle on PYTHONPATH already (../shared/peers/vllm: /root/vllm/site:/root/vllm/deps)
 export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/kvfit-out}; mkdir -p "$OUT"
