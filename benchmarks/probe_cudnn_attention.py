@@ -1,5 +1,7 @@
-"""What torch's cuDNN attention does on this device: the question before routing prefill chunks through it.
-(Sessions 11-12 built that route and measured it slower end to end; it was removed, docs/benchmarks.md says why.)
+"""What torch's cuDNN attention op does on this device: the questions to answer before routing any attention through it.
+kvfit has no cuDNN route now: one for long prefill chunks (built on 2026-12-04) was slower end to end and was removed
+after its profile of 2026-12-05 (docs/benchmarks-history.md says why; the code is in git history, 25cc998 and 62e1140).
+bench_prefill_attention.py times torch SDPA's cuDNN backend beside kvfit's prefill kernel as a reference.
 
 Questions (each answered by a printed line; nothing is assumed):
 1. Does the dense op (`aten._scaled_dot_product_cudnn_attention`) take the engine's layout: q/k/v as strided
