@@ -4,7 +4,7 @@ python benchmarks/bench_before_after.py --before-src .before/src --rows small,8b
 (.before/src from `git archive REV src | tar -x -C .before`). Each measurement is its own process
 (bench_throughput.py --skip-hf or bench_decode_latency.py with PYTHONPATH set to one side's src);
 the sides alternate, after a first warm-up process that is not counted (the first process on a fresh
-machine ran slower, docs/benchmarks.md). Prints medians, spreads and the ratio after/before.
+machine ran slower, docs/benchmarks-history.md). Prints medians, spreads and the ratio after/before.
 """
 
 from __future__ import annotations
