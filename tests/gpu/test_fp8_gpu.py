@@ -36,7 +36,20 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-@pytest.mark.parametrize("m", [1, 7, 256])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096)])
+def test_one_token_reads_the_fp8_weight_through_the_gemv(n, k):
+    """Batch-1 decode: the FP8 GEMV with the activation unquantized, equal to the dequantized product."""
+    torch.manual_seed(0)
+    wq, ws = quantize_weight_per_channel(torch.randn(n, k, device="cuda") * 0.02)
+    w = Fp8Weight(wq, ws, None)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got, want = fp8_linear(x, w, bias), x.float() @ w.dequantize().t() + bias.float()
+    print(f"fp8 gemv n={n} k={k}: relative error {_rel_err(got, want):.2e}")
+    assert got.dtype == torch.bfloat16 and _rel_err(got, want) < 1e-2    # one bf16 rounding of the output
+
+
+@pytest.mark.parametrize("m", [2, 7, 256])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096)])
 def test_scaled_mm_matches_the_reference(m, n, k):
     torch.manual_seed(0)
