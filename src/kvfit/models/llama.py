@@ -1,9 +1,10 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3, in plain torch, with HF tensor names.
 
-The families differ only in structure flags that ModelFacts carries (its FAMILY_RULES applied to
-config.json): Qwen2 has a bias on q/k/v; Qwen3 RMS-normalises each q and k head before RoPE and may
-have head_dim != hidden / heads; Llama and Qwen3 read attention_bias, Llama mlp_bias. GQA and MQA
-follow from num_key_value_heads. models/registry.py maps the four architectures to CausalLM.
+The families differ only in structure flags that ModelFacts carries (the FamilyRules of each
+architecture's entry in model_facts/architectures.py applied to config.json): Qwen2 has a bias on q/k/v;
+Qwen3 RMS-normalises each q and k head before RoPE and may have head_dim != hidden / heads; Llama and
+Qwen3 read attention_bias, Llama mlp_bias. GQA and MQA follow from num_key_value_heads. The four
+architectures' entries name CausalLM as their model class.
 Attention goes through an AttentionBackend: each layer writes this step's K/V into its cache slots,
 then attends over the block tables. Module names equal the checkpoint's, so loading maps 1:1.
 """

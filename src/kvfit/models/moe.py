@@ -11,17 +11,18 @@ rank holds a slice of every expert's intermediate channels (never whole experts)
 runs every token and one all-reduce sums the ranks' parts, as for a dense MLP. Qwen2-MoE adds a shared
 expert (a SwiGLU, sharded as a dense MLP) scaled per token by sigmoid(shared_expert_gate(x)).
 The experts run in fused_moe.moe_experts: grouped-GEMM Triton kernels on CUDA, torch elsewhere.
+Routing and expert layout (MoEConfig) are read by the architecture's registry entry
+(model_facts/architectures.py, its `moe`), so nothing here asks which family a model is.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
 from kvfit.errors import ConfigError
-from kvfit.model_facts import ModelFacts, moe_sparse_layers, read_field
+from kvfit.model_facts import ModelFacts, MoEConfig, moe_config
 from kvfit.models import fused_moe
 from kvfit.models.fused_moe import moe_experts, select_experts
 from kvfit.models.gemv import linear
@@ -30,49 +31,6 @@ from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly
 from kvfit.models.quant.experts import Fp8Experts
 from kvfit.models.quant.linear import is_fp8_source
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Routing and expert shapes from config.json, and which layers are sparse."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int          # per expert
-    renormalize: bool               # divide the top-k weights by their sum
-    round_weights: bool             # Qwen3-MoE rounds the routing weights to the model dtype before use
-    sparse_layers: frozenset[int]
-    block_name: str                 # the sparse block's name in the checkpoint ("mlp" or "block_sparse_moe")
-    expert_names: tuple[str, str, str]   # gate, up, down projection names of one expert
-    shared_intermediate_size: int = 0    # Qwen2-MoE: a shared expert (SwiGLU) with a sigmoid gate, else 0
-
-
-def moe_config(facts: ModelFacts) -> MoEConfig:
-    raw, source = facts.raw, "config.json"
-    if facts.family == "mixtral":
-        experts = read_field(raw, "num_local_experts", "int", source, default=8, minimum=1)
-        cfg = MoEConfig(num_experts=experts,
-                        top_k=read_field(raw, "num_experts_per_tok", "int", source, default=2, minimum=1),
-                        intermediate_size=facts.intermediate_size, renormalize=True, round_weights=False,
-                        sparse_layers=frozenset(range(facts.num_layers)), block_name="block_sparse_moe",
-                        expert_names=("w1", "w3", "w2"))
-    elif facts.family in ("qwen2_moe", "qwen3_moe"):
-        experts, sparse = moe_sparse_layers(facts, raw, source)
-        cfg = MoEConfig(num_experts=experts,
-                        top_k=read_field(raw, "num_experts_per_tok", "int", source, default=8, minimum=1),
-                        intermediate_size=read_field(raw, "moe_intermediate_size", "int", source, required=True,
-                                                     minimum=1),
-                        renormalize=read_field(raw, "norm_topk_prob", "bool", source, default=False),
-                        round_weights=True, sparse_layers=sparse, block_name="mlp",
-                        expert_names=("gate_proj", "up_proj", "down_proj"),
-                        shared_intermediate_size=read_field(raw, "shared_expert_intermediate_size", "int", source,
-                                                            required=True, minimum=1)
-                        if facts.family == "qwen2_moe" else 0)
-    else:
-        raise ConfigError(f"{facts.architecture} is not a mixture-of-experts model kvfit runs")
-    if cfg.sparse_layers and cfg.top_k > cfg.num_experts:
-        raise ConfigError(f"{source}: num_experts_per_tok {cfg.top_k} is more than the {cfg.num_experts} experts")
-    return cfg
 
 
 class SparseMoE(torch.nn.Module):

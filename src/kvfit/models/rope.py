@@ -1,6 +1,6 @@
 """Rotary position embeddings: inverse frequencies from config.json, applied at arbitrary positions.
 
-The settings (RopeConfig) are read and validated in model_facts.py, torch-free, so `kvfit plan` and the
+The settings (RopeConfig) are read and validated in model_facts/rope.py, torch-free, so `kvfit plan` and the
 engine refuse the same configs. cos/sin are computed per step from the positions (no table sized by
 max_position_embeddings), exactly as transformers does.
 """

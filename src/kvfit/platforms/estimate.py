@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
-from kvfit.model_facts import DTYPE_BYTES, ModelFacts
+from kvfit.model_facts import DTYPE_BYTES, ModelFacts, get_architecture
 from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
 from kvfit.planning import persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
 from kvfit.units import MiB, gib
@@ -54,8 +54,9 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     tokens = sched.max_num_batched_tokens
     tp = tensor_parallel_size
     inter = facts.intermediate_size
-    if facts.family in ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
-        inter = facts.raw.get("moe_intermediate_size", inter) * facts.raw.get("num_experts_per_tok", 1)
+    width_key = get_architecture(facts.architecture).expert_width_key
+    if width_key is not None:   # routed experts: num_experts_per_tok of them per token
+        inter = facts.raw.get(width_key, inter) * facts.raw.get("num_experts_per_tok", 1)
     # the MLP is the peak: gate, up and act(gate) * up of every token, beside the residual stream
     # and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b)
     per_token = 2 * facts.hidden_size + 3 * inter // tp

@@ -1,0 +1,100 @@
+"""ModelFacts: the numbers of one model that sizing and building it depend on (no torch).
+
+loading.py reads them from a config.json through the model's Architecture entry (architectures.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfit.model_facts.rope import RopeConfig
+from kvfit.quant_scheme import Fp8Scheme
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The numbers of one model that sizing and building it depend on."""
+
+    architecture: str
+    family: str                      # the architecture's model_type (its Architecture entry)
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    torch_dtype: str
+    tie_word_embeddings: bool
+    intermediate_size: int
+    num_params: int
+    weight_dtype_bytes: int          # bytes per parameter of the linear layers (fp8: 1)
+    # the layers' structure: the Architecture entry's FamilyRules applied to config.json
+    qkv_bias: bool = False           # biases on the q, k and v projections
+    o_bias: bool = False             # a bias on o_proj
+    mlp_bias: bool = False           # biases on the gate, up and down projections
+    qk_norm: bool = False            # per-head RMSNorm of q and k before RoPE
+    sliding_window: int | None = None   # tokens a position attends back over (None: the whole context)
+    # MLA (DeepSeek): one latent of kv_lora_rank + qk_rope_head_dim per token per layer
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    # RoPE settings, validated here so every command refuses the same configs (None for MLA, whose
+    # rotary embedding kvfit plans but does not run)
+    rope: RopeConfig | None = None
+    # FP8 weights (the checkpoint's quantization_config, or --quantization fp8); None: 16-bit weights
+    quantization: Fp8Scheme | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Elements per token per KV head in the cache (MLA: the latent width)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight: with FP8, the layers' linear weights at one byte and their fp32 scales, the
+        embedding, lm_head, norms and routers in the model dtype (as the checkpoints keep them)."""
+        if self.quantization is None:
+            return self.num_params * self.weight_dtype_bytes
+        kept = self.num_params - self.quantized_params
+        return self.quantized_params * self.weight_dtype_bytes + kept * DTYPE_BYTES[self.torch_dtype] + \
+            self.weight_scale_bytes
+
+    @property
+    def quantized_params(self) -> int:
+        """Parameters held in FP8: everything but the embedding, lm_head, norms and routers."""
+        if self.quantization is None:
+            return 0
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        routers = self.num_layers * self.hidden_size * int(self.raw.get("num_experts") or
+                                                           self.raw.get("num_local_experts") or
+                                                           self.raw.get("n_routed_experts") or 0)
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return max(self.num_params - embed - routers - norms, 0)
+
+    @property
+    def weight_scale_bytes(self) -> int:
+        """fp32 scales of the FP8 weights: one per block of block_size, else (at most) one per output row."""
+        scheme = self.quantization
+        if scheme is None:
+            return 0
+        if scheme.block_size is not None:
+            return self.quantized_params // (scheme.block_size[0] * scheme.block_size[1]) * 4
+        return self.quantized_params // self.hidden_size * 4       # rows ~ params / input width
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,138 @@
+"""ModelFacts read from a Hugging Face config.json (a folder, a file or a catalog name), through the
+model's Architecture entry: its family rules give the layers' structure, its mlp_params the MLP's share
+of the parameter count. Parameters are counted from the config (the same tensors the checkpoint holds),
+so the weight-size estimate needs no checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from kvfit.errors import ConfigError
+from kvfit.model_facts.architectures import FamilyRules, architecture_of_config, get_architecture
+from kvfit.model_facts.facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
+from kvfit.model_facts.fields import read_config_json, read_field, read_positive_int
+from kvfit.model_facts.rope import rope_config_from_raw
+from kvfit.quant_scheme import parse_quantization_config, resolve_scheme
+
+
+def _dtype(cfg: dict, source: str) -> str:
+    name = read_field(cfg, "torch_dtype", "str", source) or read_field(cfg, "dtype", "str", source) or "bfloat16"
+    name = name.replace("torch.", "")
+    if name not in DTYPE_ALIASES:
+        raise ConfigError(f"{source}: torch_dtype {name!r} is not one of float32, bfloat16, float16")
+    return DTYPE_ALIASES[name]
+
+
+def _structure(rules: FamilyRules, cfg: dict, source: str) -> dict:
+    """The structure fields of ModelFacts: the family's rules applied to config.json."""
+    attention_bias = rules.reads_attention_bias and read_field(cfg, "attention_bias", "bool", source, default=False)
+    window = None
+    if rules.reads_sliding_window and cfg.get("sliding_window") is not None:
+        window = read_positive_int(cfg, "sliding_window", source)
+    return dict(qkv_bias=rules.qkv_bias or attention_bias, o_bias=attention_bias,
+                mlp_bias=rules.reads_mlp_bias and read_field(cfg, "mlp_bias", "bool", source, default=False),
+                qk_norm=rules.qk_norm,
+                sliding_window=window)
+
+
+def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
+    """Read ModelFacts from a parsed config.json; raise ConfigError on anything missing or malformed."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    arch = architecture_of_config(cfg, source)
+    layers = read_positive_int(cfg, "num_hidden_layers", source)
+    hidden = read_positive_int(cfg, "hidden_size", source)
+    heads = read_positive_int(cfg, "num_attention_heads", source)
+    kv_heads = read_positive_int(cfg, "num_key_value_heads", source, default=heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = read_field(cfg, "head_dim", "int", source, minimum=1)
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
+        head_dim = hidden // heads
+    vocab = read_positive_int(cfg, "vocab_size", source)
+    max_pos = read_positive_int(cfg, "max_position_embeddings", source, default=2048)
+    inter = read_positive_int(cfg, "intermediate_size", source)
+    tie = read_field(cfg, "tie_word_embeddings", "bool", source, default=False)
+    # the models read these from raw; checked here so every command (plan included) rejects them
+    read_field(cfg, "rms_norm_eps", "number", source, above=0)
+    read_field(cfg, "hidden_act", "str", source)
+    kv_lora = rope_dim = None
+    if arch.mla:
+        kv_lora = read_positive_int(cfg, "kv_lora_rank", source)
+        rope_dim = read_positive_int(cfg, "qk_rope_head_dim", source)
+    rope = rope_config_from_raw(cfg, head_dim, source) if kv_lora is None else None
+    quant = read_field(cfg, "quantization_config", "object", source, default={})
+    scheme = parse_quantization_config(quant, source)
+    weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
+    facts = ModelFacts(
+        architecture=arch.name, family=arch.model_type, num_layers=layers, hidden_size=hidden,
+        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+        max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
+        intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme, raw=dict(cfg),
+        **_structure(arch.rules, cfg, source))
+    return replace(facts, num_params=count_parameters(facts, cfg, source))
+
+
+def with_quantization(facts: ModelFacts, quantization: str | None) -> ModelFacts:
+    """facts with --quantization applied: fp8 on a 16-bit checkpoint quantizes its weights at load; on an
+    FP8 checkpoint it must name the checkpoint's method (ConfigError otherwise)."""
+    scheme = resolve_scheme(facts.quantization, quantization)
+    if scheme is facts.quantization:
+        return facts
+    return replace(facts, quantization=scheme, weight_dtype_bytes=1)
+
+
+def _attention_params(f: ModelFacts, cfg: dict, source: str) -> int:
+    h, hd = f.hidden_size, f.head_dim
+    if f.is_mla:
+        nope, rope, v_dim = (read_positive_int(cfg, key, source) for key in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                            "v_head_dim"))
+        q_lora = read_field(cfg, "q_lora_rank", "int", source, minimum=1)
+        qk = f.num_attention_heads * (nope + rope)
+        q = h * qk if not q_lora else h * q_lora + q_lora + q_lora * qk
+        kv = h * (f.kv_lora_rank + rope) + f.kv_lora_rank + f.kv_lora_rank * f.num_attention_heads * (nope + v_dim)
+        return q + kv + f.num_attention_heads * v_dim * h
+    q_out, kv_out = f.num_attention_heads * hd, f.num_kv_heads * hd
+    params = h * q_out + 2 * h * kv_out + q_out * h
+    if f.qkv_bias:
+        params += q_out + 2 * kv_out
+    if f.o_bias:
+        params += h
+    if f.qk_norm:
+        params += 2 * hd  # q_norm and k_norm
+    return params
+
+
+def count_parameters(f: ModelFacts, cfg: dict, source: str = "config.json") -> int:
+    """Parameters in the checkpoint's tensors, computed from the config (embeddings included); the MLPs'
+    share is the architecture entry's mlp_params."""
+    per_layer_fixed = _attention_params(f, cfg, source) + 2 * f.hidden_size  # + two RMSNorms
+    embed = f.vocab_size * f.hidden_size
+    head = 0 if f.tie_word_embeddings else embed
+    mlp = get_architecture(f.architecture, source).mlp_params(f, cfg, source)
+    return embed + head + f.num_layers * per_layer_fixed + mlp + f.hidden_size
+
+
+def load_model_facts(model: str, quantization: str | None = None) -> ModelFacts:
+    """Facts for a model folder, a config.json path, or a catalog name (see kvfit.catalog), with
+    --quantization applied (with_quantization)."""
+    return with_quantization(_load_model_facts(model), quantization)
+
+
+def _load_model_facts(model: str) -> ModelFacts:
+    from kvfit import catalog
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        return facts_from_config(read_config_json(path), path)
+    if os.path.isfile(model) or model.endswith(".json"):
+        return facts_from_config(read_config_json(model), model)
+    if os.sep in model or model.startswith("."):
+        raise ConfigError(f"no model folder or config.json at {model}: check the path, or use a catalog "
+                          f"name ({', '.join(catalog.MODELS)})")
+    cfg = catalog.model_config(model)
+    return facts_from_config(cfg, f"catalog model {model}")
