@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfit.sampling_params import SamplingParams
 
@@ -99,21 +99,26 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...]
 
 
-class SampledTokens(dict):
-    """{request_id: tokens sampled for it, in order: one per device step of the delta}, plus
+@dataclass
+class SampledTokens:
+    """What the runner sampled for one delta, on the host (rank 0).
 
+    tokens: {request_id: tokens sampled for it, in order: one per device step of the delta};
+    nonfinite_ids: requests whose logits were not finite (NaN or inf) at the device step after their last
+    token in `tokens` (each is a key of `tokens`, its list possibly empty): the engine ends each alone with
+    finish reason "error"; the rest of the batch goes on;
     logprobs: {request_id: one TokenLogprobs per sampled token} for requests that asked (logprobs);
     prompt_logprobs: {request_id: (first position, [TokenLogprobs of prompt tokens from there])} for
     requests that asked (prompt_logprobs); position p's entry is prompt token p given tokens < p.
     """
 
-    def __init__(self, tokens: dict[str, list[int]] | None = None,
-                 logprobs: dict[str, list[TokenLogprobs]] | None = None,
-                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None):
-        super().__init__(tokens or {})
-        self.logprobs = logprobs or {}
-        self.prompt_logprobs = prompt_logprobs or {}
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    nonfinite_ids: set[str] = field(default_factory=set)
 
-# The token the runner reports for a request whose logits were not finite (NaN or inf): the engine
-# ends that request alone with finish reason "error"; the rest of the batch goes on.
-NONFINITE_TOKEN = -1
+    def nonfinite_at(self, step: int) -> list[str]:
+        """The requests whose logits were not finite at device step `step` of the delta, in batch order."""
+        if not self.nonfinite_ids:
+            return []
+        return [rid for rid, toks in self.tokens.items() if len(toks) == step and rid in self.nonfinite_ids]

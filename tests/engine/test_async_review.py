@@ -382,7 +382,7 @@ def test_carry_is_each_rows_last_token_when_rows_end_early_in_a_round(tiny_llama
         def read():
             tokens = finish()
             for rid, i in index.items():
-                assert last[i] == tokens[rid][-1], (rid, last[i], tokens[rid])
+                assert last[i] == tokens.tokens[rid][-1], (rid, last[i], tokens.tokens[rid])
             checked.append(sorted({delta.steps_of(i) for i in range(len(delta.request_ids))}))
             return tokens
         return read
@@ -396,7 +396,7 @@ def test_carry_is_each_rows_last_token_when_rows_end_early_in_a_round(tiny_llama
 def test_nonfinite_token_of_a_stale_round_ends_a_reused_id(tiny_llama):
     """A round read late names an id that stopped and was re-added since; a non-finite token sampled for
     the old request's row must not end the new request (found in review; fixed in LLMEngine._apply)."""
-    from kvfit.step import NONFINITE_TOKEN, SampledTokens
+    from kvfit.step import SampledTokens
     stop = _stop_inside_a_round(tiny_llama, PROMPTS[1])
     other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = _llm(tiny_llama, True, 3)
@@ -409,8 +409,9 @@ def test_nonfinite_token_of_a_stale_round_ends_a_reused_id(tiny_llama):
 
     def poisoned():
         tokens = read()
-        out = SampledTokens({rid: list(t) for rid, t in tokens.items()}, tokens.logprobs, tokens.prompt_logprobs)
-        out["x"] = [NONFINITE_TOKEN] * len(out["x"])
+        out = SampledTokens({rid: list(t) for rid, t in tokens.tokens.items()}, tokens.logprobs,
+                            tokens.prompt_logprobs, {"x"})
+        out.tokens["x"] = []                      # not finite at the round's first step
         return out
     engine._inflight = (delta, poisoned)
     engine.add_request(PROMPTS[3], other, request_id="x")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfit.runner.sampling_state import SamplingState
+from kvfit.runner.sampling_state import NONFINITE_TOKEN, SamplingState
 from kvfit.sampling_params import SamplingParams
-from kvfit.step import NONFINITE_TOKEN
 
 V = 64
 PATHS = {

@@ -28,7 +28,7 @@ from kvfit.kv.manager import KVCacheManager
 from kvfit.model_facts import load_model_facts
 from kvfit.kv.pool import BlockPool
 from kvfit.sampling_params import SamplingParams
-from kvfit.step import NONFINITE_TOKEN, SampledTokens, StepDelta
+from kvfit.step import SampledTokens, StepDelta
 
 logger = logging.getLogger("kvfit")
 PREPARE_POLL_S = 0.01       # with only requests being prepared, a step waits this long for one to be ready
@@ -318,9 +318,8 @@ class LLMEngine:
                outputs: dict[str, RequestOutput]) -> None:
         """Apply step `step` of the delta: record tokens, decide finishes, make outputs (a finished
         request's, and when streaming each request's after its last token of the delta)."""
-        sampled = {rid: toks[step] for rid, toks in tokens.items() if step < len(toks)}
-        for request_id in [rid for rid, token in sampled.items() if token == NONFINITE_TOKEN]:
-            del sampled[request_id]
+        sampled = {rid: toks[step] for rid, toks in tokens.tokens.items() if step < len(toks)}
+        for request_id in tokens.nonfinite_at(step):
             req = self.scheduler.requests.get(request_id)
             # this request fails alone; a round read late (async scheduling) may name an id that ended and
             # was re-added since: only the running request is its
@@ -347,7 +346,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(req.request_id, reason)
                 outputs[req.request_id] = self.outputs.output(req, finished=True)
-            elif stream and step + 1 == len(tokens[req.request_id]):
+            elif stream and step + 1 == len(tokens.tokens[req.request_id]) \
+                    and req.request_id not in tokens.nonfinite_ids:     # that one ends at the next step
                 outputs[req.request_id] = self.outputs.output(req, finished=False)
 
     def stats(self) -> dict:

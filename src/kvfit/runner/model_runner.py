@@ -20,7 +20,7 @@ from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
 from kvfit.runner.logits_processing import unpack_logprobs
 from kvfit.runner.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_positions
-from kvfit.runner.sampling_state import SampleResult
+from kvfit.runner.sampling_state import NONFINITE_TOKEN, SampleResult
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.structured.bitmask import bitmask_words
 from kvfit.step import NewRequest, SampledTokens, StepDelta
@@ -170,10 +170,10 @@ class ModelRunner:
 
     # steps -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, delta: StepDelta, sampled_before: SampledTokens | None = None) -> SampledTokens:
-        """Apply the delta to the persistent batch and run it; return {request_id: sampled tokens in
-        order} (one per device step; rank 0 only). sampled_before: tokens another rank sampled in the
-        previous step (tensor parallelism), recorded first."""
+    def execute(self, delta: StepDelta, sampled_before: dict[str, list[int]] | None = None) -> SampledTokens:
+        """Apply the delta to the persistent batch and run it; return the sampled tokens (one per device
+        step; rank 0 only). sampled_before: {request_id: tokens} rank 0 sampled in the previous step
+        (tensor parallelism), recorded first."""
         if sampled_before:
             self.batch.record_sampled(sampled_before)
         return self.launch(delta)()
@@ -188,7 +188,7 @@ class ModelRunner:
         def result() -> SampledTokens:
             with torch.inference_mode():
                 sampled = finish()
-            self.batch.record_sampled(sampled)
+            self.batch.record_sampled(sampled.tokens)
             return sampled
         return result
 
@@ -277,8 +277,8 @@ class ModelRunner:
             if host_packed is not None:
                 entries = unpack_logprobs(host_packed.tolist(), result.num_logprobs)
                 logprobs = {ids[j]: [entry] for j, entry in zip(result.logprob_positions, entries)}
-            return SampledTokens({rid: [t] for rid, t in zip(ids, host_tokens.tolist())}, logprobs,
-                                 read_prompt_logprobs())
+            return _sampled_tokens({rid: [t] for rid, t in zip(ids, host_tokens.tolist())}, logprobs,
+                                   read_prompt_logprobs())
         return finish
 
     def _prompt_logprobs(self, delta: StepDelta, hidden: torch.Tensor) -> Callable[[], dict]:
@@ -346,14 +346,15 @@ class ModelRunner:
             if done is not None:
                 done.synchronize()          # this delta's copies only, not work launched after it
             sampled = host_tokens.t().tolist()
-            out = SampledTokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)})
+            logprobs = {}
             if host_packed is not None:     # the same rows ask at every step
                 per_step = host_packed.tolist()
                 for j, pos in enumerate(result.logprob_positions):
                     k = result.num_logprobs[j]
-                    out.logprobs[delta.request_ids[pos]] = unpack_logprobs(
+                    logprobs[delta.request_ids[pos]] = unpack_logprobs(
                         [per_step[s][j] for s in range(steps[pos])], [k] * steps[pos])
-            return out
+            return _sampled_tokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)},
+                                   logprobs)
         return finish
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -362,6 +363,20 @@ class ModelRunner:
             return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                       meta.prefix_len)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
+
+
+def _sampled_tokens(rows: dict[str, list[int]], logprobs: dict, prompt_logprobs: dict | None = None) -> SampledTokens:
+    """The host's SampledTokens from each request's tokens as the device sampled them: a request's tokens
+    (and logprobs) end before its first NONFINITE_TOKEN (those after it were sampled from its lost state)
+    and it joins nonfinite_ids."""
+    nonfinite = set()
+    for request_id, row in rows.items():
+        if NONFINITE_TOKEN in row:
+            del row[row.index(NONFINITE_TOKEN):]
+            nonfinite.add(request_id)
+            if request_id in logprobs:
+                logprobs[request_id] = logprobs[request_id][:len(row)]
+    return SampledTokens(rows, logprobs, prompt_logprobs or {}, nonfinite)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,10 @@ from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows
 from kvfit.runner.logits_processing import (PROMPT_BIT, RowEdits, RowExtras, StepEdits, apply_edits,
                                             apply_penalties, pack_logprobs, row_edits, top_logprobs)
 from kvfit.sampling_params import SamplingParams
-from kvfit.step import NONFINITE_TOKEN
+
+# The token a row gets on the device when its logits are not finite (NaN or inf); the runner reports its
+# request in SampledTokens.nonfinite_ids (the tokens it returns are never this).
+NONFINITE_TOKEN = -1
 
 # splitmix64 (Steele, Lea, Flood 2014): the golden-ratio increment and the two finaliser multipliers,
 # as signed int64 (torch has no uint64 arithmetic; int64 multiplication wraps, which is what we want).

@@ -395,7 +395,7 @@ class TensorParallelWorkers:
             self._ranks.check_alive()
             dist.broadcast_object_list([(delta, self._sampled)], src=0, group=self._ranks.control)
             sampled = self.worker.execute(delta)
-            self._sampled = dict(sampled)        # the other ranks need the tokens only, not the logprobs
+            self._sampled = sampled.tokens       # the other ranks need the tokens only, not the logprobs
             return sampled
 
     @property

@@ -74,7 +74,7 @@ class Worker:
         caches = self.runner.kv_caches
         return caches[0][0].shape[0] if caches else 0
 
-    def execute(self, delta: StepDelta, sampled_before: SampledTokens | None = None) -> SampledTokens:
+    def execute(self, delta: StepDelta, sampled_before: dict[str, list[int]] | None = None) -> SampledTokens:
         sampled = self.runner.execute(delta, sampled_before)
         self.platform.keep_within(self.reading)
         return sampled
