@@ -11,18 +11,16 @@ from kvfit.errors import ConfigError
 from kvfit.hub import resolve_model_name
 from kvfit.kv.spec import KV_CACHE_DTYPES, check_block_size, resolve_kv_cache_dtype
 from kvfit.model_facts import DTYPE_ALIASES
+from kvfit.platforms.registry import check_device
 from kvfit.quant_scheme import QUANTIZATION_METHODS
 from kvfit.units import parse_bytes
 
 # torch.manual_seed takes seeds up to 2**64 - 1; per-request seeds are taken mod 2**64 (sampling_state.py)
 MAX_SEED = 2**64 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DEVICES = ("auto", "cpu", "cuda")
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")     # or a folder path
 # --max-model-len auto (vLLM's auto / -1): the longest request the KV cache holds, capped by the model's
 AUTO_MAX_MODEL_LEN = "auto"
-# Share of the memory available at start-up that the CPU platform gives the KV cache by default.
-CPU_KV_CACHE_SHARE = 0.25
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
@@ -210,8 +208,7 @@ class DeviceConfig:
     def __post_init__(self):
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("disable_cascade_attn", self.disable_cascade_attn)
-        if self.device not in DEVICES:
-            raise ConfigError(f"--device {self.device!r} is not supported; use one of {', '.join(DEVICES)}")
+        check_device(self.device)              # the names platforms/registry.py holds
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvfit.attention.registry import backend_names
-from kvfit.config import DEVICES
+from kvfit.config import DeviceConfig
 from kvfit.errors import ConfigError
 from kvfit.platforms import get_platform, platform_names
 from kvfit.platforms.base import Platform
@@ -36,9 +36,17 @@ def test_every_name_resolves_to_its_platform():
     assert CpuPlatform.is_available()          # the last one, auto's fallback
 
 
-def test_config_accepts_exactly_the_registered_devices():
-    # config.py sits below platforms/ (tests/test_layering.py), so it keeps its own list: this holds them equal
-    assert set(DEVICES) == {"auto", *platform_names()}
+@pytest.mark.parametrize("name", ["auto", *platform_names()])
+def test_config_accepts_the_registered_devices(name):
+    assert DeviceConfig(device=name).device == name
+
+
+@pytest.mark.parametrize("name", ["tpu", "CUDA", "", None, ["cpu"]])
+def test_config_refuses_other_devices_with_the_registry_message(name):
+    # config.py asks platforms/registry.py (ranked below config in tests/test_layering.py): one list, one message
+    with pytest.raises(ConfigError) as err:
+        DeviceConfig(device=name)
+    assert str(err.value) == f"--device {name!r} is not supported; use auto, cpu or cuda"
 
 
 def test_auto_takes_a_gpu_when_there_is_one(gpu):

@@ -131,8 +131,7 @@ def test_cpu_measure_uses_kv_cache_memory():
 
 
 def test_cpu_default_is_a_share_of_available_memory():
-    from kvfit.config import CPU_KV_CACHE_SHARE
-    from kvfit.platforms.cpu import read_meminfo
+    from kvfit.platforms.cpu import CPU_KV_CACHE_SHARE, read_meminfo
     steps = StartupSteps(load_weights=lambda: 0, profile=lambda: 0)
     reading = CpuPlatform().measure(steps, CacheConfig())
     _, available = read_meminfo()

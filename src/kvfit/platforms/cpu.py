@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from kvfit.config import CPU_KV_CACHE_SHARE, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, EngineConfig
+from kvfit.config import DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig, EngineConfig
 from kvfit.errors import ConfigError
 from kvfit.kv.plan import MemoryReading
 from kvfit.platforms.base import Platform, StartupSteps
@@ -18,6 +18,8 @@ from kvfit.platforms.base import Platform, StartupSteps
 # --max-num-batched-tokens on the CPU when not given: prefills go in chunks of this many tokens, and
 # the start-up profile (the widest and the longest step) runs two forwards of this many tokens
 CPU_MAX_NUM_BATCHED_TOKENS = 64
+# Share of the memory available at start-up that the KV cache takes when --kv-cache-memory is not given
+CPU_KV_CACHE_SHARE = 0.25
 
 
 def read_meminfo() -> tuple[int, int]:

@@ -3,7 +3,8 @@
 Classes are named by "module:Class" and imported when asked for: the CUDA platform imports torch,
 and `kvfit plan` (which reads platforms/estimate.py) must not. A new platform is one module plus
 one line here, placed before the platforms `auto` should prefer it to. This module imports no
-platform module, base.py included (base.py asks it which platforms run a backend).
+platform module, base.py included (base.py asks it which platforms run a backend), and nothing but
+kvfit.errors: config.py checks --device against it (tests/test_layering.py ranks it below config).
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ def _device_choices() -> str:
     return ", ".join([AUTO, *first]) + f" or {last}"
 
 
+def _unsupported(name) -> ConfigError:
+    return ConfigError(f"--device {name!r} is not supported; use {_device_choices()}")
+
+
+def check_device(name) -> None:
+    """Raise a ConfigError naming the choices unless `name` is a --device value (auto or a platform's name)."""
+    if not (isinstance(name, str) and (name == AUTO or name in PLATFORMS)):
+        raise _unsupported(name)
+
+
 def platform_class(name: str) -> type:
     """The Platform subclass of `name`; an unknown name is a ConfigError naming the choices."""
     if name not in PLATFORMS:
-        raise ConfigError(f"--device {name!r} is not supported; use {_device_choices()}")
+        raise _unsupported(name)
     module, _, cls = PLATFORMS[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
