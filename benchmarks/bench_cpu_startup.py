@@ -1,6 +1,6 @@
 """Start-up on the CPU: time and peak RSS of `kvfit generate MODEL --load-format dummy --device cpu` with the
 default flags (issue 32 (6): qwen3-0.6b in under 30 s and 4 GB on a 2-core machine), beside the slow-start
-estimate (commands/common.py) for the same settings (aim: within 2x of the measured time).
+estimate (platforms/cpu_startup.py) for the same settings (aim: within 2x of the measured time).
 
 python benchmarks/bench_cpu_startup.py [--model qwen3-0.6b] [--reps 1] [-- extra kvfit flags]
 
@@ -38,23 +38,24 @@ def one_start(model: str, extra: list[str]) -> tuple[float, float, int]:
 
 
 def estimate(model: str, extra: list[str]) -> tuple[float, float, int]:
-    """(estimated seconds, TFLOP of the profile, tokens profiled) from commands/common.py's formula."""
-    from kvfit.commands import common
+    """(estimated seconds, TFLOP of the profile, tokens profiled) from platforms/cpu_startup.py's formula."""
+    import torch
+
     from kvfit.commands.flags import add_engine_flags, engine_kwargs
     from kvfit.config import EngineConfig
-    from kvfit.model_facts import DTYPE_ALIASES, load_model_facts
+    from kvfit.model_facts import load_model_facts
+    from kvfit.platforms import cpu_startup
     from kvfit.platforms.cpu import CpuPlatform
-    from kvfit.runner.kv_cache import TORCH_DTYPES
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
     args = parser.parse_args(["--load-format", "dummy", "--device", "cpu", *extra])
     config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(model, **engine_kwargs(args)))
     facts = load_model_facts(config.model.model)
-    load_bytes, flops = common.cpu_startup_work(facts, config)
-    dtype = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
-    rate = common.measured_matmul_flops(TORCH_DTYPES[dtype])
-    load_rate = common.measured_init_bytes_per_s(TORCH_DTYPES[dtype])      # --load-format dummy
-    seconds = common.CPU_FIXED_START_S + load_bytes / load_rate + flops / rate
+    load_bytes, flops = cpu_startup.cpu_startup_work(facts, config)
+    dtype = getattr(torch, cpu_startup.model_dtype_name(facts, config))
+    rate = cpu_startup.measured_matmul_flops(dtype)
+    load_rate = cpu_startup.measured_init_bytes_per_s(dtype)      # --load-format dummy
+    seconds = cpu_startup.CPU_FIXED_START_S + load_bytes / load_rate + flops / rate
     return seconds, flops / 1e12, config.scheduler.max_num_batched_tokens
 
 

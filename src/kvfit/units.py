@@ -62,3 +62,9 @@ def _number_bytes(number) -> int:
 def gib(num_bytes: int) -> str:
     """Format bytes as GiB with two decimals, e.g. '139.80 GiB'."""
     return f"{num_bytes / GiB:.2f} GiB"
+
+
+def duration(seconds: float) -> str:
+    """Format seconds as minutes and seconds, e.g. '2 min 5 s' ('45 s' under a minute)."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"

@@ -12,7 +12,6 @@ import pytest
 from kvfit.cli import main
 from kvfit.commands import common
 from kvfit.config import EngineConfig
-from kvfit.model_facts import load_model_facts
 
 CPU = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "64"]
 
@@ -60,18 +59,6 @@ def test_plot_checks_matplotlib_before_loading(capsys, tiny_llama, monkeypatch, 
     assert "--plot needs matplotlib" in line
 
 
-def test_cpu_startup_work_counts_the_load_the_profile_and_its_attention():
-    config = EngineConfig.from_kwargs("llama-3.1-8b", device="cpu", max_num_batched_tokens=4096)
-    facts = load_model_facts("llama-3.1-8b")
-    load_bytes, flops = common.cpu_startup_work(facts, config)
-    assert load_bytes == facts.num_params * 2                  # bfloat16 checkpoint
-    # widest step (256 sequences of 16 tokens) and longest (one of 4096) differ: two passes over 4096 tokens,
-    # each sequence's attention the whole square of its tokens
-    per_square = 4 * facts.num_attention_heads * facts.head_dim * facts.num_layers
-    assert common.profile_shapes(config, facts.max_position_embeddings) == [(256, 16), (1, 4096)]
-    assert flops == 2 * facts.num_params * 4096 * 2 + per_square * (256 * 16 ** 2 + 4096 ** 2)
-
-
 def test_the_cpu_profiles_fewer_tokens_by_default():
     from kvfit.platforms.cpu import CPU_MAX_NUM_BATCHED_TOKENS, CpuPlatform
     config = CpuPlatform().resolve_config(EngineConfig.from_kwargs("qwen3-0.6b", device="cpu"))
@@ -86,22 +73,9 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu(capsys, tiny_llama):
     assert "--gpu-memory-utilization 0.5" in line and "--kv-cache-memory" in line, line
 
 
-def test_a_512_token_profile_on_the_cpu_is_announced(monkeypatch):
-    # issue 32: 512 tokens of qwen3-0.6b took 110 s on a 2-core machine and said nothing
-    config = EngineConfig.from_kwargs("qwen3-0.6b", device="cpu", max_num_batched_tokens=512)
-    monkeypatch.setattr(common, "measured_matmul_flops", lambda dtype: 10e9)       # a 2-core VM in bf16
-    seconds, warning = common.cpu_startup_estimate(load_model_facts("qwen3-0.6b"), config)
-    assert seconds > common.CPU_SLOW_START_S and "512 tokens" in warning and "with attention" in warning
-
-
-def test_a_small_model_starts_without_a_warning(tiny_llama):
-    from kvfit.platforms.cpu import CpuPlatform
-    config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(tiny_llama, device="cpu"))
-    assert common.cpu_startup_estimate(load_model_facts(tiny_llama), config) is None
-
-
 def test_a_long_cpu_start_is_announced(capsys, tiny_llama, monkeypatch):
-    monkeypatch.setattr(common, "CPU_SLOW_START_S", 0.0)      # this tiny model counts as slow
+    from kvfit.platforms import cpu_startup
+    monkeypatch.setattr(cpu_startup, "CPU_SLOW_START_S", 0.0)      # this tiny model counts as slow
     status = main(["generate", tiny_llama, "--prompt-token-ids", "5,6", "--max-tokens", "2", *CPU])
     err = capsys.readouterr().err
     assert status == 0, err

@@ -9,6 +9,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from kvfit.units import duration
+
 
 def setup_logging() -> None:
     """Every command's log in the server's one format (level, time, logger: kvfit.server.logs)."""
@@ -38,118 +40,14 @@ def sampling_params(args, seed, defaults):
     return dataclasses.replace(defaults, seed=seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, **given)
 
 
-# --- start-up on the CPU: minutes for a large model, so say so and show it is still going ----------------
-# Assumed rate of reading a checkpoint into host memory and converting it (safetensors from a warm page
-# cache; a cold disk or a network file system is slower). Random weights (--load-format dummy) are timed
-# instead (measured_init_bytes_per_s): torch's normal_ fills 0.15 GB/s of bf16 on a 2-core VM.
-CPU_LOAD_BYTES_PER_S = 1e9
-CPU_FIXED_START_S = 3.0          # importing torch and kvfit, the model's facts, the KV cache (3.3 s on a 2-core VM)
-CPU_SLOW_START_S = 30.0          # a start-up estimated past this gets the warning and progress lines
+# --- a slow start-up (the CPU's, for a large model): say so and show it is still going -------------------
 PROGRESS_EVERY_S = 30.0          # seconds between "still starting" lines
-_MATMUL_SIZE = 1024              # the linear timed to measure this CPU's rate in the run's dtype
-# below this much profile work no CPU starts slowly (a 2-core VM runs ~0.01 TFLOP/s in bf16 without native bf16
-# instructions, 0.05 in fp32): nothing is timed
-_NEGLIGIBLE_FLOPS = 1e11
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
-
-
-def measured_matmul_flops(torch_dtype) -> float:
-    """This CPU's rate (FLOP/s) in torch_dtype at the model's own op: F.linear of [128, S] by [2S, S] (S =
-    _MATMUL_SIZE), timed a few times. (A square `a @ a` in bf16 takes a path 7x slower than linear's on a CPU
-    without bf16 instructions, which made the estimate 5x too long.)"""
-    import torch
-    x = torch.randn(128, _MATMUL_SIZE).to(torch_dtype)
-    w = torch.randn(2 * _MATMUL_SIZE, _MATMUL_SIZE).to(torch_dtype)
-    torch.nn.functional.linear(x, w)   # warm-up: thread pool and kernels
-    reps = 3
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.nn.functional.linear(x, w)
-    return 2 * 128 * 2 * _MATMUL_SIZE ** 2 * reps / max(time.perf_counter() - start, 1e-9)
-
-
-def measured_init_bytes_per_s(torch_dtype) -> float:
-    """This CPU's rate (bytes/s) of filling torch_dtype with normal_, as dummy weights are."""
-    import torch
-    x = torch.empty(1 << 21, dtype=torch_dtype)
-    x.normal_()                          # warm-up
-    start = time.perf_counter()
-    x.normal_()
-    return x.numel() * x.element_size() / max(time.perf_counter() - start, 1e-9)
-
-
-def profile_shapes(config, max_model_len: int) -> list[tuple[int, int]]:
-    """The start-up profile's steps as (sequences, tokens each): the widest step (max_num_batched_tokens over
-    max_num_seqs sequences) and the longest (as few sequences as max_model_len allows), once each when they
-    are the same shape (runner/model_runner.py's profile_run). config: resolved (a platform's defaults in)."""
-    sched = config.scheduler
-    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_model_len)
-    wide = max(min(sched.max_num_seqs, num_tokens), 1)
-    long = max(-(-num_tokens // max_model_len), 1)
-    return [(n, -(-num_tokens // n)) for n in dict.fromkeys((wide, long))]
-
-
-def cpu_startup_work(facts, config) -> tuple[int, int]:
-    """(checkpoint bytes to load, FLOPs of the start-up profile). Each profiled step runs the model over
-    its tokens at ~2 FLOPs per parameter per token (every expert counted for MoE: an upper bound; the LM
-    head counted for every token, as the profile asks every position for prompt logprobs), plus attention:
-    4 x heads x head_dim x query x key positions per layer and sequence (the reference backend's masked
-    SDPA computes the whole square, masked half included). config: resolved (a platform's defaults in)."""
-    from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES
-    from kvfit.planning import resolve_max_model_len
-    dtype = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
-    max_len = resolve_max_model_len(facts, config.model.max_model_len)
-    flops = 0
-    for num_seqs, tokens_each in profile_shapes(config, max_len):
-        flops += 2 * facts.num_params * num_seqs * tokens_each
-        flops += 4 * facts.num_attention_heads * facts.head_dim * tokens_each ** 2 * num_seqs * facts.num_layers
-    return facts.num_params * DTYPE_BYTES[dtype], flops
-
-
-def cpu_startup_estimate(facts, config) -> tuple[float, str] | None:
-    """(seconds, a warning saying so) when starting on the CPU is estimated to take long, else None.
-    config: resolved (a platform's defaults in)."""
-    from kvfit.platforms.cpu import read_meminfo
-    load_bytes, flops = cpu_startup_work(facts, config)
-    if flops < _NEGLIGIBLE_FLOPS and load_bytes / CPU_LOAD_BYTES_PER_S < CPU_SLOW_START_S / 2:
-        return None     # fast on any CPU: nothing to time
-    if load_bytes > read_meminfo()[1]:     # the load fails at once ("the weights do not fit"): no wait to announce
-        return None
-    from kvfit.model_facts import DTYPE_ALIASES
-    from kvfit.runner.kv_cache import TORCH_DTYPES
-    dtype = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
-    rate = measured_matmul_flops(TORCH_DTYPES[dtype])
-    dummy = config.model.load_format == "dummy"
-    load_rate = measured_init_bytes_per_s(TORCH_DTYPES[dtype]) if dummy else CPU_LOAD_BYTES_PER_S
-    seconds = CPU_FIXED_START_S + load_bytes / load_rate + flops / rate
-    if seconds < CPU_SLOW_START_S:
-        return None
-    loading = (f"random weights at the {load_rate / 1e9:.2f} GB/s measured here" if dummy
-               else f"loading at an assumed {load_rate / 1e9:.0f} GB/s")
-    return seconds, (
-        f"warning: starting {facts.num_params / 1e9:.1f}B parameters ({load_bytes / 2**30:.1f} GiB in {dtype}) "
-        f"on the CPU will take about {_duration(seconds)} (an estimate: {loading}, "
-        f"then profiling {config.scheduler.max_num_batched_tokens} tokens, "
-        f"{flops / 1e12:.1f} TFLOP with attention, at the {rate / 1e9:.0f} GFLOP/s measured here); a GPU "
-        "(--device cuda) or a lower --max-num-batched-tokens starts faster")
 
 
 def _slow_start(config) -> tuple[float, str] | None:
-    from kvfit.model_facts import load_model_facts
+    """The platform's (seconds, warning) where starting config's engine is estimated to take long, else None."""
     from kvfit.platforms import get_platform
-    platform = get_platform(config.device.device)
-    # a GPU loads and profiles in seconds; the host CPU is the platform whose start-up takes minutes
-    if platform.name != "cpu":
-        return None
-    if config.model.load_format != "dummy":     # missing weights fail at once (the loader's error): no wait to announce
-        from kvfit.models.loader import safetensors_files
-        safetensors_files(config.model.model)
-    return cpu_startup_estimate(load_model_facts(config.model.model, config.model.quantization),
-                                platform.resolve_config(config))
+    return get_platform(config.device.device).startup_estimate(config)
 
 
 def _notice(level: int, message: str) -> None:
@@ -162,14 +60,14 @@ def _notice(level: int, message: str) -> None:
 
 def _progress(stop: threading.Event, start: float, seconds: float, every: float) -> None:
     while not stop.wait(every):
-        _notice(logging.INFO, f"still starting, {_duration(time.monotonic() - start)} of about "
-                              f"{_duration(seconds)} (estimated)")
+        _notice(logging.INFO, f"still starting, {duration(time.monotonic() - start)} of about "
+                              f"{duration(seconds)} (estimated)")
 
 
 @contextmanager
 def engine_startup(config):
-    """Around building the engine: when starting on the CPU is estimated to take long, a warning with
-    the estimate first, then a "still starting" line every PROGRESS_EVERY_S until the engine is up."""
+    """Around building the engine: when the platform estimates starting to take long (the CPU's, for a large
+    model), a warning with the estimate first, then a "still starting" line every PROGRESS_EVERY_S until the engine is up."""
     notice = _slow_start(config)
     if notice is None:
         yield
@@ -185,4 +83,4 @@ def engine_startup(config):
     finally:
         stop.set()
         ticker.join()
-    _notice(logging.INFO, f"started in {_duration(time.monotonic() - start)}")
+    _notice(logging.INFO, f"started in {duration(time.monotonic() - start)}")

@@ -63,6 +63,12 @@ class Platform:
         setting that means nothing here. The engine runs on what this returns."""
         return with_default_batched_tokens(config, self.default_max_num_batched_tokens)
 
+    def startup_estimate(self, config: EngineConfig) -> tuple[float, str] | None:
+        """(seconds, a warning saying so) where starting an engine of config here is estimated to take long
+        enough to announce (the command then shows progress until it is up); None (the default): it starts in
+        seconds, or fails at once."""
+        return None
+
     def default_scheduler_steps(self, tensor_parallel_size: int) -> int:
         """Decode steps per scheduling round when --num-scheduler-steps is not given."""
         return 1

@@ -4,6 +4,7 @@
 pointing to --kv-cache-memory. Steps carry fewer tokens by default than on a GPU (CPU_MAX_NUM_BATCHED_TOKENS),
 as vLLM's CPU backend lowers its token budget: the start-up profile runs the model over that many tokens
 twice, and a step of a 2-core CPU in bf16 takes about 0.1 s per token of a 0.6B model (docs/benchmarks.md).
+A start-up estimated to take long is announced first (startup_estimate: platforms/cpu_startup.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class CpuPlatform(Platform):
                 f"the KV cache takes {CPU_KV_CACHE_SHARE:.0%} of the RAM available at start-up; size it with "
                 "--kv-cache-memory instead, e.g. --kv-cache-memory 4GiB")
         return super().resolve_config(config)
+
+    def startup_estimate(self, config: EngineConfig) -> tuple[float, str] | None:
+        # loading and profiling at host speed takes minutes for a large model (platforms/cpu_startup.py)
+        if config.model.load_format != "dummy":     # missing weights fail at once (the loader's error): no wait
+            from kvfit.models.loader import safetensors_files
+            safetensors_files(config.model.model)
+        from kvfit.model_facts import load_model_facts
+        from kvfit.platforms.cpu_startup import cpu_startup_estimate
+        facts = load_model_facts(config.model.model, config.model.quantization)
+        return cpu_startup_estimate(facts, self.resolve_config(config), read_meminfo()[1])
 
     def device_count(self) -> int:
         """Cores this process may run on (its affinity mask, where the OS has one)."""
