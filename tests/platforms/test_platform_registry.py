@@ -15,7 +15,7 @@ from kvfit.platforms import get_platform, platform_names
 from kvfit.platforms.base import Platform
 from kvfit.platforms.cpu import CpuPlatform
 from kvfit.platforms.cuda import CUDA_SCHEDULER_STEPS, CudaPlatform
-from kvfit.platforms.registry import PLATFORMS, platform_class, platforms_supporting
+from kvfit.platforms.registry import PLATFORMS, platform_class, platform_of, platforms_supporting
 
 
 @pytest.fixture
@@ -108,3 +108,20 @@ def test_imports_stay_light(module, absent):
     code = f"import sys, {module}; print(sorted(m for m in {absent!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_torch_device_finds_its_platform():
+    import torch
+    cpu = platform_of(torch.device("cpu"))
+    assert type(cpu) is CpuPlatform
+    cuda = platform_of(torch.device("cuda", 1))      # constructing it asks nothing of a GPU
+    assert type(cuda) is CudaPlatform and cuda.device_index == 1 and str(cuda.torch_device()) == "cuda:1"
+
+
+def test_host_tensors_need_no_copy_and_no_event():
+    # the runner's device questions: on the host a tensor is its own host copy and work is done on return
+    import torch
+    t = torch.arange(3)
+    assert CpuPlatform().host_copy(t) is t and CpuPlatform().ready_event() is None
+    assert CudaPlatform(0).host_copy(t) is t            # a host tensor is never copied, on any platform
+    CpuPlatform().release_cached_memory()

@@ -83,6 +83,19 @@ class Platform:
         raise ConfigError(f"--attention-backend {name} {needs}; use --attention-backend {self.default_backend} "
                           f"on {self.label}")
 
+    def host_copy(self, t):
+        """A host copy of t that lands without blocking the host (read it after ready_event()'s synchronize);
+        t itself where it is on the host already (the default: the device is the host)."""
+        return t
+
+    def ready_event(self):
+        """An event recorded after everything queued so far on this device's current stream: its synchronize()
+        waits for that work only, not for work queued after it. None (the default): work is done on return."""
+        return None
+
+    def release_cached_memory(self) -> None:
+        """Hand the memory the allocator caches back to the device (an engine shut down). Default: none cached."""
+
     def free_device_bytes(self) -> int | None:
         """Free device memory now, where the device reports it (None: it does not)."""
         return None

@@ -67,6 +67,21 @@ class CudaPlatform(Platform):
         # multi-step rounds run on one rank only (the engine refuses them with tensor parallelism)
         return CUDA_SCHEDULER_STEPS if tensor_parallel_size == 1 else 1
 
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)     # pinned: the copy does not block the host
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def ready_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def free_device_bytes(self) -> int | None:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free

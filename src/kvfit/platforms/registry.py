@@ -60,6 +60,11 @@ def get_platform(device: str = AUTO, device_index: int = 0):
     return cls(device_index)
 
 
+def platform_of(device):
+    """The Platform of a torch device, on its index (a platform's name is its torch device type)."""
+    return platform_class(device.type)(device.index or 0)
+
+
 def platforms_supporting(backend: str) -> tuple[str, ...]:
     """Names of the platforms attention backend `backend` runs on (for error messages)."""
     return tuple(name for name in PLATFORMS if backend in platform_class(name).supported_backends)

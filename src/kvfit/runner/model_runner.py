@@ -15,6 +15,7 @@ from kvfit.config import EngineConfig
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
 from kvfit.planning import prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len
+from kvfit.platforms.registry import platform_of
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
@@ -52,6 +53,7 @@ class ModelRunner:
         self.config = config
         self.facts = facts
         self.device = device
+        self.platform = platform_of(device)      # device questions (host copies, events, the allocator cache)
         self.backend = backend
         self.spec = spec
         self.tp_rank = tp_rank
@@ -158,8 +160,7 @@ class ModelRunner:
         """Drop the weights, the KV cache, the graphs and the persistent batch (the engine shut down)."""
         self.release_graphs()
         self.model, self.batch, self.kv_caches, self._carry = None, None, [], None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.release_cached_memory()
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
@@ -253,7 +254,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
         read_prompt_logprobs = self._prompt_logprobs(delta, hidden)
         if not inputs.sample_seqs:
-            done = _device_event(self.device)
+            done = self.platform.ready_event()
 
             def finish_chunks() -> SampledTokens:
                 if done is not None:
@@ -266,9 +267,9 @@ class ModelRunner:
         result = self._sample(logits, inputs, delta)
         ids = [delta.request_ids[i] for i in inputs.sample_seqs]
         self._carry = ({rid: j for j, rid in enumerate(ids)}, result.tokens.clamp(min=0))
-        host_tokens = _to_host(result.tokens)
-        host_packed = _to_host(result.logprobs) if result.logprobs is not None else None
-        done = _device_event(self.device)
+        host_tokens = self.platform.host_copy(result.tokens)
+        host_packed = self.platform.host_copy(result.logprobs) if result.logprobs is not None else None
+        done = self.platform.ready_event()
 
         def finish() -> SampledTokens:
             if done is not None:
@@ -295,7 +296,8 @@ class ModelRunner:
         if not jobs:
             return dict
         return compute_prompt_logprobs(hidden, self.model.compute_logits, jobs, keep=self.tp_rank == 0,
-                                       to_host=_to_host, slice_positions=prompt_logprobs_slice(self.facts.vocab_size))
+                                       to_host=self.platform.host_copy,
+                                       slice_positions=prompt_logprobs_slice(self.facts.vocab_size))
 
     def _execute_steps(self, delta: StepDelta, inputs: ModelInputs) -> Callable[[], SampledTokens]:
         """Launch an all-decode delta: request i runs delta.steps_of(i) decode steps, each step's sampled
@@ -338,9 +340,9 @@ class ModelRunner:
             return SampledTokens
         last = tokens[remaining - 1, rows].clamp(min=0)         # [B]: each row's token of its own last step
         self._carry = ({rid: i for i, rid in enumerate(delta.request_ids)}, last)
-        host_tokens = _to_host(tokens)
-        host_packed = _to_host(torch.stack(packed)) if packed else None      # [K, L, 3 + 2k]
-        done = _device_event(self.device)
+        host_tokens = self.platform.host_copy(tokens)
+        host_packed = self.platform.host_copy(torch.stack(packed)) if packed else None      # [K, L, 3 + 2k]
+        done = self.platform.ready_event()
 
         def finish() -> SampledTokens:
             if done is not None:
@@ -377,21 +379,3 @@ def _sampled_tokens(rows: dict[str, list[int]], logprobs: dict, prompt_logprobs:
             if request_id in logprobs:
                 logprobs[request_id] = logprobs[request_id][:len(row)]
     return SampledTokens(rows, logprobs, prompt_logprobs or {}, nonfinite)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of t that lands without blocking the host (pinned memory); t itself off a GPU."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
-def _device_event(device: torch.device):
-    """An event recorded after everything queued so far on the device's stream (None off a GPU)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
