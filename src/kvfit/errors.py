@@ -27,3 +27,8 @@ class RequestError(KvfitError, ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class EngineDeadError(KvfitError):
+    """The executor cannot run another step (a tensor-parallel rank exited or failed, or a failure stopped
+    the ranks): the engine must be started again. A server answers every request 503 from then on."""

@@ -78,6 +78,9 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
+    def check_alive(self):
+        """One process: a failed step never stops the next (FakeTPEngine's can)."""
+
     def _running(self):
         return list(self.requests.items())[:self.max_running]
 
@@ -109,7 +112,7 @@ class FakeEngine:
     def stats(self):
         running = len(self._running())
         return {"kv_blocks_total": 64, "kv_blocks_free": 64 - running, "kv_blocks_used": running,
-                "kv_blocks_cached": 0, "token_capacity": 1024, "running": running,
+                "kv_blocks_cached": 0, "token_capacity": 1024, "block_size": 16, "running": running,
                 "waiting": len(self.requests) - running, "preemptions": 0, "prefix_cache_queries": 0,
                 "prefix_cache_hits": 0}
 

@@ -169,7 +169,7 @@ class _FullEngine:
 
     def stats(self):
         return {"kv_blocks_total": 64, "kv_blocks_free": 0, "kv_blocks_used": 64, "kv_blocks_cached": 0,
-                "token_capacity": 1024, "running": 2, "waiting": 2 + len(self.added)}
+                "token_capacity": 1024, "block_size": 16, "running": 2, "waiting": 2 + len(self.added)}
 
     def add_request(self, prompt, params, request_id, strict_context=False, cache_salt=None):
         self.added += [request_id] * params.n

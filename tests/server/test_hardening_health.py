@@ -17,7 +17,7 @@ from fake_engine import FakeEngine
 from server_testing import openai_error, running_server, spawned_children, wait_healthy
 from test_server_cli import read_until, serving
 
-from kvfit.errors import KvfitError
+from kvfit.errors import EngineDeadError
 from kvfit.server.app import create_app
 from kvfit.server.launch import (DEAD_ENGINE_GRACE_SECONDS, GRACEFUL_SHUTDOWN_SECONDS, GracefulServer,
                                  GuardOptions, bind_socket, install_guards, url_of, uvicorn_config)
@@ -25,29 +25,25 @@ from kvfit.server.launch import (DEAD_ENGINE_GRACE_SECONDS, GRACEFUL_SHUTDOWN_SE
 RANKS_STOPPED = "the tensor-parallel ranks have stopped after an earlier error; start a new engine"
 
 
-class FakeRanks:
-    """The tensor-parallel executor's `_ranks` surface the server reads: closed and dead()."""
-
-    def __init__(self):
-        self.closed = False
-        self.dead_ranks: list[int] = []
-
-    def dead(self) -> list[int]:
-        return list(self.dead_ranks)
-
-
 class FakeTPEngine(FakeEngine):
-    """A prompt containing 'KILL-RANK' makes step() fail as a step does after a rank died."""
+    """A prompt containing 'KILL-RANK' makes step() fail as a step does after a rank died; dead_ranks: rank
+    processes that exited on their own (check_alive says so, as the tensor-parallel executor's does)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.workers = type("Workers", (), {})()
-        self.workers._ranks = FakeRanks()
+        self.dead_ranks: list[int] = []
+        self.stopped = False
+
+    def check_alive(self):
+        if self.stopped:
+            raise EngineDeadError("the tensor-parallel ranks have stopped after an earlier error; start a new engine")
+        if self.dead_ranks:
+            raise EngineDeadError(f"tensor-parallel rank(s) {self.dead_ranks} exited")
 
     def step(self):
         if any("KILL-RANK" in self.tokenizer.decode(r["prompt"]) for r in self.requests.values()):
-            self.workers._ranks.closed = True
-            raise KvfitError("tensor-parallel rank(s) [1] failed: rank 1 was killed by signal 9")
+            self.stopped = True
+            raise EngineDeadError("tensor-parallel rank(s) [1] failed: rank 1 was killed by signal 9")
         return super().step()
 
 
@@ -73,7 +69,7 @@ def test_a_rank_that_exits_while_idle_makes_health_and_new_requests_503():
     with running_server(engine, "fake") as (url, app):
         r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2})
         assert r.status_code == 200
-        engine.workers._ranks.dead_ranks = [1]
+        engine.dead_ranks = [1]
         assert_dead(url)
         assert "rank(s) [1]" in app.state.kvfit.engine.check_dead()
 
@@ -89,10 +85,10 @@ def test_a_step_failing_because_a_rank_died_fails_its_batch_then_every_new_reque
 
 
 @pytest.mark.parametrize("message", [RANKS_STOPPED, "tensor-parallel rank(s) [2] failed: rank 2: boom"])
-def test_a_kvfit_error_naming_the_ranks_marks_the_engine_dead(message):
+def test_an_engine_dead_error_marks_the_engine_dead(message):
     class Engine(FakeEngine):
         def step(self):
-            raise KvfitError(message)
+            raise EngineDeadError(message)
     with running_server(Engine(), "fake") as (url, _):
         r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503, r.text

@@ -193,6 +193,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def check_alive(self) -> None:
+        """Raise EngineDeadError when the executor cannot run another step (a tensor-parallel rank exited, or
+        a failed step stopped the ranks); a step that failed otherwise leaves the engine serving."""
+        self.workers.check_alive()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache: after a weight update, or between
         benchmark runs). False, with a warning, while requests hold blocks (a waiting request that holds
@@ -354,7 +359,8 @@ class LLMEngine:
         pool, sched = self.pool, self.scheduler
         return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free_blocks,
                 "kv_blocks_used": pool.num_used_blocks, "kv_blocks_cached": pool.num_cached_blocks,
-                "token_capacity": self.plan.token_capacity, "running": len(sched.running),
+                "token_capacity": self.plan.token_capacity, "block_size": self.spec.block_size,
+                "running": len(sched.running),
                 # a request being prepared (grammar, bad words) is waiting too
                 "waiting": len(sched.waiting) + len(sched.preparing), "preparing": len(sched.preparing),
                 "preemptions": sched.num_preemptions,

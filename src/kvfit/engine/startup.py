@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvfit.attention.registry import get_backend
 from kvfit.config import EngineConfig
@@ -18,7 +19,11 @@ from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import ModelFacts, load_model_facts
 from kvfit.planning import spec_and_limits
 from kvfit.platforms import get_platform
+from kvfit.platforms.base import Platform
 from kvfit.units import gib
+
+if TYPE_CHECKING:          # the runner (and torch) load with the executor, not with this module
+    from kvfit.runner.worker import Executor
 
 logger = logging.getLogger("kvfit")
 
@@ -29,10 +34,10 @@ class StartedEngine:
 
     config: EngineConfig
     facts: ModelFacts
-    platform: object
+    platform: Platform
     spec: KVSpec
     limits: PlanLimits
-    executor: object                  # runner.worker.Executor
+    executor: Executor
     readings: list[MemoryReading]
     plan: KVPlan
     num_scheduler_steps: int
@@ -50,7 +55,7 @@ def async_scheduling(config: EngineConfig) -> bool:
     return can if wanted is None else wanted
 
 
-def scheduler_steps(config: EngineConfig, platform) -> int:
+def scheduler_steps(config: EngineConfig, platform: Platform) -> int:
     """--num-scheduler-steps, or the platform's default for this tensor-parallel size."""
     steps = config.scheduler.num_scheduler_steps
     tp = config.parallel.tensor_parallel_size
@@ -62,7 +67,7 @@ def scheduler_steps(config: EngineConfig, platform) -> int:
     return steps
 
 
-def _make_executor(config, facts, platform, backend, spec):
+def _make_executor(config: EngineConfig, facts: ModelFacts, platform: Platform, backend, spec: KVSpec) -> Executor:
     if config.parallel.tensor_parallel_size > 1:
         from kvfit.runner.tp_executor import TensorParallelWorkers
         return TensorParallelWorkers(config, facts, platform, backend, spec)
@@ -91,7 +96,7 @@ def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
             f"shard{'s' if len(files) > 1 else ''}, run in {dtype}{ranks}")
 
 
-def _check_weights_can_fit(config: EngineConfig, facts: ModelFacts, platform) -> None:
+def _check_weights_can_fit(config: EngineConfig, facts: ModelFacts, platform: Platform) -> None:
     """Weights that could not fit a rank's device at one byte a parameter: one error line before loading
     (the loader's own check catches the rest when an allocation fails)."""
     total = platform.total_device_bytes()

@@ -45,6 +45,12 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
         f"use a divisor of {num_kv_heads} or a multiple of it")
 
 
+def num_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens, the last one possibly part full: ceil(num_tokens / block_size).
+    The one tokens -> blocks rule: the manager, admission, the planner, the runner and the server use it."""
+    return -(-num_tokens // block_size)
+
+
 def check_block_size(block_size: int) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
             or block_size & (block_size - 1):
@@ -107,7 +113,7 @@ class KVSpec:
         return (max_element_offset + 1) // self.elements_per_block
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for_tokens(num_tokens, self.block_size)
 
     def to_dict(self) -> dict:
         return {"num_layers": self.num_layers, "block_size": self.block_size,

@@ -34,13 +34,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvfit.config import ParallelConfig
-from kvfit.errors import ConfigError, KvfitError
+from kvfit.errors import ConfigError, EngineDeadError, KvfitError
 from kvfit.kv.plan import MemoryReading
 from kvfit.runner.worker import Worker
 from kvfit.step import SampledTokens, StepDelta
@@ -215,7 +216,7 @@ class _Ranks:
         if dead:
             raise self.rank_error(dead)
 
-    def rank_error(self, dead: list[int]) -> KvfitError:
+    def rank_error(self, dead: list[int]) -> EngineDeadError:
         """The one-line error naming the ranks that exited, with the first error each reported."""
         reported: dict[int, str] = {}
         deadline = time.monotonic() + 1.0          # a rank's message may still be in the pipe
@@ -226,7 +227,7 @@ class _Ranks:
                 continue
             reported.setdefault(rank, message)
             logger.debug("tensor-parallel rank %d failed:\n%s", rank, trace)
-        return KvfitError(f"tensor-parallel rank(s) {dead} failed: "
+        return EngineDeadError(f"tensor-parallel rank(s) {dead} failed: "
                           + "; ".join(self._why(rank, reported.get(rank)) for rank in dead))
 
     def _why(self, rank: int, message: str | None) -> str:
@@ -256,7 +257,7 @@ class _Ranks:
             self.check_alive()
             if time.monotonic() > deadline:
                 missing = [rank for rank, key in enumerate(keys, start=1) if not self.store.check([key])]
-                raise KvfitError(f"tensor-parallel rank(s) {missing} did not report {what} within "
+                raise EngineDeadError(f"tensor-parallel rank(s) {missing} did not report {what} within "
                                  f"{self.launch.timeout_s:g} s; raise KVFIT_TP_TIMEOUT_S (tp_timeout_s) if start-up is that slow")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -347,6 +348,7 @@ class TensorParallelWorkers:
         self.world = world
         self.rank_num_blocks: list[int] = []     # the KV blocks each rank allocated, in rank order
         self._sampled: dict[str, list[int]] = {}        # rank 0's tokens of the last step, sent with the next
+        self._stopped_by: str | None = None     # the failure that stopped the ranks (then no step runs again)
         self._ranks = _spawn(world, launch_args, config.replace(device=device), facts, backend, spec, self.hooks)
         self._finalizer = weakref.finalize(self, self._ranks.close)
         with self._guard():
@@ -359,7 +361,7 @@ class TensorParallelWorkers:
         """Any failure stops every rank; one caused by a rank that died is reported as that rank's error."""
         ranks = self._ranks
         if ranks.closed:
-            raise KvfitError("the tensor-parallel ranks have stopped after an earlier error; start a new engine")
+            raise EngineDeadError("the tensor-parallel ranks have stopped after an earlier error; start a new engine")
         try:
             yield
         except BaseException as exc:
@@ -368,6 +370,7 @@ class TensorParallelWorkers:
             error = ranks.rank_error(dead) if dead and not isinstance(exc, KvfitError) else None
             # serving, the ranks may be inside a collective rank 0 left: stopping politely could hang
             ranks.close(graceful=not dead and not ranks.serving)
+            self._stopped_by = str(exc)
             if error is not None:
                 raise error from None
             raise
@@ -397,6 +400,21 @@ class TensorParallelWorkers:
             sampled = self.worker.execute(delta)
             self._sampled = sampled.tokens       # the other ranks need the tokens only, not the logprobs
             return sampled
+
+    def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]:
+        """The Executor protocol's launch: the step runs now (the ranks exchange each step's tokens, so
+        there is no async scheduling with them); the callable returns its tokens."""
+        tokens = self.execute(delta)
+        return lambda: tokens
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError when no step can run again: a failure stopped the ranks, or a rank process
+        exited on its own (ranks stopped by shutdown are not a failure)."""
+        if self._stopped_by is not None:
+            raise EngineDeadError(f"the tensor-parallel ranks stopped after a failed step: {self._stopped_by}")
+        dead = [] if self._ranks.closed else self._ranks.dead()
+        if dead:
+            raise EngineDeadError(f"tensor-parallel rank(s) {dead} exited")
 
     @property
     def pids(self) -> list[int]:

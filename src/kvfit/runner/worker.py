@@ -6,7 +6,8 @@ tensor-parallel processes (runner/tp_executor.py) look the same to it:
     measure() -> list[MemoryReading]      load weights, profile, measure: one reading per rank
     initialize_cache(num_blocks) -> None  allocate the KV cache (every rank the same count), capture graphs
     execute(delta) -> SampledTokens       apply one StepDelta and run it; rank 0's sampled tokens
-    launch(delta) -> () -> SampledTokens  (optional: async scheduling) the same, its tokens read later
+    launch(delta) -> () -> SampledTokens  the same, its tokens read later (async scheduling: one rank only)
+    check_alive() -> None                 raise EngineDeadError if no step can run again
     shutdown() -> None
 """
 
@@ -27,6 +28,8 @@ class Executor(Protocol):
     def measure(self) -> list[MemoryReading]: ...
     def initialize_cache(self, num_blocks: int) -> None: ...
     def execute(self, delta: StepDelta) -> SampledTokens: ...
+    def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]: ...
+    def check_alive(self) -> None: ...
     def shutdown(self) -> None: ...
 
 
@@ -84,6 +87,9 @@ class Worker:
         result = self.runner.launch(delta)
         self.platform.keep_within(self.reading)
         return result
+
+    def check_alive(self) -> None:
+        """One process: a failed step does not stop the next one."""
 
     def shutdown(self) -> None:
         """Give the device memory back now (weights, KV cache, graphs), not when the engine is collected: a

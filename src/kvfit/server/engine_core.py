@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from kvfit.engine.output import RequestOutput
-from kvfit.errors import KvfitError
+from kvfit.errors import EngineDeadError
+from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.sampling_params import SamplingParams
 from kvfit.server.protocol import APIError
 
@@ -42,24 +43,24 @@ def step_failed_error() -> APIError:
     return APIError(500, "the engine failed while running this request; see the server log", "server_error")
 
 
-def tp_ranks(engine):
-    """The tensor-parallel executor's ranks (None on one device): their processes can die on their own."""
-    return getattr(getattr(engine, "workers", None), "_ranks", None)
+def dead_reason(engine) -> str | None:
+    """Why the engine's executor cannot run another step (None: it can), as its EngineDeadError says."""
+    try:
+        engine.check_alive()
+    except EngineDeadError as exc:
+        return str(exc)
+    return None
 
 
 def fatal_step_error(engine, exc: Exception) -> str | None:
     """Why a failed step leaves the engine unable to run another (None: the next step may work).
 
     The tensor-parallel executor stops every rank when a step fails, and each later step raises
-    "the tensor-parallel ranks have stopped ...": that engine is dead, not one batch.
+    EngineDeadError: that engine is dead, not one batch.
     """
-    message = str(exc)
-    if isinstance(exc, KvfitError) and ("tensor-parallel rank" in message or "ranks have stopped" in message):
-        return message
-    ranks = tp_ranks(engine)
-    if ranks is not None and (ranks.closed or ranks.dead()):
-        return f"the tensor-parallel ranks stopped after a failed step: {message}"
-    return None
+    if isinstance(exc, EngineDeadError):
+        return str(exc)
+    return dead_reason(engine)
 
 
 @dataclass
@@ -78,14 +79,13 @@ class Room:
 
     @classmethod
     def of(cls, stats: dict, max_num_seqs: int) -> "Room":
-        block_size = stats["token_capacity"] // max(stats["kv_blocks_total"], 1)
         return cls(max(max_num_seqs - stats["running"], 0), stats["kv_blocks_free"] + stats["kv_blocks_cached"],
-                   max(block_size, 1), stats["waiting"] > 0)
+                   stats["block_size"], stats["waiting"] > 0)
 
     def num_fitting(self, num_prompt_tokens: int, n: int) -> int:
         """How many of n samples of a prompt the next step admits (they share the prompt's blocks
         through the prefix cache, but each needs a batch slot)."""
-        if self.blocked or -(-num_prompt_tokens // self.block_size) > self.num_free_blocks:
+        if self.blocked or num_blocks_for_tokens(num_prompt_tokens, self.block_size) > self.num_free_blocks:
             return 0
         return min(n, self.num_free_slots)
 
@@ -94,7 +94,7 @@ class Room:
         fitting = self.num_fitting(num_prompt_tokens, n)
         if fitting:
             self.num_free_slots -= fitting
-            self.num_free_blocks -= -(-num_prompt_tokens // self.block_size)
+            self.num_free_blocks -= num_blocks_for_tokens(num_prompt_tokens, self.block_size)
             self.num_taken += fitting
         if fitting < n:
             self.blocked = True
@@ -168,12 +168,10 @@ class EngineCore:
         return held, None
 
     def check_ranks(self) -> str | None:
-        """The dead reason, after noticing a tensor-parallel rank process that exited on its own."""
+        """The dead reason, after asking the engine whether its executor can still step (a tensor-parallel
+        rank process can exit on its own)."""
         if self.dead_reason is None:
-            ranks = tp_ranks(self.engine)
-            dead = ranks.dead() if ranks is not None and not ranks.closed else []
-            if dead:
-                self.dead_reason = f"tensor-parallel rank(s) {dead} exited"
+            self.dead_reason = dead_reason(self.engine)
         return self.dead_reason
 
     def abort_all(self) -> list[str]:
