@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from kvfit.errors import ConfigError
-from kvfit.kv.spec import KV_CACHE_DTYPES, KVSpec, check_block_size, kv_heads_per_rank, resolve_kv_cache_dtype
+from kvfit.kv.spec import (KV_CACHE_DTYPES, KVSpec, check_block_size, kv_heads_per_rank, num_blocks_for_tokens,
+                           resolve_kv_cache_dtype)
 from kvfit.model_facts import facts_from_config
 
 BASE_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -150,6 +151,8 @@ def test_max_addressable_blocks_32_bit_powers_of_two():
 def test_num_blocks_for_tokens_rounds_up():
     spec = KVSpec(1, 16, 1, 8, "float32")
     assert [spec.num_blocks_for_tokens(t) for t in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+    # the free function is the same rule, for callers that hold a block size but no spec
+    assert [num_blocks_for_tokens(t, 4) for t in (0, 1, 4, 5, 2**40 + 1)] == [0, 1, 1, 2, 2**38 + 1]
 
 
 def test_spec_is_frozen():

@@ -7,7 +7,7 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.attention.registry import backend_max_offset
-from kvfit.kv.spec import PADDING_SLOT_ID
+from kvfit.kv.spec import PADDING_SLOT_ID, num_blocks_for_tokens
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -72,9 +72,9 @@ def _gather_kv(k_cache, v_cache, block_tables, max_ctx: int, ctx_lens=None) -> t
     # ctx_lens (host ints): a table column past a sequence's own blocks holds a stale id (an earlier request's,
     # or the profile's larger scratch cache's), read as block 0 instead
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    blocks = block_tables[:, :-(-max_ctx // block_size)].long()                  # [B, nb]
+    blocks = block_tables[:, :num_blocks_for_tokens(max_ctx, block_size)].long()  # [B, nb]
     if ctx_lens is not None:
-        own = torch.tensor([-(-n // block_size) for n in ctx_lens], device=blocks.device)
+        own = torch.tensor([num_blocks_for_tokens(n, block_size) for n in ctx_lens], device=blocks.device)
         blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=blocks.device)[None, :] >= own[:, None], 0)
     shape = (blocks.shape[0], -1, num_kv_heads, head_dim)
     return (k_cache[blocks].reshape(shape)[:, :max_ctx].float(), v_cache[blocks].reshape(shape)[:, :max_ctx].float())

@@ -12,6 +12,7 @@ from typing import Callable
 
 from kvfit.errors import KvfitError
 from kvfit.kv.plan import KVPlan
+from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.units import gib
 
 CONTEXT_LENGTHS = (1024, 4096, 8192, 32768, 131072)      # rows of the table, up to --max-model-len
@@ -30,7 +31,7 @@ class Lever:
 
 def requests_at(plan: KVPlan, num_tokens: int) -> int:
     """Whole requests of num_tokens tokens the plan's blocks hold at once."""
-    return plan.num_blocks // -(-num_tokens // plan.block_size)
+    return plan.num_blocks // num_blocks_for_tokens(num_tokens, plan.block_size)
 
 
 def context_rows(plan: KVPlan, max_num_seqs: int) -> list[dict]:

@@ -6,6 +6,7 @@ The server maps the error to OpenAI's 400 body from its param and code, without 
 from __future__ import annotations
 
 from kvfit.errors import RequestError
+from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # bad words are tokenized off the engine thread and matched against the output every step: a bounded list
@@ -72,7 +73,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
             f"the context (--max-model-len) of {max_model_len}; lower max_tokens to at most "
             f"{max_model_len - num_prompt}", "max_tokens", "context_length_exceeded")
     max_total_tokens = min(num_prompt + (max_tokens or max_model_len), max_model_len)
-    blocks = -(-max_total_tokens // block_size)
+    blocks = num_blocks_for_tokens(max_total_tokens, block_size)
     if blocks > num_blocks:
         raise RequestError(f"the request needs {blocks} KV blocks but the cache has {num_blocks}; "
                            "lower max_tokens or give the cache more memory", "max_tokens")

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from kvfit.kv.pool import BlockPool
 from kvfit.kv.prefix import hash_block
+from kvfit.kv.spec import num_blocks_for_tokens
 
 
 class _Table:
@@ -93,7 +94,7 @@ class KVCacheManager:
 
     def num_blocks_short(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request's table lacks to cover num_tokens (0 if it covers them)."""
-        num_needed_blocks = -(-num_tokens // self.block_size)
+        num_needed_blocks = num_blocks_for_tokens(num_tokens, self.block_size)
         return max(num_needed_blocks - len(self.block_ids(request_id)), 0)
 
     # prefix cache -------------------------------------------------------------------------------

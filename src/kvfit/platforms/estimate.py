@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvfit.config import CacheConfig, SchedulerConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading
+from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts, get_architecture
 from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
 from kvfit.planning import persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
@@ -80,7 +81,8 @@ def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sc
     """What a GPU of total_bytes would measure at start-up (rank 0), from documented formulas."""
     weights = estimate_weights_bytes(facts, dtype_bytes, tensor_parallel_size)
     max_len = max_model_len or facts.max_position_embeddings
-    batch = persistent_batch_bytes(sched.max_num_seqs, -(-max_len // cache.block_size), facts.vocab_size)
+    batch = persistent_batch_bytes(sched.max_num_seqs, num_blocks_for_tokens(max_len, cache.block_size),
+                                   facts.vocab_size)
     act_bytes = dtype_bytes or (2 if facts.weight_dtype_bytes == 1 else facts.weight_dtype_bytes)
     budget = int(total_bytes * cache.gpu_memory_utilization)
     if cache.kv_cache_memory is None and weights >= budget - CUDA_CONTEXT_BYTES:

@@ -116,11 +116,10 @@ class ModelRunner:
 
     def _profile_delta(self, num_tokens: int, num_seqs: int) -> StepDelta:
         per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
-        bs = self.spec.block_size
         sampling = profile_sampling(resolve_max_logprobs(self.facts, self.config.model.max_logprobs))
         new, next_block = [], 0
         for i, n in enumerate(per_seq):
-            blocks = tuple(range(next_block, next_block + -(-n // bs)))
+            blocks = tuple(range(next_block, next_block + self.spec.num_blocks_for_tokens(n)))
             next_block += len(blocks)
             new.append(NewRequest(request_id=f"profile-{i}", prompt_token_ids=(0,) * n, output_token_ids=(),
                                   params=sampling, block_ids=blocks, num_computed_tokens=0))
