@@ -35,11 +35,11 @@ LAYERS = {
     "commands": 13,
     "cli": 14, "__init__": 14, "__main__": 15,
 }
-# modules ranked apart from their component. platforms/ owns the --device names, which config.py checks: its
-# package module and registry import nothing of platforms/ but the registry (and kvfit.errors), so they sit below
-# config.
+# modules ranked apart from their component. platforms/ owns the --device names, which config.py checks, and the
+# one gate of the Triton kernels, which attention/, models/ and the runner's kernels ask: these modules (and the
+# package module) import nothing of platforms/ but the registry (and kvfit.errors), so they sit below config.
 MODULE_LAYERS = {
-    "kvfit.platforms": 3, "kvfit.platforms.registry": 3,
+    "kvfit.platforms": 3, "kvfit.platforms.registry": 3, "kvfit.platforms.gate": 3,
 }
 
 

@@ -23,6 +23,7 @@ import os
 import torch
 
 from kvfit.errors import ConfigError
+from kvfit.platforms.gate import on_gpu
 
 ENV = "KVFIT_PDL"
 
@@ -49,7 +50,7 @@ def check_env() -> None:
 
 def enabled(t: torch.Tensor) -> bool:
     """Launch kernels working on t with PDL: a CUDA tensor on sm90+, and KVFIT_PDL not 0."""
-    return t.is_cuda and _allowed() and _device_supports(t.device.index if t.device.index is not None
+    return on_gpu(t) and _allowed() and _device_supports(t.device.index if t.device.index is not None
                                                          else torch.cuda.current_device())
 
 

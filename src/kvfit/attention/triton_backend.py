@@ -21,6 +21,7 @@ from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_
 from kvfit.attention.triton_kernels import write_kv_cache
 from kvfit.attention.triton_prefill import paged_prefill_attention
 from kvfit.errors import ConfigError
+from kvfit.platforms.gate import on_gpu
 
 # SMs assumed when kernels run in Triton's CPU interpreter (tests): small, so splits stay few.
 _INTERPRETER_NUM_SMS = 4
@@ -45,13 +46,13 @@ class TritonBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}   # per device, read once (no device sync)
 
     def _check_device(self, t: torch.Tensor) -> None:
-        if not t.is_cuda and not _interpreting():
+        if not on_gpu(t) and not _interpreting():
             raise ConfigError(f"the triton attention backend needs a CUDA device, got tensors on {t.device}; "
                               "use --attention-backend torch (or TRITON_INTERPRET=1 for tests)")
 
     def num_sms(self, t: torch.Tensor) -> int:
         """Streaming multiprocessors of t's GPU (the interpreter's stand-in off the GPU)."""
-        if not t.is_cuda:
+        if not on_gpu(t):
             return _INTERPRETER_NUM_SMS
         device = t.device
         if device not in self._num_sms:

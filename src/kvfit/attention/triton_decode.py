@@ -18,7 +18,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.attention import pdl
 from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, next_pow2, on_gpu, padded_head_dim)
+                                             kv_tile_tokens, next_pow2, padded_head_dim)
+from kvfit.platforms.gate import on_gpu
 
 LOG2_E = 1.4426950408889634
 # Split-K tuning (H200, benchmarks/bench_decode_attention.py --sweep): about this many programs fit on an SM at

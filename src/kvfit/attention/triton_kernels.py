@@ -34,10 +34,6 @@ def largest_element_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
 
 
-def on_gpu(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
 def kv_tile_tokens(elem_bytes: int, d_pad: int, gpu: bool) -> int:
     """Tokens per K/V tile: 64 for 16-bit queries up to head_dim 128, else 32; 16 in the interpreter.
 

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from kvfit.attention.triton_decode import LOG2_E
 from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, on_gpu, padded_head_dim)
+                                             kv_tile_tokens, padded_head_dim)
+from kvfit.platforms.gate import on_gpu
 
 
 # stride_bt is the step's block-table width: not specialized, so a long step never compiles a new

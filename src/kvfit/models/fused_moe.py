@@ -29,6 +29,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from kvfit.models.moe_align import moe_align  # noqa: E402
+from kvfit.platforms.gate import triton_applies  # noqa: E402
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCORING_FUNCS = ("softmax",)
@@ -198,7 +199,7 @@ def experts_by_group(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 def fused_moe_applies(x: torch.Tensor) -> bool:
     """Triton is installed and x is a CUDA tensor of a float dtype the kernels take."""
-    return triton is not None and x.is_cuda and x.dtype in FLOAT_DTYPES
+    return triton_applies(x) and x.dtype in FLOAT_DTYPES
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 
 from kvfit.attention import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID
+from kvfit.platforms.gate import triton_applies
 
 try:
     import triton
@@ -23,7 +24,7 @@ except ImportError:  # CPU-only installs
 
 def available(t: torch.Tensor) -> bool:
     """Use the fused kernels for this tensor (CUDA with Triton)."""
-    return triton is not None and t.is_cuda
+    return triton_applies(t)
 
 
 if triton is not None:

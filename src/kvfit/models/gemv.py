@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.attention import pdl
-
 from kvfit.kv.spec import PADDING_SLOT_ID
+from kvfit.platforms.gate import triton_applies
 
 try:
     import triton
@@ -150,7 +150,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One token on CUDA with Triton, a float weight with unit stride along K."""
-    return (triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+    return (triton_applies(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.stride(1) == 1)
 
 

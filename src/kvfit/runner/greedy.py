@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.attention import pdl
+from kvfit.platforms.gate import triton_applies
 
 try:
     import triton
@@ -28,7 +29,7 @@ CHUNK = 4096      # logits per stage-1 program: a 152k vocabulary is 38 programs
 
 def applies(logits: torch.Tensor) -> bool:
     """Use the kernels for these logits: [N, V] fp32/bf16/fp16 on CUDA with Triton, unit stride along V."""
-    return (triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
+    return (triton_applies(logits) and logits.dim() == 2 and logits.stride(1) == 1
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 

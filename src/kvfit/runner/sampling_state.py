@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows
+from kvfit.platforms.gate import triton_applies
 from kvfit.runner.logits_processing import (PROMPT_BIT, RowEdits, RowExtras, StepEdits, apply_edits,
                                             apply_penalties, pack_logprobs, row_edits, top_logprobs)
 from kvfit.sampling_params import SamplingParams
@@ -282,7 +283,7 @@ class SamplingState:
         assert logits.shape == (len(rows_host), self.vocab_size), "logits: [len(rows_host), vocab_size]"
         plan = self._plan(rows_host, num_generated_host, masked)
         if not plan.sampled and not plan.processed and not plan.logprobs:
-            if logits.is_cuda:               # (imported here: Triton stays unimported on CPU)
+            if triton_applies(logits):       # (imported here: Triton stays unimported on CPU)
                 from kvfit.runner import greedy
                 if greedy.applies(logits):   # argmax and the finite check in one read of the logits
                     tokens, finite = greedy.greedy_tokens(logits)                          # [N], [N]

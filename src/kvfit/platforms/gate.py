@@ -1,0 +1,33 @@
+"""The one gate of kvfit's Triton kernels: whether they run on a tensor (a CUDA GPU, with Triton installed).
+
+Kernel launchers (attention/, models/, runner/greedy.py) ask here rather than checking the device
+themselves, so which device runs the kernels is decided in platforms/. This module imports nothing (not
+torch, and Triton only once a GPU tensor asks: a CPU run stays Triton-free), so the kernels, which sit
+below platforms/, may import it (tests/test_layering.py ranks it low).
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def on_gpu(t) -> bool:
+    """t lives on the GPU the kernels are compiled for (a CUDA device); elsewhere only Triton's interpreter
+    runs them (tests)."""
+    return t.is_cuda
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Triton imports in this process, with what every kernel module imports from it (read once)."""
+    try:
+        import triton.language  # noqa: F401
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:   # CPU-only installs
+        return False
+    return True
+
+
+def triton_applies(t) -> bool:
+    """Launch the Triton kernels on t: it is on a CUDA GPU and Triton is installed (else the torch path)."""
+    return on_gpu(t) and triton_importable()
