@@ -44,6 +44,7 @@ def estimate(model: str, extra: list[str]) -> tuple[float, float, int]:
     from kvfit.commands.flags import add_engine_flags, engine_kwargs
     from kvfit.config import EngineConfig
     from kvfit.model_facts import load_model_facts
+    from kvfit.planning import resolve_model_dtype
     from kvfit.platforms import cpu_startup
     from kvfit.platforms.cpu import CpuPlatform
     parser = argparse.ArgumentParser()
@@ -52,7 +53,7 @@ def estimate(model: str, extra: list[str]) -> tuple[float, float, int]:
     config = CpuPlatform().resolve_config(EngineConfig.from_kwargs(model, **engine_kwargs(args)))
     facts = load_model_facts(config.model.model)
     load_bytes, flops = cpu_startup.cpu_startup_work(facts, config)
-    dtype = getattr(torch, cpu_startup.model_dtype_name(facts, config))
+    dtype = getattr(torch, resolve_model_dtype(facts, config.model.dtype))
     rate = cpu_startup.measured_matmul_flops(dtype)
     load_rate = cpu_startup.measured_init_bytes_per_s(dtype)      # --load-format dummy
     seconds = cpu_startup.CPU_FIXED_START_S + load_bytes / load_rate + flops / rate

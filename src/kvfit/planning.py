@@ -26,6 +26,13 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int
     return requested
 
 
+def resolve_model_dtype(facts: ModelFacts, requested: str) -> str:
+    """--dtype as a canonical name (float32, bfloat16, float16): the checkpoint's torch_dtype for "auto".
+    The one resolver: the runner loads the weights in it, an "auto" KV cache follows it, the loading line
+    and the start-up estimates name it."""
+    return facts.torch_dtype if requested == "auto" else DTYPE_ALIASES[requested.lower()]
+
+
 def resolve_max_logprobs(facts: ModelFacts, requested: int) -> int:
     """--max-logprobs as a count: -1 is the whole vocabulary; never more than the vocabulary."""
     return facts.vocab_size if requested == -1 else min(requested, facts.vocab_size)
@@ -34,9 +41,9 @@ def resolve_max_logprobs(facts: ModelFacts, requested: int) -> int:
 def spec_and_limits(facts: ModelFacts, config: EngineConfig, max_element_offset: int,
                     backend: str) -> tuple[KVSpec, PlanLimits]:
     """The KVSpec for this rank and every limit besides memory."""
-    model_dtype = None if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
     spec = KVSpec.from_model(facts, config.cache.block_size, config.cache.kv_cache_dtype,
-                             config.parallel.tensor_parallel_size, model_dtype=model_dtype)
+                             config.parallel.tensor_parallel_size,
+                             model_dtype=resolve_model_dtype(facts, config.model.dtype))
     limits = PlanLimits(
         max_model_len=resolve_max_model_len(facts, config.model.max_model_len),
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,

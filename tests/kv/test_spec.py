@@ -171,3 +171,11 @@ def test_auto_cache_dtype_follows_the_dtype_the_model_runs_in():
     spec16, _ = spec_and_limits(facts, EngineConfig.from_kwargs("qwen3-0.6b", dtype="bfloat16"), 2**63 - 1, "torch")
     assert spec32.dtype == "float32" and spec16.dtype == "bfloat16"
     assert spec32.bytes_per_block == 2 * spec16.bytes_per_block
+
+
+def test_the_model_dtype_is_resolved_once():
+    from kvfit.planning import resolve_model_dtype
+    f32 = facts(torch_dtype="float32")
+    assert resolve_model_dtype(f32, "auto") == "float32"          # the checkpoint's
+    assert [resolve_model_dtype(f32, name) for name in ("bf16", "BFloat16", "half", "fp32")] == \
+        ["bfloat16", "bfloat16", "float16", "float32"]

@@ -14,10 +14,10 @@ from kvfit import catalog
 from kvfit.attention.registry import backend_max_offset
 from kvfit.config import EngineConfig
 from kvfit.errors import CapacityError
-from kvfit.planning import spec_and_limits
+from kvfit.planning import resolve_model_dtype, spec_and_limits
 from kvfit.kv.plan import KVPlan, MemoryReading, assess_kv_cache
 from kvfit.kv.report import plan_table
-from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts, load_model_facts
+from kvfit.model_facts import DTYPE_BYTES, ModelFacts, load_model_facts
 from kvfit.platforms.base import Platform
 from kvfit.platforms.estimate import estimate_reading
 from kvfit.units import parse_bytes
@@ -67,7 +67,7 @@ def plan_of(config: EngineConfig, facts: ModelFacts, total: int, backend: str) -
     engine's plan_kv_cache, returning a plan that does not fit instead of raising). --explain's levers too."""
     spec, limits = spec_and_limits(facts, config, backend_max_offset(backend), backend)
     dtype = config.model.dtype
-    dtype_bytes = None if dtype == "auto" else DTYPE_BYTES[DTYPE_ALIASES[dtype.lower()]]
+    dtype_bytes = None if dtype == "auto" else DTYPE_BYTES[resolve_model_dtype(facts, dtype)]
     reading = _estimate(facts, total, config, dtype_bytes, limits.max_model_len)
     return assess_kv_cache(reading, spec, limits, config.parallel.tensor_parallel_size)
 

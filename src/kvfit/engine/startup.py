@@ -17,7 +17,7 @@ from kvfit.kv.plan import KVPlan, MemoryReading, PlanLimits, plan_kv_cache
 from kvfit.kv.report import write_plan_json
 from kvfit.kv.spec import KVSpec
 from kvfit.model_facts import ModelFacts, load_model_facts
-from kvfit.planning import spec_and_limits
+from kvfit.planning import resolve_model_dtype, spec_and_limits
 from kvfit.platforms import get_platform
 from kvfit.platforms.base import Platform
 from kvfit.units import gib
@@ -77,9 +77,8 @@ def _make_executor(config: EngineConfig, facts: ModelFacts, platform: Platform, 
 
 def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
     """Start-up's first line: where the weights come from, their size and shards, the dtype they run in."""
-    from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES
-    dtype = facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES.get(config.model.dtype.lower(),
-                                                                                      config.model.dtype)
+    from kvfit.model_facts import DTYPE_BYTES
+    dtype = resolve_model_dtype(facts, config.model.dtype)
     tp = config.parallel.tensor_parallel_size
     ranks = f", split over {tp} tensor-parallel ranks" if tp > 1 else ""
     if facts.quantization is not None:          # FP8 linear weights, the rest in dtype
@@ -118,8 +117,6 @@ def start_engine(config: EngineConfig, facts: ModelFacts | None = None) -> Start
     backend_name = config.device.attention_backend or platform.default_backend
     backend = get_backend(backend_name)         # an unknown name is its own error, before "not on this device"
     platform.check_backend(backend_name)
-    from kvfit.attention import pdl
-    pdl.check_env()                             # KVFIT_PDL, before anything is loaded
     num_steps = scheduler_steps(config, platform)
     use_async = async_scheduling(config)
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)

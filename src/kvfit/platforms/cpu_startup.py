@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
-from kvfit.planning import resolve_max_model_len
+from kvfit.model_facts import DTYPE_BYTES, ModelFacts
+from kvfit.planning import resolve_max_model_len, resolve_model_dtype
 from kvfit.units import duration
 
 # Assumed rate of reading a checkpoint into host memory and converting it (safetensors from a warm page
@@ -61,11 +61,6 @@ def profile_shapes(config, max_model_len: int) -> list[tuple[int, int]]:
     return [(n, -(-num_tokens // n)) for n in dict.fromkeys((wide, long))]
 
 
-def model_dtype_name(facts: ModelFacts, config) -> str:
-    """The dtype the weights load in: --dtype, or the checkpoint's (auto)."""
-    return facts.torch_dtype if config.model.dtype == "auto" else DTYPE_ALIASES[config.model.dtype.lower()]
-
-
 def cpu_startup_work(facts: ModelFacts, config) -> tuple[int, int]:
     """(checkpoint bytes to load, FLOPs of the start-up profile). Each profiled step runs the model over
     its tokens at ~2 FLOPs per parameter per token (every expert counted for MoE: an upper bound; the LM
@@ -77,7 +72,7 @@ def cpu_startup_work(facts: ModelFacts, config) -> tuple[int, int]:
     for num_seqs, tokens_each in profile_shapes(config, max_len):
         flops += 2 * facts.num_params * num_seqs * tokens_each
         flops += 4 * facts.num_attention_heads * facts.head_dim * tokens_each ** 2 * num_seqs * facts.num_layers
-    return facts.num_params * DTYPE_BYTES[model_dtype_name(facts, config)], flops
+    return facts.num_params * DTYPE_BYTES[resolve_model_dtype(facts, config.model.dtype)], flops
 
 
 def cpu_startup_estimate(facts: ModelFacts, config, available_bytes: int) -> tuple[float, str] | None:
@@ -89,7 +84,7 @@ def cpu_startup_estimate(facts: ModelFacts, config, available_bytes: int) -> tup
     if load_bytes > available_bytes:     # the load fails at once ("the weights do not fit"): no wait to announce
         return None
     import torch
-    dtype = model_dtype_name(facts, config)
+    dtype = resolve_model_dtype(facts, config.model.dtype)
     rate = measured_matmul_flops(getattr(torch, dtype))
     dummy = config.model.load_format == "dummy"
     load_rate = measured_init_bytes_per_s(getattr(torch, dtype)) if dummy else CPU_LOAD_BYTES_PER_S
