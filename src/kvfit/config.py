@@ -197,6 +197,9 @@ def _env_timeout() -> float:
     return value
 
 
+PDL_ENV = "KVFIT_PDL"
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"
@@ -204,11 +207,27 @@ class DeviceConfig:
     enforce_eager: bool = False            # no CUDA graphs
     # vLLM's --disable-cascade-attn: decode steps never attend a prefix all sequences share once for all
     disable_cascade_attn: bool = False
+    # the Triton kernels launch with programmatic dependent launch where the GPU has it (sm90+: attention/pdl.py);
+    # False: never (A/B measurements, a driver that misbehaves with it). No flag (vLLM has none); LLM(pdl=...).
+    # None: KVFIT_PDL (1 or 0) if set, else on (the environment is read here, once)
+    pdl: bool | None = None
 
     def __post_init__(self):
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("disable_cascade_attn", self.disable_cascade_attn)
         check_device(self.device)              # the names platforms/registry.py holds
+        if self.pdl is None:
+            object.__setattr__(self, "pdl", _env_pdl())
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"pdl must be True, False or None ({PDL_ENV}, else on), got {self.pdl!r}")
+
+
+def _env_pdl() -> bool:
+    text = os.environ.get(PDL_ENV, "1").strip()
+    if text not in ("0", "1"):
+        raise ConfigError(f"{PDL_ENV}={text!r} is not allowed; set it to 1 (launch kernels with programmatic "
+                          "dependent launch, the default on sm90+) or 0 (without)")
+    return text == "1"
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -11,21 +11,23 @@ The contract every kernel that takes a `PDL` constexpr keeps (and must keep):
 - it calls `gdc_launch_dependents()` once its main loop is done (a hint: the next kernel may launch).
 Both are no-ops when the kernel was launched without PDL.
 
-`KVFIT_PDL=0` turns it off (for A/B measurements; read once per process); default on for CUDA devices
-of compute capability 9.0 or newer.
+Kernels use it on CUDA devices of compute capability 9.0 or newer unless the engine's setting is off
+(DeviceConfig.pdl: LLM(pdl=False) or KVFIT_PDL=0), which is in force while the runner launches work
+(`setting`, a context manager that always resets; outside any engine it is on).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import os
+from contextlib import contextmanager
 
 import torch
 
-from kvfit.errors import ConfigError
 from kvfit.platforms.gate import on_gpu
 
-ENV = "KVFIT_PDL"
+# DeviceConfig.pdl of the engine launching kernels in this context (outside any engine: on)
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfit_pdl", default=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,24 +36,20 @@ def _device_supports(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-@functools.lru_cache(maxsize=1)
-def _allowed() -> bool:
-    text = os.environ.get(ENV, "1").strip()
-    if text not in ("0", "1"):
-        raise ConfigError(f"{ENV}={text!r} is not allowed; set it to 1 (launch kernels with programmatic "
-                          "dependent launch, the default on sm90+) or 0 (without)")
-    return text == "1"
-
-
-def check_env() -> None:
-    """Validate KVFIT_PDL now (engine start-up) rather than at the first kernel launch; ConfigError if bad."""
-    _allowed()
+@contextmanager
+def setting(enabled: bool):
+    """Kernels launched inside may use PDL only if `enabled` (the engine's DeviceConfig.pdl); reset on exit."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Launch kernels working on t with PDL: a CUDA tensor on sm90+, and KVFIT_PDL not 0."""
-    return on_gpu(t) and _allowed() and _device_supports(t.device.index if t.device.index is not None
-                                                         else torch.cuda.current_device())
+    """Launch kernels working on t with PDL: a CUDA tensor on sm90+, and the setting on."""
+    return on_gpu(t) and _ENABLED.get() and _device_supports(t.device.index if t.device.index is not None
+                                                              else torch.cuda.current_device())
 
 
 def launch_args(t: torch.Tensor) -> dict:

@@ -117,8 +117,6 @@ def start_engine(config: EngineConfig, facts: ModelFacts | None = None) -> Start
     backend_name = config.device.attention_backend or platform.default_backend
     backend = get_backend(backend_name)         # an unknown name is its own error, before "not on this device"
     platform.check_backend(backend_name)
-    from kvfit.attention import pdl
-    pdl.check_env()                             # KVFIT_PDL, before anything is loaded
     num_steps = scheduler_steps(config, platform)
     use_async = async_scheduling(config)
     spec, limits = spec_and_limits(facts, config, backend.max_element_offset, backend.name)

@@ -6,11 +6,13 @@ and returns the sampled tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from kvfit.attention import pdl
 from kvfit.config import EngineConfig
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import ModelFacts
@@ -46,6 +48,15 @@ def model_dtype(config: EngineConfig, facts: ModelFacts) -> torch.dtype:
     return TORCH_DTYPES[resolve_model_dtype(facts, config.model.dtype)]
 
 
+def _pdl_as_configured(method):
+    """The runner method with the config's PDL setting (DeviceConfig.pdl) in force for the kernels it launches."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with pdl.setting(self.config.device.pdl):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, facts: ModelFacts, device: torch.device, backend, spec: KVSpec,
                  tp_rank: int = 0, graphs_supported: bool = False):
@@ -73,6 +84,7 @@ class ModelRunner:
         # --seed: dummy weights and unseeded sampling repeat from run to run
         torch.manual_seed(config.model.seed)
 
+    @_pdl_as_configured
     def load_model(self) -> int:
         """Load weights; return their bytes on this rank."""
         from kvfit.models.loader import load_model
@@ -86,6 +98,7 @@ class ModelRunner:
         return InputBatch(self.config.scheduler.max_num_seqs, self.spec.num_blocks_for_tokens(self.max_model_len),
                           self.facts.vocab_size, self.device, with_sampling=self.tp_rank == 0)
 
+    @_pdl_as_configured
     def profile_run(self) -> int:
         """The step shapes with the largest activations: max_num_batched_tokens tokens split over
         max_num_seqs sequences (sampling every one), and as few sequences as max_model_len allows
@@ -137,6 +150,7 @@ class ModelRunner:
                             self.spec.num_blocks_for_tokens(self.max_model_len), self.max_model_len, self.device,
                             self._cascade_tokens)
 
+    @_pdl_as_configured
     def trial_capture_graphs(self) -> None:
         """Capture on a one-block scratch cache so the platform can measure the graphs' memory."""
         if not self.use_graphs:
@@ -160,6 +174,7 @@ class ModelRunner:
         self.model, self.batch, self.kv_caches, self._carry = None, None, [], None
         self.platform.release_cached_memory()
 
+    @_pdl_as_configured
     def capture_graphs(self) -> None:
         """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
         self.release_graphs()
@@ -177,6 +192,7 @@ class ModelRunner:
             self.batch.record_sampled(sampled_before)
         return self.launch(delta)()
 
+    @_pdl_as_configured
     @torch.inference_mode()
     def launch(self, delta: StepDelta) -> Callable[[], SampledTokens]:
         """Apply the delta and put its work on the device; return what reads its tokens (the one host
