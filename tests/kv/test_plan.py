@@ -10,7 +10,7 @@ import pytest
 
 from kvfit.errors import CapacityError, ConfigError
 from kvfit.kv.plan import (BOUND_NAMES, MAX_BLOCK_ID, OFFSET_32_BIT, OFFSET_64_BIT, MemoryReading, PlanLimits,
-                           plan_kv_cache)
+                           device_budget_bytes, over_budget, plan_kv_cache)
 from kvfit.kv.spec import KVSpec
 from kvfit.units import GiB, gib
 
@@ -174,6 +174,14 @@ def test_weights_over_budget_is_an_error_naming_the_weights():
         msg = str(err.value)
         assert f"the weights ({gib(weights)})" in msg and gib(72 * GiB) in msg and gib(80 * GiB) in msg
         assert "--gpu-memory-utilization" in msg and "--tensor-parallel-size" in msg
+
+
+def test_the_budget_check_is_one_rule_with_one_message():
+    assert over_budget("the weights", 71 * GiB, 72 * GiB, 80 * GiB, "fix") is None
+    msg = over_budget("the weights on rank 1", 72 * GiB, 72 * GiB, 80 * GiB, "use more --tensor-parallel-size")
+    assert msg == (f"the weights on rank 1 ({gib(72 * GiB)}) leave no room under the budget ({gib(72 * GiB)}: "
+                   f"--gpu-memory-utilization 0.9 of {gib(80 * GiB)}) for the KV cache; use more --tensor-parallel-size")
+    assert device_budget_bytes(80 * GiB, 0.9) == int(80 * GiB * 0.9)
 
 
 @pytest.mark.parametrize("field,name", [("activation_peak_bytes", "activation peak"),

@@ -108,5 +108,5 @@ def test_cuda_measure_names_co_tenants_and_refuses_saying_who(monkeypatch):
     reading = platform.measure(fake_steps(dev, GiB, GiB, 0, 0), CacheConfig())
     assert reading.co_tenants == ((4242, "python", 12 * GiB),) and reading.in_use_at_start_bytes == 13 * GiB
     dev.others = 79 * GiB
-    with pytest.raises(CapacityError, match=r"already in use \(pid 4242 python holds 12.00 GiB\)"):
+    with pytest.raises(CapacityError, match=r"held by other processes \(pid 4242 python holds 12.00 GiB\)"):
         platform.measure(fake_steps(dev, GiB, GiB, 0, 0), CacheConfig())

@@ -13,7 +13,6 @@ import sys
 from kvfit import catalog
 from kvfit.attention.registry import backend_max_offset
 from kvfit.config import EngineConfig
-from kvfit.errors import CapacityError
 from kvfit.planning import resolve_model_dtype, spec_and_limits
 from kvfit.kv.plan import KVPlan, MemoryReading, assess_kv_cache
 from kvfit.kv.report import plan_table
@@ -51,15 +50,8 @@ def _device(args) -> tuple[int, str]:
 
 
 def _estimate(facts: ModelFacts, total: int, config: EngineConfig, dtype_bytes, max_model_len: int) -> MemoryReading:
-    args = (facts, total, config.cache, config.scheduler, config.parallel.tensor_parallel_size, dtype_bytes,
-            max_model_len)
-    try:
-        return estimate_reading(*args)
-    except CapacityError:
-        # estimate_reading refuses weights past the budget; the plan still shows the estimated parts
-        # (an explicit KV size skips that check), and assess_kv_cache gives the reason
-        reading = estimate_reading(facts, total, dataclasses.replace(config.cache, kv_cache_memory=1), *args[3:])
-        return dataclasses.replace(reading, kv_cache_memory_bytes=config.cache.kv_cache_memory)
+    return estimate_reading(facts, total, config.cache, config.scheduler, config.parallel.tensor_parallel_size,
+                            dtype_bytes, max_model_len)
 
 
 def plan_of(config: EngineConfig, facts: ModelFacts, total: int, backend: str) -> KVPlan:

@@ -153,14 +153,31 @@ def index_limit_blocks(spec: KVSpec, max_element_offset: int) -> int:
     return min(spec.max_addressable_blocks(max_element_offset), MAX_BLOCK_ID + 1)
 
 
+def device_budget_bytes(total_bytes: int, gpu_memory_utilization: float) -> int:
+    """The most that may be in use on a device while serving: total x --gpu-memory-utilization."""
+    return int(total_bytes * gpu_memory_utilization)
+
+
+def over_budget(what: str, used_bytes: int, budget_bytes: int, total_bytes: int, fixes: str) -> str | None:
+    """The budget check: memory taken before the KV cache (`what`: the weights, or what was in use at start-up)
+    at or over the budget leaves the cache nothing. None when it fits, else the one-line reason (what, the
+    budget, the device's total and its share) ending with the flags that change it (`fixes`)."""
+    if used_bytes < budget_bytes:
+        return None
+    share = budget_bytes / total_bytes if total_bytes else 0.0
+    return (f"{what} ({gib(used_bytes)}) leave no room under the budget ({gib(budget_bytes)}: "
+            f"--gpu-memory-utilization {share:.3g} of {gib(total_bytes)}) for the KV cache; {fixes}")
+
+
 def _budget_problem(readings: Sequence[MemoryReading]) -> str | None:
     """Why the budget leaves nothing for the KV cache on some rank, or None."""
     for rank, reading in enumerate(readings):
         where = f" on rank {rank}" if len(readings) > 1 else ""
-        if reading.kv_cache_memory_bytes is None and reading.weights_bytes >= reading.budget_bytes:
-            return (f"the weights ({gib(reading.weights_bytes)}){where} do not fit in the budget "
-                    f"({gib(reading.budget_bytes)} of {gib(reading.total_bytes)}); use more --tensor-parallel-size, "
-                    "a larger device or a higher --gpu-memory-utilization")
+        problem = None if reading.kv_cache_memory_bytes is not None else over_budget(
+            f"the weights{where}", reading.weights_bytes, reading.budget_bytes, reading.total_bytes,
+            "use more --tensor-parallel-size, a larger device or a higher --gpu-memory-utilization")
+        if problem is not None:
+            return problem
         if reading.available_kv_bytes <= 0:
             return (f"no memory left for the KV cache{where}: {reading.explain()}; raise --gpu-memory-utilization, "
                     "lower --max-num-batched-tokens, use more --tensor-parallel-size or a larger device, "

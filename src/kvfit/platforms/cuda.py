@@ -8,10 +8,9 @@ import torch
 
 from kvfit.config import CacheConfig
 from kvfit.errors import CapacityError
-from kvfit.kv.plan import MemoryReading
+from kvfit.kv.plan import MemoryReading, device_budget_bytes, over_budget
 from kvfit.platforms.base import Platform, StartupSteps
 from kvfit.platforms.nvml import co_tenant_note, co_tenants
-from kvfit.units import gib
 
 
 def _expandable_segments() -> None:
@@ -110,13 +109,13 @@ class CudaPlatform(Platform):
         in_use_at_start = used
         outside_torch_at_start = used - torch.cuda.memory_reserved(self.device)
         tenants = self.co_tenants()             # who else holds part of in_use_at_start (NVML)
-        budget = int(total * cache.gpu_memory_utilization)
-        if cache.kv_cache_memory is None and in_use_at_start >= budget:
-            who = f" ({co_tenant_note(tenants)})" if tenants else ""
-            raise CapacityError(
-                f"free memory at start-up is {gib(total - used)} of {gib(total)}: {gib(in_use_at_start)} is "
-                f"already in use{who}, more than --gpu-memory-utilization {cache.gpu_memory_utilization} allows "
-                f"({gib(budget)}); raise it or free memory held by other processes or by this one")
+        budget = device_budget_bytes(total, cache.gpu_memory_utilization)
+        who = f" ({co_tenant_note(tenants)})" if tenants else ""
+        problem = None if cache.kv_cache_memory is not None else over_budget(
+            "the context, other processes and own tensors in use at start-up", in_use_at_start, budget, total,
+            f"free memory held by other processes{who} or by this one, or raise --gpu-memory-utilization")
+        if problem is not None:
+            raise CapacityError(problem)
         allocated_before = torch.cuda.memory_allocated(self.device)
         steps.load_weights()
         torch.cuda.synchronize(self.device)

@@ -7,13 +7,12 @@ what it measured on an H200 (see docs/capacity.md), so `kvfit plan` predicts the
 from __future__ import annotations
 
 from kvfit.config import CacheConfig, SchedulerConfig
-from kvfit.errors import CapacityError
-from kvfit.kv.plan import MemoryReading
+from kvfit.kv.plan import MemoryReading, device_budget_bytes
 from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts, get_architecture
 from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
 from kvfit.planning import persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
-from kvfit.units import MiB, gib
+from kvfit.units import MiB
 
 # CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
 CUDA_CONTEXT_BYTES = 527 * MiB
@@ -84,14 +83,9 @@ def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sc
     batch = persistent_batch_bytes(sched.max_num_seqs, num_blocks_for_tokens(max_len, cache.block_size),
                                    facts.vocab_size)
     act_bytes = dtype_bytes or (2 if facts.weight_dtype_bytes == 1 else facts.weight_dtype_bytes)
-    budget = int(total_bytes * cache.gpu_memory_utilization)
-    if cache.kv_cache_memory is None and weights >= budget - CUDA_CONTEXT_BYTES:
-        raise CapacityError(
-            f"the weights need {gib(weights)} per rank but the budget is {gib(budget)} "
-            f"({cache.gpu_memory_utilization} x {gib(total_bytes)}); use --tensor-parallel-size, a larger "
-            "--device-memory / --gpu, or a higher --gpu-memory-utilization")
     return MemoryReading(
-        total_bytes=total_bytes, budget_bytes=budget, weights_bytes=weights,
+        total_bytes=total_bytes, budget_bytes=device_budget_bytes(total_bytes, cache.gpu_memory_utilization),
+        weights_bytes=weights,
         activation_peak_bytes=estimate_activation_bytes(facts, sched, act_bytes, tensor_parallel_size) + batch,
         non_torch_bytes=NON_TORCH_BYTES, cuda_graph_bytes=CUDA_GRAPH_BYTES,
         in_use_at_start_bytes=CUDA_CONTEXT_BYTES, kv_cache_memory_bytes=cache.kv_cache_memory,
