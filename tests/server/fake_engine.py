@@ -16,6 +16,18 @@ class CharTokenizer:
 
     chat_template = None
     vocab_size = 0x110000
+    cleans_up_spaces = False
+
+    @property
+    def backend(self):
+        """What the incremental detokenizer decodes windows with (as kvfit's Tokenizer's tokenizers.Tokenizer)."""
+        return self
+
+    def id_to_token(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict:
+        return {}           # too many to list; every token is one character
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
@@ -53,6 +65,7 @@ class FakeEngine:
         self.config = types.SimpleNamespace(model=types.SimpleNamespace(generation_config="vllm"))
         self.default_sampling_params = {}
         self.max_logprobs = MAX_LOGPROBS            # --max-logprobs left at vLLM's default
+        self.eos_token_ids = ()
         self.max_running, self.step_seconds = max_running, step_seconds
         self.fail_step_on, self.fail_add_on = fail_step_on, fail_add_on
         self.requests: dict[str, dict] = {}      # insertion order = arrival order

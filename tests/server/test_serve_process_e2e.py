@@ -88,6 +88,32 @@ def test_n_samples_and_a_stop_string_cross_the_boundary(served, offline):
         assert texts[0] == cut["choices"][0]["text"] and reasons == {0: "stop"}
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_front_end_text_ends_at_a_stop_token_as_the_engine_does(served, offline, include_stop):
+    """The front-end makes the text of a request without stop strings: a stop token id ends it with or without
+    its text (include_stop_str_in_output) as the in-process engine's text does; special tokens shown or not;
+    the prompt logprobs' token texts equal the engine's."""
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    first = offline.generate(["Hello there"], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    stop_id = first.token_ids[5]
+    for extra in ({"stop_token_ids": [stop_id], "include_stop_str_in_output": include_stop},
+                  {"skip_special_tokens": include_stop, "prompt_logprobs": 1}):
+        body = {"model": "tiny", "prompt": "Hello there", **params, **extra}
+        whole = httpx.post(f"{served}/v1/completions", json=body, timeout=60).json()
+        ref = offline.generate(["Hello there"], SamplingParams(**params, **extra), use_tqdm=False)[0]
+        choice = whole["choices"][0]
+        assert choice["text"] == ref.outputs[0].text and choice["finish_reason"] == ref.outputs[0].finish_reason
+        if "prompt_logprobs" in extra:
+            got = [None if p is None else {int(t): e["decoded_token"] for t, e in p.items()}
+                   for p in choice["prompt_logprobs"]]
+            want = [None if p is None else {t: e.decoded_token for t, e in p.items()} for p in ref.prompt_logprobs]
+            assert got == want
+            continue
+        assert choice["finish_reason"] == "stop"
+        texts, _, reasons = _stream(served, body)
+        assert texts == {0: choice["text"]} and reasons == {0: "stop"}
+
+
 def test_refusals_keep_their_param_and_every_block_comes_back(served):
     r = httpx.post(f"{served}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 500}, timeout=30)
     assert r.status_code == 400 and openai_error(r)["param"] in ("max_tokens", "prompt"), r.text

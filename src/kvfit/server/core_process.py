@@ -4,7 +4,8 @@ loop that schedules and launches steps.
 ```
 front-end process (uvicorn, this module's EngineCoreClient)     engine core process (run_engine_core)
   HTTP, parsing, chat templates, tokenizing, response building     EngineCore: admission, scheduler,
-  add / abort / close / stop  --- PUSH ipc:// (msgspec) --->       KV manager, executor, detokenizer
+  add / abort / close / stop  --- PUSH ipc:// (msgspec) --->       KV manager, executor (and the
+  text of the outputs (FrontEndText)                               text of requests with stop strings)
   RequestStreams  <--- PULL ipc:// (msgspec): Ready, then one      one OutputBatch per loop round:
                        OutputBatch per round (deltas) ---          adds taken, step deltas, errors, stats
 ```
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -42,7 +44,7 @@ import zmq
 from kvfit.errors import ConfigError, KvfitError
 from kvfit.server.async_engine import RequestStream, ServingEngine, _Add
 from kvfit.server.core_protocol import (COMMAND_DECODER, ENCODER, REPLY_DECODER, AbortCommand, AddCommand,
-                                        AddResult, CloseCommand, DeltaTracker, ErrorInfo, OutputAccumulator,
+                                        AddResult, CloseCommand, DeltaTracker, ErrorInfo, FrontEndText, OutputAccumulator,
                                         OutputBatch, Ready, StartFailed, StopCommand)
 from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
 from kvfit.server.prepare import as_api_error
@@ -55,6 +57,7 @@ IDLE_POLL_MS = 500                # an idle core checks its parent is alive this
 # server exits 1 (a supervisor restarts it); far above any one step (a CPU prefill chunk, a graph capture)
 DEFAULT_STALL_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0             # after a stop, how long the core gets to exit before it is killed
+TOKEN_TEXT_CACHE = 1 << 16        # token texts for logprobs kept decoded (a few MiB at most)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -101,7 +104,7 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
             plan = getattr(engine, "plan", None)
             send(Ready(engine.max_model_len, engine.max_logprobs, core.max_num_seqs,
                        dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
-                       core.stats))
+                       core.stats, list(engine.eos_token_ids)))
             _CoreLoop(core, commands, send, parent_pid).run()
         finally:
             engine.shutdown()
@@ -220,6 +223,10 @@ class EngineCoreClient(ServingEngine):
         self._folder = folder
         self._send_lock = threading.Lock()
         self._stats = dict(ready.stats)
+        self._eos_token_ids = tuple(ready.eos_token_ids)
+        # a token's text for logprobs (vLLM's decoded_token: decoded alone, special tokens shown)
+        self._token_text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         self._pending: dict[str, _Add] = {}                     # adds sent, not yet answered (loop only)
         self._streams: dict[str, tuple[RequestStream, OutputAccumulator]] = {}   # loop only
         self._stopped = False
@@ -248,11 +255,12 @@ class EngineCoreClient(ServingEngine):
             with _sigterm_interrupts():
                 process.start()
                 first = cls._wait_for_start(process, replies)
+            client = cls(process, context, commands, replies, folder, first, tokenizer, generation_config,
+                         model_folder)
         except BaseException:
             _end_process(process, 0)
             _close(context, [commands, replies], folder)
             raise
-        client = cls(process, context, commands, replies, folder, first, tokenizer, generation_config, model_folder)
         if stall_timeout_s is not None:
             client.stall_timeout_s = stall_timeout_s
         return client
@@ -297,7 +305,10 @@ class EngineCoreClient(ServingEngine):
         if not (self._pending or self._streams):     # the stall clock starts now, not at the core's last word
             self._waiting_since = time.monotonic()
         self._pending[command.request_id] = command
-        self._send(AddCommand(command.request_id, command.prompt_ids, pickle.dumps(command.params),
+        params = command.params
+        if FrontEndText.applies(self.tokenizer, params):      # the text is made here, not in the core
+            params = FrontEndText.core_params(params)
+        self._send(AddCommand(command.request_id, command.prompt_ids, pickle.dumps(params),
                               command.max_tokens_given, command.cache_salt))
 
     def abort(self, request_id: str) -> None:
@@ -400,7 +411,10 @@ class EngineCoreClient(ServingEngine):
         if result.error is not None:
             command.future.set_exception(result.error.error())
             return
-        self._streams[result.request_id] = (command.stream, OutputAccumulator(result.request_id, command.prompt_ids))
+        text = (FrontEndText(self.tokenizer, command.params, self._eos_token_ids, self._token_text)
+                if FrontEndText.applies(self.tokenizer, command.params) else None)
+        self._streams[result.request_id] = (command.stream,
+                                            OutputAccumulator(result.request_id, command.prompt_ids, text))
         command.future.set_result(result.num_prompt_tokens)
 
     def _fail_everything(self, reason: str) -> None:

@@ -6,6 +6,12 @@ each AddCommand, and an OutputBatch per engine step: for every request that move
 tokens, text and logprobs new since the last batch), so a message never grows with the length of the
 output. The front-end folds deltas back into cumulative RequestOutputs (OutputAccumulator).
 
+Text is made on the front-end (FrontEndText): the core runs a request with detokenize=False and sends
+token ids; the front-end decodes them incrementally and names the logprobs' tokens, off the core's GIL.
+The one exception is a request with stop strings: only the core can end it the moment its text holds
+one (no step wasted past it, none of its tokens sent), so the core detokenizes that request and its
+deltas carry the text.
+
 msgspec encodes these (and the engine's Logprob dataclass) as msgpack: no pickle per token. The only
 pickle is a request's SamplingParams, once, inside its AddCommand (a nested frozen dataclass with
 validation; the two processes are one program, so the bytes are trusted).
@@ -13,9 +19,14 @@ validation; the two processes are one program, so the bytes are trusted).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable, Iterable
+
 import msgspec
 
-from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
+from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvfit.sampling_params import SamplingParams
 from kvfit.server.protocol import APIError
 
 
@@ -70,6 +81,7 @@ class Ready(msgspec.Struct, tag=True):
     default_sampling_params: dict
     capacity_line: str
     stats: dict
+    eos_token_ids: list[int] = []
 
 
 class StartFailed(msgspec.Struct, tag=True):
@@ -168,31 +180,88 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
+class FrontEndText:
+    """Front-end side: the text of one request the core runs without detokenizing, per sample, and the
+    text of its logprobs' tokens. The same text the core's OutputProcessor would make: the output ids
+    decoded incrementally, less a final eos or stop token id (kept with include_stop_str_in_output)."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
+                 token_text: Callable[[int], str]):
+        self._tokenizer, self._params, self._token_text = tokenizer, params, token_text
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        self._stop_ids = frozenset((*eos, *params.stop_token_ids))
+        self._samples: dict[int, IncrementalDetokenizer] = {}
+
+    @staticmethod
+    def applies(tokenizer, params) -> bool:
+        """The front-end makes this request's text: a tokenizer, text asked for, no stop strings."""
+        return (tokenizer is not None and isinstance(params, SamplingParams) and params.detokenize
+                and not params.stop)
+
+    @staticmethod
+    def core_params(params: SamplingParams) -> SamplingParams:
+        """What the core runs: the same request without text."""
+        return dataclasses.replace(params, detokenize=False)
+
+    def extend(self, index: int, new_ids: list[int], num_tokens: int, finish_reason: str | None) -> str:
+        """Sample `index` gained new_ids (num_tokens in all); its text so far (final once it finished)."""
+        detok = self._samples.get(index)
+        if detok is None:
+            params = self._params
+            detok = self._samples[index] = IncrementalDetokenizer(
+                self._tokenizer, (), params.skip_special_tokens, params.include_stop_str_in_output)
+        ids = new_ids
+        # the core's finish rule: an eos or stop token id (from min_tokens on) ends a sample without its text
+        if (finish_reason == "stop" and ids and ids[-1] in self._stop_ids and num_tokens >= self._params.min_tokens
+                and not self._params.include_stop_str_in_output):
+            ids = ids[:-1]
+        for token_id in ids:
+            detok.add(token_id, check_stop=False)
+        if finish_reason is None:
+            return detok.text
+        self._samples.pop(index, None)
+        return detok.final_text()
+
+    def name_tokens(self, positions: list) -> list:
+        """Logprob positions with each token's text (vLLM's decoded_token); None positions stay None."""
+        return [None if position is None else self._named(position) for position in positions]
+
+    def _named(self, position: PositionLogprobs) -> PositionLogprobs:
+        return {token_id: Logprob(lp.logprob, lp.rank, self._token_text(token_id))
+                for token_id, lp in position.items()}
+
+
 class OutputAccumulator:
     """Front-end side: one request's deltas folded back into the cumulative RequestOutput the response
-    builders read (a fresh RequestOutput per delta; the text is immutable, token lists are copied)."""
+    builders read (a fresh RequestOutput per delta; the text is immutable, token lists are copied).
+    text: where the front-end makes the request's text (FrontEndText), else the core sends it."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], text: FrontEndText | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.prompt: str | None = None
         self.prompt_logprobs = None
         self.samples: dict[int, CompletionOutput] = {}
+        self._text = text
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
+        made = self._text
         if delta.prompt is not None:
             self.prompt = delta.prompt
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_logprobs = (delta.prompt_logprobs if made is None
+                                    else made.name_tokens(delta.prompt_logprobs))
         for d in delta.samples:
             old = self.samples.get(d.index) or CompletionOutput(index=d.index)
+            token_ids = old.token_ids + d.token_ids
             logprobs = old.logprobs
             if d.logprobs is not None:
-                logprobs = (logprobs or []) + d.logprobs
+                logprobs = (logprobs or []) + (d.logprobs if made is None else made.name_tokens(d.logprobs))
+            text = (old.text[:d.text_keep] + d.text if made is None
+                    else made.extend(d.index, d.token_ids, len(token_ids), d.finish_reason))
             self.samples[d.index] = CompletionOutput(
-                index=d.index, text=old.text[:d.text_keep] + d.text, token_ids=old.token_ids + d.token_ids,
-                cumulative_logprob=d.cumulative_logprob, logprobs=logprobs, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason)
+                index=d.index, text=text, token_ids=token_ids, cumulative_logprob=d.cumulative_logprob,
+                logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              prompt_logprobs=self.prompt_logprobs,
                              outputs=[self.samples[i] for i in sorted(self.samples)], finished=delta.finished,
