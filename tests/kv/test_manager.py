@@ -105,7 +105,6 @@ def test_two_requests_share_a_cached_prefix():
     assert kv.grow("b", len(b)) == [3, 4]
     kv.commit("b", b, len(b))
     assert registered(kv, b) == [0, 1, 3]
-    assert kv.num_prefix_queries == 10 + 13 and kv.num_prefix_hits == 8
     kv.check_invariants()
     kv.free("a")                                 # 2 unhashed: plain free; 0, 1 still held by b
     assert refs(kv, 5) == [1, 1, 0, 1, 1] and counts(kv) == (12, 4, 0)
@@ -226,7 +225,6 @@ def test_a_resumed_request_hits_its_own_output_blocks():
     assert counts(kv) == (6, 0, 2)
     assert kv.lookup_prefix("r", tokens) == 8    # block 1 holds outputs 50, 51
     assert list(kv.block_ids("r")) == [0, 1]
-    assert kv.num_prefix_queries == 6 + 9 and kv.num_prefix_hits == 8
     kv.check_invariants()
 
 
@@ -336,7 +334,7 @@ def test_commit_hashes_and_registers_each_block_once(monkeypatch):
     kv.check_invariants()
 
 
-# prefix caching off, counters -------------------------------------------------------------------
+# prefix caching off ----------------------------------------------------------------------------
 def test_prefix_caching_off_shares_nothing():
     kv = make(8, prefix_caching=False)
     prompt = list(range(9))
@@ -349,21 +347,7 @@ def test_prefix_caching_off_shares_nothing():
     kv.free("a")
     kv.free("b")
     assert counts(kv) == (8, 0, 0)               # nothing cached
-    assert kv.num_prefix_queries == 18 and kv.num_prefix_hits == 0
     kv.check_invariants()
-
-
-def test_counters_count_only_when_asked():
-    kv = make(8)
-    prompt = list(range(9))
-    kv.lookup_prefix("a", prompt, count=False)
-    kv.grow("a", 9)
-    kv.commit("a", prompt, 9)
-    assert kv.num_prefix_queries == 0 and kv.num_prefix_hits == 0
-    assert kv.lookup_prefix("b", prompt, count=False) == 8
-    assert kv.num_prefix_queries == 0 and kv.num_prefix_hits == 0
-    assert kv.lookup_prefix("c", prompt) == 8
-    assert kv.num_prefix_queries == 9 and kv.num_prefix_hits == 8
 
 
 def test_num_requests_counts_tables_from_lookup_or_grow_until_free():

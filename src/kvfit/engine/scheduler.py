@@ -247,7 +247,7 @@ class Scheduler:
             rid = req.request_id
             # prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM)
             wants_all = req.params.prompt_logprobs is not None
-            num_hit = self.kv.lookup_prefix(rid, req.token_ids[:1] if wants_all else req.token_ids, count=False,
+            num_hit = self.kv.lookup_prefix(rid, req.token_ids[:1] if wants_all else req.token_ids,
                                             cache_salt=req.cache_salt)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.grow(rid, num_hit + num_new) is None:

@@ -45,8 +45,6 @@ class KVCacheManager:
         assert block_size >= 1
         self.pool = pool
         self.block_size = block_size
-        self.num_prefix_queries = 0      # tokens passed to count=True lookups (with caching off too)
-        self.num_prefix_hits = 0         # of those, tokens found
         self._tables: dict[str, _Table] = {}
         # hash -> tables whose committed blocks include a block of that content (num_common_prefix_blocks)
         self._content_holders: dict[bytes, int] = {}
@@ -98,20 +96,16 @@ class KVCacheManager:
         return max(num_needed_blocks - len(self.block_ids(request_id)), 0)
 
     # prefix cache -------------------------------------------------------------------------------
-    def lookup_prefix(self, request_id: str, token_ids: Sequence[int], count: bool = True,
-                      cache_salt: str | None = None) -> int:
+    def lookup_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Start the request's table with the leading cached full blocks of token_ids; return the
         tokens found (a multiple of block_size). At least one token is always left to compute, so at
         most (len(token_ids) - 1) // block_size blocks are taken. Blocks are hashed lazily and only
         up to the first miss; commit hashes the rest as they are computed. cache_salt: only blocks
-        committed under the same salt (or both without one) are found, and commit uses it too."""
+        committed under the same salt (or both without one) are found, and commit uses it too. (The
+        prefix-cache hit counters are the scheduler's: it knows which lookups are a prompt's first.)"""
         assert request_id not in self._tables, f"request {request_id} already has a table"
         table = self._tables[request_id] = _Table(cache_salt)
-        num_hit_tokens = self._take_cached_prefix(table, token_ids) if self.pool.enable_prefix_caching else 0
-        if count:
-            self.num_prefix_queries += len(token_ids)
-            self.num_prefix_hits += num_hit_tokens
-        return num_hit_tokens
+        return self._take_cached_prefix(table, token_ids) if self.pool.enable_prefix_caching else 0
 
     def _take_cached_prefix(self, table: _Table, token_ids: Sequence[int]) -> int:
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
