@@ -1,10 +1,58 @@
-"""Shared by the GPU capacity tests: `kvfit plan`'s estimate for an engine's settings, next to its profile."""
+"""Shared by the GPU tests: a budget derived from the GPU they run on (or a skip naming what they need), and
+`kvfit plan`'s estimate for an engine's settings next to its profile."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 WARM_MARGIN_BYTES = 64 << 20     # more in use at start than a fresh process by this: earlier work in the process
+# the largest share of a card a test asks for: the budget counts everything in use (the CUDA context, other
+# processes), so the rest of the card stays free
+MOST_UTILIZATION = 0.95
+
+
+def gpu_budget(model: str, settings: dict, kv_cache_bytes: int, least_kv_bytes: int) -> dict:
+    """settings with the gpu_memory_utilization that leaves `model` about kv_cache_bytes of KV cache on this GPU,
+    at most MOST_UTILIZATION of it; the test is skipped, naming what it needs, where that leaves less than
+    least_kv_bytes. Needed beside the KV cache: what is in use on the GPU now (the CUDA context, other processes,
+    this process's earlier tests) plus `kvfit plan`'s estimate of the engine's own memory (weights, activation
+    peak, memory outside torch, CUDA graphs). The tests' expectations still come from the measured reading."""
+    import gc
+
+    import pytest
+    import torch
+
+    from kvfit.config import EngineConfig
+    from kvfit.errors import CapacityError
+    from kvfit.model_facts import DTYPE_BYTES, load_model_facts
+    from kvfit.planning import resolve_model_dtype
+    from kvfit.platforms.base import Platform
+    from kvfit.platforms.estimate import estimate_reading, estimate_weights_bytes
+    from kvfit.units import gib
+    gc.collect()
+    torch.cuda.empty_cache()           # blocks an earlier test's engine left cached are not in use
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free
+    config = Platform().resolve_config(EngineConfig.from_kwargs(model, **{**settings, "gpu_memory_utilization": 1.0}))
+    facts = load_model_facts(model, config.model.quantization)
+    dtype_bytes = DTYPE_BYTES[resolve_model_dtype(facts, config.model.dtype)]
+    weights_bytes = estimate_weights_bytes(facts, dtype_bytes, 1)
+    try:
+        estimate = estimate_reading(facts, total, config.cache, config.scheduler, 1, dtype_bytes,
+                                    config.model.max_model_len)
+        non_kv = in_use + estimate.non_kv_bytes - estimate.in_use_at_start_bytes
+    except CapacityError:              # the weights alone fill the card
+        non_kv = in_use + weights_bytes
+    share = min(math.ceil((non_kv + kv_cache_bytes) / total * 100) / 100, MOST_UTILIZATION)
+    if share * total - non_kv < least_kv_bytes:
+        pytest.skip(f"needs a GPU of {gib(math.ceil((non_kv + least_kv_bytes) / MOST_UTILIZATION))}: {model}'s "
+                    f"weights ({gib(weights_bytes)}), its activations, a KV cache of at least {gib(least_kv_bytes)} "
+                    f"and the {gib(in_use)} in use before it, within {MOST_UTILIZATION:.0%} of the card; this GPU "
+                    f"has {gib(total)}")
+    print(f"\nbudget: {share} of {gib(total)} ({gib(in_use)} in use before the engine, about {gib(non_kv)} "
+          "with it but without its KV cache)")
+    return {**settings, "gpu_memory_utilization": share}
 
 
 def estimated_blocks(model: str, settings: dict, llm) -> int:
