@@ -15,7 +15,7 @@ from tp_helpers import ENGINE_KWARGS, all_gone, rank_pids
 
 from kvfit import LLM, SamplingParams
 from kvfit.cli import build_parser, main
-from kvfit.errors import CapacityError, ConfigError, KvfitError
+from kvfit.errors import CapacityError, ConfigError, EngineDeadError, KvfitError
 from kvfit.runner import tp_executor
 
 FAST_S = 30.0      # far below KVFIT_TP_TIMEOUT_S (600): an error, not a timeout
@@ -80,10 +80,20 @@ def test_a_rank_failing_mid_generation_is_an_error_in_rank_0(tiny_llama, monkeyp
     pids = rank_pids(llm)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     started = time.monotonic()
-    with pytest.raises(KvfitError, match=r"rank 1: InjectedFault: .* at step"):
+    with pytest.raises(EngineDeadError, match=r"rank 1: InjectedFault: .* at step"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert time.monotonic() - started < FAST_S
     assert all_gone(pids, timeout_s=0)
-    with pytest.raises(KvfitError, match="stopped after an earlier error"):
+    with pytest.raises(EngineDeadError, match="stopped after an earlier error"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    # what a server asks after a failed step: no step can run again
+    with pytest.raises(EngineDeadError, match="ranks stopped after a failed step"):
+        llm.engine.check_alive()
     llm.shutdown()
+
+
+def test_ranks_stopped_by_shutdown_are_not_a_dead_engine(tiny_llama):
+    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE_KWARGS)
+    llm.engine.check_alive()
+    llm.shutdown()
+    llm.engine.check_alive()            # a server that stops its engine exits 0, not as if it died
