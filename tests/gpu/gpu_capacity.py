@@ -24,11 +24,10 @@ def gpu_budget(model: str, settings: dict, kv_cache_bytes: int, least_kv_bytes: 
     import torch
 
     from kvfit.config import EngineConfig
-    from kvfit.errors import CapacityError
     from kvfit.model_facts import DTYPE_BYTES, load_model_facts
     from kvfit.planning import resolve_model_dtype
     from kvfit.platforms.base import Platform
-    from kvfit.platforms.estimate import estimate_reading, estimate_weights_bytes
+    from kvfit.platforms.estimate import estimate_reading
     from kvfit.units import gib
     gc.collect()
     torch.cuda.empty_cache()           # blocks an earlier test's engine left cached are not in use
@@ -36,20 +35,15 @@ def gpu_budget(model: str, settings: dict, kv_cache_bytes: int, least_kv_bytes: 
     in_use = total - free
     config = Platform().resolve_config(EngineConfig.from_kwargs(model, **{**settings, "gpu_memory_utilization": 1.0}))
     facts = load_model_facts(model, config.model.quantization)
-    dtype_bytes = DTYPE_BYTES[resolve_model_dtype(facts, config.model.dtype)]
-    weights_bytes = estimate_weights_bytes(facts, dtype_bytes, 1)
-    try:
-        estimate = estimate_reading(facts, total, config.cache, config.scheduler, 1, dtype_bytes,
-                                    config.model.max_model_len)
-        non_kv = in_use + estimate.non_kv_bytes - estimate.in_use_at_start_bytes
-    except CapacityError:              # the weights alone fill the card
-        non_kv = in_use + weights_bytes
+    estimate = estimate_reading(facts, total, config.cache, config.scheduler, 1,
+                                DTYPE_BYTES[resolve_model_dtype(facts, config.model.dtype)], config.model.max_model_len)
+    non_kv = in_use + estimate.non_kv_bytes - estimate.in_use_at_start_bytes
     share = min(math.ceil((non_kv + kv_cache_bytes) / total * 100) / 100, MOST_UTILIZATION)
     if share * total - non_kv < least_kv_bytes:
-        pytest.skip(f"needs a GPU of {gib(math.ceil((non_kv + least_kv_bytes) / MOST_UTILIZATION))}: {model}'s "
-                    f"weights ({gib(weights_bytes)}), its activations, a KV cache of at least {gib(least_kv_bytes)} "
-                    f"and the {gib(in_use)} in use before it, within {MOST_UTILIZATION:.0%} of the card; this GPU "
-                    f"has {gib(total)}")
+        card = math.ceil((non_kv + least_kv_bytes) / MOST_UTILIZATION)
+        pytest.skip(f"needs a GPU of {gib(card)}: {model}'s weights ({gib(estimate.weights_bytes)}), its activations, "
+                    f"a KV cache of at least {gib(least_kv_bytes)} and the {gib(in_use)} in use before it, within "
+                    f"{MOST_UTILIZATION:.0%} of the card; this GPU has {gib(total)}")
     print(f"\nbudget: {share} of {gib(total)} ({gib(in_use)} in use before the engine, about {gib(non_kv)} "
           "with it but without its KV cache)")
     return {**settings, "gpu_memory_utilization": share}
