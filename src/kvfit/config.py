@@ -106,6 +106,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None   # bytes; replaces the utilization-based budget
     enable_prefix_caching: bool = True
     plan_json: str | None = None         # where to write the KV plan as JSON
+    calculate_kv_scales: bool = False    # fp8 KV cache: scales from the first batch (models/kv_scales.py)
 
     def __post_init__(self):
         check_block_size(self.block_size)
@@ -117,6 +118,10 @@ class CacheConfig:
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         _check_int("max_num_blocks", self.max_num_blocks, allow_none=True)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("calculate_kv_scales", self.calculate_kv_scales)
+        if self.calculate_kv_scales and not str(self.kv_cache_dtype).lower().startswith("fp8"):
+            raise ConfigError("--calculate-kv-scales sets the scales of an fp8 KV cache; add --kv-cache-dtype fp8 "
+                              f"(the KV cache is {self.kv_cache_dtype}, which holds k and v exactly)")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "--kv-cache-memory"))
 

@@ -51,7 +51,7 @@ class Fp8Scheme:
     scale_name: str = "weight_scale"         # the checkpoint's name of the weight scale tensor
     ignore: tuple[str, ...] = ()             # module names or "re:" patterns kept in the model dtype
     online: bool = False                     # quantized at load from a 16-bit checkpoint
-    kv_cache_scheme: bool = False            # the checkpoint carries k/v scales (read, not used yet)
+    kv_cache_scheme: bool = False            # the checkpoint carries k/v scales (models/kv_scales.py)
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self

@@ -74,6 +74,23 @@ def test_dense_fp8_checkpoint_matches_the_dequantized_reference(models, arch, fm
     assert got[-1].argmax() == want[-1].argmax()
 
 
+def test_per_tensor_scales_stored_as_0_dim_tensors_load(models):
+    """Some Hub checkpoints store a per-tensor weight_scale / input_scale as a 0-dim tensor, not [1]."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    root, src = models
+    fp8, _ = write_fp8_copy(src["llama"], root / "llama-0dim", "ct-static")
+    _, want, _ = _logits(fp8)
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    scalars = {n: t.reshape(()) if n.endswith(("weight_scale", "input_scale")) else t for n, t in tensors.items()}
+    assert any(t.dim() == 0 for t in scalars.values())
+    save_file(scalars, path, metadata={"format": "pt"})
+    _, got, _ = _logits(fp8)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "block"), ("mixtral", "ct-channel"), ("qwen2_moe", "ct-tensor")])
 def test_moe_fp8_checkpoint_matches_the_dequantized_reference(tmp_path, arch, fmt):
     moe = {"shared_expert_intermediate_size": 64} if arch == "qwen2_moe" else None

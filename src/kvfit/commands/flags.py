@@ -201,6 +201,9 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int_flag, default=None, help="tokens per KV block (a power of two)")
     p.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, float16, float32 or fp8 "
                                                            "(auto: the model's dtype)")
+    p.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="with --kv-cache-dtype fp8: set each layer's k/v cache scales from the first batch "
+                        "(default: the checkpoint's kv_cache_scheme scales, else 1.0)")
     p.add_argument("--max-model-len", type=max_model_len_flag, default=None,
                    help="longest request (prompt + output) in tokens, e.g. 4096, 32k (32,000) or 32K (32,768); "
                         "auto (or -1): the longest that one request can hold in the KV cache, at most the "

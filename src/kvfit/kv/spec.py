@@ -16,7 +16,7 @@ from kvfit.model_facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
 PADDING_SLOT_ID = -1
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
-# fp8 caches store e4m3 values with one fixed scale (1.0) per tensor: no per-block scale bytes.
+# fp8 caches store e4m3 values with per-layer k/v scales (models/kv_scales.py): no per-block scale bytes.
 _KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8_e4m3": 1}
 
 

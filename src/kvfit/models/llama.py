@@ -22,6 +22,7 @@ from kvfit.errors import ConfigError
 from kvfit.model_facts import ModelFacts
 from kvfit.models import fused_ops
 from kvfit.models.gemv import gemv_applies, gemv_rope_write_kv, linear
+from kvfit.models.kv_scales import KVScales, is_fp8_cache, kv_scale_targets
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
 from kvfit.models.parallel import (Shard, VocabEmbedding, gather_vocab, kv_head_range, make_param, read_shard,
                                    source_shape, split_evenly)
@@ -92,6 +93,7 @@ class Attention(torch.nn.Module):
                                   q_start * d, self.num_heads * d, row=True, tp_size=tp_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.kv_scales = KVScales(cfg.num_kv_heads, kv_start, self.num_kv_heads, self.num_heads, device)
         self.qkv_weight = self.qkv_bias = None      # set by fuse_projections() after loading
 
     def fuse_projections(self) -> None:
@@ -139,7 +141,10 @@ class Attention(torch.nn.Module):
                 freqs: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
-        if self._one_token_fused(x, kv_cache, freqs):
+        # an fp8 cache with scales (kv_scales.py): k and v scaled on the way in, q and the output around attend;
+        # the fused paths that write the cache themselves are left out
+        scaled = self.kv_scales.applies and is_fp8_cache(kv_cache)
+        if not scaled and self._one_token_fused(x, kv_cache, freqs):
             # one token (batch-1 decode): projection, RoPE and the cache write in one GEMV launch
             q, k, v = self._split_heads(gemv_rope_write_kv(x, self.qkv_weight, self.qkv_bias, positions, freqs,
                                                            *kv_cache, meta.slot_mapping, self.num_heads,
@@ -147,15 +152,19 @@ class Attention(torch.nn.Module):
             written = True                      # this step's k and v in the cache already
         else:
             q, k, v = self._qkv(x)              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
-            q, k, written = self._norm_rope(q, k, v, positions, kv_cache, meta, freqs)
+            q, k, written = self._norm_rope(q, k, v, positions, None if scaled else kv_cache, meta, freqs)
         if kv_cache is None:
             starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
             out = causal_attention(q, k, v, starts, self.scale)
         else:
             k_cache, v_cache = kv_cache
+            if scaled:
+                (k, v), q = self.kv_scales.for_cache(k, v), self.kv_scales.scale_query(q)
             if not written:
                 self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)      # [T, Hq, D]
+            if scaled:
+                out = self.kv_scales.scale_output(out)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -241,6 +250,18 @@ class CausalLM(torch.nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     # checkpoint hooks a subclass overrides (mixture-of-experts: per-expert tensors into stacked ones)
+    def _load_kv_scale(self, name: str, source) -> bool:
+        """A KV cache scale of the checkpoint (kv_scales.py) read into its attention layer; False for others."""
+        targets = kv_scale_targets(name)
+        for module_name, which in targets:
+            try:
+                scales = self.get_submodule(module_name).kv_scales
+            except AttributeError:
+                raise ConfigError(f"checkpoint tensor {name} is a KV cache scale, but {module_name} is no attention "
+                                  "layer of this model; the checkpoint does not match config.json") from None
+            scales.load(which, name, source)
+        return bool(targets)
+
     def checkpoint_name(self, name: str) -> str:
         """The parameter name a checkpoint tensor's name maps to."""
         return name
@@ -277,6 +298,8 @@ class CausalLM(torch.nn.Module):
         loaded: set[str] = set()
         for name, source in named_tensors:
             name = self.checkpoint_name(name)
+            if self._load_kv_scale(name, source):
+                continue
             special = self.load_special(name, source)
             if special is not None:
                 loaded.update(special)

@@ -47,8 +47,8 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         if facts.quantization is not None:
             logger.info("weights: %s", facts.quantization.describe())
             if facts.quantization.kv_cache_scheme:
-                logger.warning("the checkpoint's kv_cache_scheme (k/v scales) is not used yet: an fp8 KV cache "
-                               "(--kv-cache-dtype fp8) runs with scale 1.0")
+                logger.info("KV cache scales read from the checkpoint (kv_cache_scheme): an fp8 KV cache "
+                            "(--kv-cache-dtype fp8) uses them, a 16-bit one does not need them")
     except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
         # past int64 is a TypeError from torch.empty
         if not _is_allocation_failure(exc):

@@ -16,6 +16,7 @@ from kvfit.attention import pdl
 from kvfit.config import EngineConfig
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import ModelFacts
+from kvfit.models.kv_scales import kv_scale_layers
 from kvfit.planning import prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len, resolve_model_dtype
 from kvfit.platforms.registry import platform_of
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
@@ -78,6 +79,8 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.kv_caches: KVCaches = []
         self.graphs = None
+        self._kv_scales: list = []            # every attention layer's fp8 KV cache scales (models/kv_scales.py)
+        self._kv_scales_pending = False       # --calculate-kv-scales set up, no batch has set the scales yet
         self._capture_stream = None
         # the last decode round's final tokens on the device: ({request_id: column}, [B] int64)
         self._carry: tuple[dict[str, int], torch.Tensor] | None = None
@@ -91,6 +94,10 @@ class ModelRunner:
         self.model = load_model(self.config.model.model, self.facts, self.dtype, self.device, self.backend,
                                 load_format=self.config.model.load_format,
                                 tp_rank=self.tp_rank, tp_size=self.config.parallel.tensor_parallel_size)
+        self._kv_scales = kv_scale_layers(self.model)
+        if self.config.cache.calculate_kv_scales:       # the scaled path in the profile and in the graphs
+            for scales in self._kv_scales:
+                scales.enable_calculation()
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _new_batch(self) -> InputBatch:
@@ -181,6 +188,10 @@ class ModelRunner:
         if self.use_graphs:
             self.graphs = self._new_graphs(self.kv_caches)
             self.graphs.capture(self._stream())
+        if self.config.cache.calculate_kv_scales:       # the first batch from now on sets them (eagerly)
+            for scales in self._kv_scales:
+                scales.calculate_next = True
+            self._kv_scales_pending = True
 
     # steps -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -375,7 +386,9 @@ class ModelRunner:
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
-        if self.graphs is not None and ids.shape[0] <= self.graphs.buckets[-1]:
+        if self._kv_scales_pending:         # --calculate-kv-scales: eager until a batch has set the scales
+            self._kv_scales_pending = any(scales.calculate_next for scales in self._kv_scales)
+        if self.graphs is not None and not self._kv_scales_pending and ids.shape[0] <= self.graphs.buckets[-1]:
             return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                       meta.prefix_len)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))

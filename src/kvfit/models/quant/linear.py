@@ -130,7 +130,7 @@ class Fp8Linear(torch.nn.Module):
                               f"scale of this layer is {list(full)}; the scales do not match config.json's "
                               "quantization_config")
         if shape == ():
-            value = source if isinstance(source, torch.Tensor) else source[:]
+            value = source if isinstance(source, torch.Tensor) else source[...]   # [:] fails on a 0-dim slice
             param.copy_(value.reshape(1).float())
             return
         param.copy_(read_shard(param, source).float().reshape(param.shape))

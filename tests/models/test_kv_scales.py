@@ -1,0 +1,127 @@
+"""fp8 KV cache scales (models/kv_scales.py): read from a checkpoint's kv_cache_scheme tensors or calculated from
+the first batch (--calculate-kv-scales), applied to every attention path; a model whose keys and values pass
+fp8's range (448) is wrong with scale 1.0 and close to the 16-bit cache with scales."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvfit import LLM, SamplingParams
+from kvfit.errors import ConfigError
+from kvfit.models.kv_scales import KVScales, kv_scale_targets
+from tiny_models import make_tiny_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # fp8_checkpoints (tests/models)
+
+PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you today"]
+LOUD = 2000.0      # k and v LOUD times larger, q and o_proj LOUD times smaller: the same model, k and v past 448
+
+
+@pytest.fixture(scope="module")
+def loud_model(tmp_path_factory):
+    """A tiny llama whose keys and values reach thousands (fp8 e4m3 saturates at 448) and whose outputs equal the
+    plain model's (q . k and o_proj(v) are unchanged in exact arithmetic)."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("kv-scales"), num_layers=2)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for name in list(tensors):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensors[name] = tensors[name] * LOUD
+        elif name.endswith(("q_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] / LOUD
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def _prompt_logprobs(folder: str, **kwargs) -> list[float]:
+    """The logprob of every prompt token after the first (attention over the cache it was written to)."""
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    llm.shutdown()
+    return [step[t].logprob for out in outs for t, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _with_scales(folder: str, k: float, v: float, names: tuple[str, str]) -> str:
+    """folder (an FP8 compressed-tensors checkpoint) with k/v scales under `names` and a kv_cache_scheme, in place."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for layer in {n.split(".self_attn.")[0] for n in tensors if ".self_attn." in n}:
+        for name, value in zip(names, (k, v)):
+            tensors[f"{layer}.{name}"] = torch.tensor(value)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(loud_model):
+    return _prompt_logprobs(loud_model)                        # the 16-bit (fp32) cache: k and v exact
+
+
+def test_scale_one_breaks_a_loud_model_and_calculated_scales_repair_it(loud_model, reference):
+    unscaled = _max_diff(_prompt_logprobs(loud_model, kv_cache_dtype="fp8"), reference)
+    calculated = _max_diff(_prompt_logprobs(loud_model, kv_cache_dtype="fp8", calculate_kv_scales=True), reference)
+    print(f"\nmax |prompt logprob diff| against the fp32 cache: fp8 scale 1.0 {unscaled:.3f}, "
+          f"calculated scales {calculated:.3f}")
+    assert calculated < 0.25 < unscaled
+
+
+@pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),
+                                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale")])
+def test_checkpoint_scales_are_read_and_used_with_an_fp8_cache(loud_model, tmp_path, names):
+    """An FP8 checkpoint (compressed-tensors, per channel) with kv_cache_scheme scales, as llm-compressor writes
+    it: an fp8 cache with its scales is close to the same weights over an fp32 cache; scale 1.0 is not."""
+    from fp8_checkpoints import write_fp8_copy
+    folder, _ = write_fp8_copy(loud_model, tmp_path, "ct-channel")
+    exact = _prompt_logprobs(folder)                  # fp32 cache: the scales are read and not needed
+    unscaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), exact)
+    _with_scales(folder, 30.0, 30.0, names)           # about amax / 200: k and v stay inside fp8's range
+    assert _max_diff(_prompt_logprobs(folder), exact) < 1e-5
+    scaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), exact)
+    print(f"\nmax |prompt logprob diff| against the fp32 cache: scale 1.0 {unscaled:.3f}, checkpoint's {scaled:.3f}")
+    assert scaled < 0.25 < unscaled
+
+
+def test_checkpoint_scale_names():
+    assert kv_scale_targets("model.layers.3.self_attn.k_scale") == [("model.layers.3.self_attn", "k_scale")]
+    assert kv_scale_targets("model.layers.3.self_attn.v_proj.output_scale") == [("model.layers.3.self_attn",
+                                                                                  "v_scale")]
+    assert kv_scale_targets("model.layers.0.self_attn.kv_scale") == [("model.layers.0.self_attn", "k_scale"),
+                                                                     ("model.layers.0.self_attn", "v_scale")]
+    assert kv_scale_targets("model.layers.0.self_attn.k_proj.weight_scale") == []
+
+
+def test_a_scale_per_kv_head_is_split_over_ranks_and_bad_scales_are_refused():
+    second_rank = KVScales(total_kv_heads=4, first_kv_head=2, num_kv_heads=2, num_q_heads=4, device="cpu")
+    second_rank.load("k_scale", "x.k_scale", torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert second_rank.k_scale.tolist() == [3.0, 4.0] and second_rank.applies
+    q = torch.ones(1, 4, 2)
+    assert second_rank.scale_query(q)[0, :, 0].tolist() == [3.0, 3.0, 4.0, 4.0]     # two query heads per KV head
+    with pytest.raises(ConfigError, match="one per layer or one per KV head"):
+        second_rank.load("v_scale", "x.v_scale", torch.ones(3))
+    with pytest.raises(ConfigError, match="not a positive number"):
+        second_rank.load("v_scale", "x.v_scale", torch.tensor(0.0))
+    unit = KVScales(total_kv_heads=2, first_kv_head=0, num_kv_heads=2, num_q_heads=2, device="cpu")
+    unit.load("k_scale", "x.k_scale", torch.tensor(1.0))
+    assert not unit.applies                     # 1.0 everywhere: the unscaled paths stay
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache(loud_model):
+    with pytest.raises(ConfigError, match="--calculate-kv-scales .* --kv-cache-dtype fp8"):
+        LLM(loud_model, device="cpu", calculate_kv_scales=True)
