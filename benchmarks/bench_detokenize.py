@@ -24,7 +24,7 @@ import sys
 import time
 
 from kvfit.engine.detokenizer import IncrementalDetokenizer
-from kvfit.models.tokenizer import Tokenizer
+from kvfit.text.tokenizer import Tokenizer
 
 STOPS = ("\n\nUser:", "<|endoftext|>")
 POSITIONS = (100, 4000)

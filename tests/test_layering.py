@@ -1,7 +1,9 @@
 """The import graph of src/kvfit, read with ast: one-way layering and no import circles.
 
 Layers, lowest first: a module may import its own layer's modules and lower layers only.
-server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config -> kv.
+server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config -> kv, text.
+text/ (tokenizer, chat template, detokenizer, generation config) is what the server and the engine share;
+it reads only model_facts and errors, so it sits low, beside kv, and imports no torch.
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 """
 
@@ -21,6 +23,7 @@ LAYERS = {
     "model_facts": 2, "hub": 2,          # hub: model ids -> local Hugging Face cache folders
     "quant_scheme": 1,                   # FP8 schemes from quantization_config (no torch)
     "kv": 3,
+    "text": 3,                           # tokenizer, chat template, detokenizer, generation config
     "config": 4,
     "structured_params": 4,              # StructuredOutputsParams, held by sampling_params
     "sampling_params": 5,
@@ -108,13 +111,24 @@ def test_imports_run_one_way():
     assert wrong == []
 
 
+def _imports_named(path: Path, name: str) -> bool:
+    """Whether the file imports the module `name` or one under it (any package, not only kvfit)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    return any(n == name or n.startswith(name + ".") for n in names)
+
+
 @pytest.mark.parametrize("forbidden", ["torch", "kvfit.config"])
 def test_kv_imports_neither_torch_nor_config(forbidden):
     for path in (SRC / "kv").rglob("*.py"):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not any(n == forbidden or n.startswith(forbidden + ".") for n in names), f"{path.name} imports {forbidden}"
+        assert not _imports_named(path, forbidden), f"{path.name} imports {forbidden}"
+
+
+def test_text_imports_no_torch():
+    # the HTTP front-end tokenizes, renders templates and detokenizes; none of that needs torch
+    for path in (SRC / "text").rglob("*.py"):
+        assert not _imports_named(path, "torch"), f"{path.name} imports torch"
 
 
 def test_no_import_circles():

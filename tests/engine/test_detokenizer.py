@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfit.engine.detokenizer import IncrementalDetokenizer, _is_safe_cut, _stop_prefix_len, clean_up
-from kvfit.models.tokenizer import CLEANUPS, Tokenizer
+from kvfit.text.tokenizer import CLEANUPS, Tokenizer
 from tiny_models import CORPUS, train_byte_fallback_tokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kvfit.errors import RequestError
-from kvfit.models import chat_template
-from kvfit.models.chat_template import compile_chat_template, render_chat_template
+from kvfit.text import chat_template
+from kvfit.text.chat_template import compile_chat_template, render_chat_template
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

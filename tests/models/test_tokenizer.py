@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from kvfit.errors import ConfigError, RequestError
-from kvfit.models.tokenizer import load_tokenizer
+from kvfit.text.tokenizer import load_tokenizer
 from tiny_models import CORPUS
 
 TEXTS = CORPUS.splitlines() + [

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kvfit.models.tokenizer import Tokenizer
+from kvfit.text.tokenizer import Tokenizer
 from tiny_models import BOS, CORPUS, EOS, UNK, train_byte_fallback_tokenizer, train_tokenizer
 
 TEXTS = ["Hello world", "", " the quick </s> fox <s>"]

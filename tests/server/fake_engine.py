@@ -42,7 +42,7 @@ class CharTokenizer:
                             chat_template=None, template_kwargs=None, tokenize=False, tools=None):
         if chat_template is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json")
-        from kvfit.models.chat_template import compile_chat_template, render_chat_template
+        from kvfit.text.chat_template import compile_chat_template, render_chat_template
         text = render_chat_template(compile_chat_template(chat_template), messages, add_generation_prompt, {},
                                     continue_final_message, template_kwargs, tools)
         return self.encode(text) if tokenize else text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvfit.models.chat_template import load_chat_template
+from kvfit.text.chat_template import load_chat_template
 from server_testing import make_engine, openai_error, running_server
 from test_chat_rendering import BOS_TEMPLATE
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kvfit.errors import ConfigError, RequestError
-from kvfit.models.chat_template import load_chat_template, template_variables
-from kvfit.models.tokenizer import load_tokenizer
+from kvfit.text.chat_template import load_chat_template, template_variables
+from kvfit.text.tokenizer import load_tokenizer
 
 # Llama-2 style: the template writes the bos itself, and reads a kwarg (as Qwen3's enable_thinking)
 BOS_TEMPLATE = (

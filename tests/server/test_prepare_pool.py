@@ -18,9 +18,9 @@ import pytest
 from server_testing import make_engine, openai_error, running_server, spawned_children, wait_healthy
 from test_server_cli import read_until, serving
 
-from kvfit.models.tokenizer import load_tokenizer
 from kvfit.server.prepare import PrepareContext, Prepared, prepare_request
 from kvfit.server.prepare_pool import PreparePool
+from kvfit.text.tokenizer import load_tokenizer
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 

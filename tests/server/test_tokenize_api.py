@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from kvfit.models.chat_template import load_chat_template
+from kvfit.text.chat_template import load_chat_template
 from server_testing import make_engine, openai_error, running_server
 from test_chat_rendering import BOS_TEMPLATE
 

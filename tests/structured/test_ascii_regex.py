@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from kvfit.models.tokenizer import Tokenizer
 from kvfit.structured import StructuredOutputs, StructuredOutputsParams as Params
 from kvfit.structured.ascii_regex import ascii_classes
+from kvfit.text.tokenizer import Tokenizer
 from tiny_models import BOS, EOS, UNK, train_tokenizer
 
 

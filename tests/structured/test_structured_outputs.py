@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvfit.errors import ConfigError, RequestError
-from kvfit.models.tokenizer import Tokenizer
 from kvfit.structured import StructuredOutputs, StructuredOutputsParams as Params
+from kvfit.text.tokenizer import Tokenizer
 from tiny_models import BOS, CORPUS, EOS, UNK, train_byte_fallback_tokenizer, train_tokenizer
 
 PADDING = 13          # model rows past the tokenizer's vocabulary

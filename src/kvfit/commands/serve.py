@@ -84,8 +84,8 @@ def run(args) -> int:
     from kvfit.server.tools import ToolOptions
     tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)   # before loading
     from kvfit.config import EngineConfig
-    from kvfit.models.chat_template import load_chat_template
-    from kvfit.models.tokenizer import load_tokenizer
+    from kvfit.text.chat_template import load_chat_template
+    from kvfit.text.tokenizer import load_tokenizer
     from kvfit.server.app import create_app
     from kvfit.server.core_process import EngineCoreClient
     from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,

@@ -25,7 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
-from kvfit.models.tokenizer import CLEANUPS
+from kvfit.text.tokenizer import CLEANUPS
 
 INCOMPLETE_CHAR = "\ufffd"       # what a lossy UTF-8 decode yields for a character still missing bytes
 # the clean-up's patterns all start with a space and only delete spaces, so a cut that no pattern can

@@ -16,7 +16,7 @@ from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams, as_python
 from kvfit.errors import ConfigError, RequestError
-from kvfit.models.chat_template import tool_arguments_as_objects
+from kvfit.text.chat_template import tool_arguments_as_objects
 
 # vLLM's LLM(...) keyword arguments that kvfit has no setting for: the values that ask for what kvfit
 # does anyway (accepted), and why another value cannot be honoured (a ConfigError). tokenizer and
@@ -84,7 +84,7 @@ class LLM:
         return self.engine.plan
 
     def get_tokenizer(self):
-        """The model's tokenizer (kvfit.models.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
+        """The model's tokenizer (kvfit.text.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:

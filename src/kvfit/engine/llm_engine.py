@@ -393,7 +393,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 def _load_tokenizer(path: str):
     if not os.path.isdir(path):
         return None
-    from kvfit.models.tokenizer import load_tokenizer
+    from kvfit.text.tokenizer import load_tokenizer
     return load_tokenizer(path)
 
 

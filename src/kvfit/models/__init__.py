@@ -1,9 +1,8 @@
-"""Models in plain torch: one Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), its loader and tokenizer.
+"""Models in plain torch: one Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) and its loader.
 
 - registry.py: architecture name (config.json) -> model class; what is runnable (no torch)
 - llama.py: CausalLM (forward -> hidden states, compute_logits, load_weights with HF names)
 - layers.py, rope.py, parallel.py: RMSNorm, SwiGLU, RoPE (default, linear, llama3); tensor parallelism:
   column/row-parallel linears, vocab-parallel embedding and lm_head, which slice each rank reads
 - loader.py: load_model (the registry's class; safetensors or dummy weights), load_generation_eos
-- tokenizer.py, chat_template.py: Tokenizer (tokenizer.json + tokenizer_config.json), load_tokenizer
 """

@@ -83,7 +83,7 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
     """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown.
 
     served_model_name: one name or several (the first is reported); chat_template: a template text
-    (see models.chat_template.load_chat_template) used instead of the model's; stats_interval_s:
+    (see text.chat_template.load_chat_template) used instead of the model's; stats_interval_s:
     seconds between stats lines (0: none); prepare_processes: worker processes for bodies over
     large_body_bytes (None: prepare_pool.default_num_processes(); 0: none, every body on the threads)."""
     names = _model_names(served_model_name)
@@ -261,7 +261,7 @@ async def _prepare(request: Request, state: ServerState, model_class) -> Prepare
 def _prepare_pool(engine: ServingEngine, context: PrepareContext, num_processes: int) -> PreparePool | None:
     """Worker processes that read the engine's tokenizer from its model folder; None (every body on
     the threads) when a worker could not rebuild it (an engine stand-in's own tokenizer)."""
-    from kvfit.models.tokenizer import Tokenizer
+    from kvfit.text.tokenizer import Tokenizer
     if engine.tokenizer is None:
         return PreparePool(None, context, num_processes)
     if isinstance(engine.tokenizer, Tokenizer) and engine.model_folder is not None:

@@ -151,7 +151,7 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
 
 def _warn_unread_kwargs(source: str, kwargs: dict, template_variables: dict) -> None:
     """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
-    from kvfit.models.chat_template import template_variables as read_variables
+    from kvfit.text.chat_template import template_variables as read_variables
     if source not in template_variables:
         template_variables[source] = read_variables(source)
     unread = [k for k in kwargs if k not in template_variables[source]]

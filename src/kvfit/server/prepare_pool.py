@@ -73,7 +73,7 @@ _worker: dict = {}
 
 def _init_worker(model_path: str | None, context: PrepareContext, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from kvfit.models.tokenizer import load_tokenizer
+    from kvfit.text.tokenizer import load_tokenizer
     capture = _LogCapture()
     log = logging.getLogger("kvfit")
     log.handlers[:] = [capture]

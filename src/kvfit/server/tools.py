@@ -145,9 +145,9 @@ def template_tools(body) -> list | None:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages for the template: an assistant's tool_calls get their arguments as objects, as vLLM
-    hands them to Hugging Face templates (models.chat_template.tool_arguments_as_objects); a 400 otherwise."""
+    hands them to Hugging Face templates (text.chat_template.tool_arguments_as_objects); a 400 otherwise."""
     from kvfit.errors import RequestError
-    from kvfit.models.chat_template import tool_arguments_as_objects
+    from kvfit.text.chat_template import tool_arguments_as_objects
     try:
         return tool_arguments_as_objects(messages)
     except RequestError as exc:

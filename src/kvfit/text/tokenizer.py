@@ -14,7 +14,7 @@ import os
 
 from kvfit.errors import ConfigError
 from kvfit.model_facts import read_field, read_json_object
-from kvfit.models.chat_template import compile_chat_template, render_chat_template
+from kvfit.text.chat_template import compile_chat_template, render_chat_template
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # tokenizer classes (tokenizer_config.json's tokenizer_class, "Fast" dropped) whose transformers 5 constructor
