@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.text.detokenizer import IncrementalDetokenizer
 from kvfit.text.tokenizer import Tokenizer
 
 STOPS = ("\n\nUser:", "<|endoftext|>")

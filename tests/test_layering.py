@@ -159,3 +159,4 @@ def test_the_graph_is_read():
     # guards the reader itself: known edges must be found
     assert "kvfit.kv.pool" in GRAPH["kvfit.kv.manager"]
     assert "kvfit.step" in GRAPH["kvfit.engine.scheduler"]
+    assert "kvfit.text.tokenizer" in GRAPH["kvfit.text.detokenizer"]

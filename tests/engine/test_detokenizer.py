@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfit.engine.detokenizer import IncrementalDetokenizer, _is_safe_cut, _stop_prefix_len, clean_up
+from kvfit.text.detokenizer import IncrementalDetokenizer, _is_safe_cut, _stop_prefix_len, clean_up
 from kvfit.text.tokenizer import CLEANUPS, Tokenizer
 from tiny_models import CORPUS, train_byte_fallback_tokenizer
 

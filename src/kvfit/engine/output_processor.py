@@ -10,10 +10,10 @@ with their decoded text (vLLM's: the token decoded alone, special tokens kept).
 
 from __future__ import annotations
 
-from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvfit.engine.request import Request
 from kvfit.step import TokenLogprobs
+from kvfit.text.detokenizer import IncrementalDetokenizer
 
 
 class _State:

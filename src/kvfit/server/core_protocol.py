@@ -24,10 +24,10 @@ from typing import Callable, Iterable
 
 import msgspec
 
-from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvfit.sampling_params import SamplingParams
 from kvfit.server.protocol import APIError
+from kvfit.text.detokenizer import IncrementalDetokenizer
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
