@@ -1,4 +1,4 @@
-"""load_model: single-file and sharded safetensors, clear errors for bad checkpoints, dummy weights, EOS ids."""
+"""load_model: single-file and sharded safetensors, clear errors for bad checkpoints, dummy weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from kvfit.attention.torch_ref import TorchReferenceBackend
 from kvfit.errors import ConfigError
 from kvfit.model_facts import facts_from_config, load_model_facts
-from kvfit.models.loader import load_generation_eos, load_model
+from kvfit.models.loader import load_model
 from tiny_models import make_tiny_model
 
 BACKEND = TorchReferenceBackend()
@@ -142,16 +142,3 @@ def test_dummy_moe_models_run(tmp_path):
         with torch.inference_mode():
             logits = model.compute_logits(model(input_ids, positions, cache.caches, meta))
         assert logits.shape == (4, 50) and torch.isfinite(logits).all(), arch
-
-
-def test_generation_eos(tiny_llama, tmp_path):
-    facts = load_model_facts(tiny_llama)
-    assert load_generation_eos(tiny_llama, facts) == [2]
-    assert load_generation_eos(None, facts) == [2]              # config.json's eos_token_id
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert load_generation_eos(str(tmp_path), facts) == [2, 7]
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
-    with pytest.raises(ConfigError, match="eos_token_id"):
-        load_generation_eos(str(tmp_path), facts)
-    no_eos = facts_from_config({k: v for k, v in facts.raw.items() if k != "eos_token_id"})
-    assert load_generation_eos(None, no_eos) == []

@@ -398,14 +398,14 @@ def _load_tokenizer(path: str):
 
 
 def _eos_ids(path: str, facts) -> tuple[int, ...]:
-    from kvfit.models.loader import load_generation_eos
+    from kvfit.text.generation_config import load_generation_eos
     return tuple(load_generation_eos(path if os.path.isdir(path) else None, facts))
 
 
 def _generation_defaults(config: EngineConfig) -> dict:
     """Default sampling params from --generation-config (vLLM's names), checked by SamplingParams;
     logged once when there are any, as vLLM does."""
-    from kvfit.models.loader import generation_config_path, load_generation_defaults
+    from kvfit.text.generation_config import generation_config_path, load_generation_defaults
     model, source = config.model.model, config.model.generation_config
     path = generation_config_path(model if os.path.isdir(model) else None, source)
     defaults = load_generation_defaults(path)

@@ -4,5 +4,5 @@
 - llama.py: CausalLM (forward -> hidden states, compute_logits, load_weights with HF names)
 - layers.py, rope.py, parallel.py: RMSNorm, SwiGLU, RoPE (default, linear, llama3); tensor parallelism:
   column/row-parallel linears, vocab-parallel embedding and lm_head, which slice each rank reads
-- loader.py: load_model (the registry's class; safetensors or dummy weights), load_generation_eos
+- loader.py: load_model (the registry's class; safetensors or dummy weights)
 """
