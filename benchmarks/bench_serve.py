@@ -11,7 +11,9 @@ Rates: `inf` (every request at once) or a Poisson rate in requests/s; --max-conc
 in flight. While requests run, /health is probed every 50 ms (its latency is reported).
 
 Reports per engine and row: request throughput, output tok/s, TTFT, TPOT and ITL p50/p90/p99, errors,
-/health p99; medians over --runs (spread = (max - min) / median) and the kvfit / vllm ratio.
+/health p99, and CPU microseconds per output token of the server process (HTTP, tokenizing, detokenizing,
+SSE) and of its children (the engine core): 1e6 / the front-end's figure is what one front-end process could
+carry; medians over --runs (spread = (max - min) / median) and the kvfit / vllm ratio.
 
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --num-requests 512 --rates inf --runs 2
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 2000 --rates inf
@@ -213,6 +215,31 @@ def summarize(results: list[dict], duration: float, health: list) -> dict:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux /proc; its threads, not its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()        # fields 3.. of proc(5): utime is 14, stime 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the server process, of its children: kvfit's engine core, vLLM's EngineCore)."""
+    return cpu_seconds(pid), sum(cpu_seconds(child) for child in children(pid))
+
+
 # servers ------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -308,7 +335,13 @@ def main() -> None:
             for rate in rates:
                 runs = []
                 for run in range(args.runs):
+                    cpu_before = process_cpu(proc.pid)
                     summary = asyncio.run(run_load(port, requests, rate, args.max_concurrency, seed=run))
+                    # CPU per output token of the HTTP process and of the engine core: the front-end's share
+                    # says how many tokens a second one front-end process can carry
+                    tokens = summary["out_tok_s"] * summary["duration_s"]
+                    for name, before, after in zip(("frontend", "core"), cpu_before, process_cpu(proc.pid)):
+                        summary[f"{name}_cpu_us_per_token"] = (after - before) / max(tokens, 1) * 1e6
                     runs.append(summary)
                     print(f"{engine} {args.model} {args.dataset} rate={rate} run {run}: "
                           + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in summary.items()}),
@@ -320,7 +353,7 @@ def main() -> None:
     for (engine, rate), runs in results.items():
         row = {}
         for key in ("out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
-                    "health_p99_ms"):
+                    "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token"):
             values = [r[key] for r in runs if r[key] is not None]
             if values:
                 row[key] = median_spread(values)
