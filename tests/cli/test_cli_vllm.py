@@ -52,6 +52,7 @@ def test_flags_vllm_scripts_pass_are_accepted():
     (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
     (["--enable-lora"], "LoRA"),
     (["--ssl-keyfile", "k.pem"], "TLS"),
+    (["--api-server-count", "4"], "one HTTP front-end process"),
     (["--task", "embed"], "no pooling or embedding"),
     (["--hf-overrides", '{"a": 1}'], "config.json is read as it is"),
     (["--download-dir", "/d"], "never downloaded"),

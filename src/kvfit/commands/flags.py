@@ -175,6 +175,8 @@ def add_vllm_server_flags(p: argparse.ArgumentParser) -> None:
     refuse(p, "--ssl-certfile", "the server speaks plain HTTP; put a TLS-terminating proxy in front")
     refuse(p, "--reasoning-parser", "there are no reasoning parsers; the model's reasoning stays in content")
     refuse(p, "--tool-parser-plugin", "the tool-call parsers are built in (--tool-call-parser)")
+    refuse(p, "--api-server-count", "kvfit serve runs one HTTP front-end process beside its engine core process "
+           "(bench_serve.py reports the front-end's CPU per token, which says when more would help)", ("1",))
 
 
 def apply_server_log_flags(args: argparse.Namespace) -> None:
