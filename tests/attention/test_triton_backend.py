@@ -368,49 +368,62 @@ def test_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
         TritonBackend().write_kv(x, x, torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16), torch.zeros(1).long())
 
 
-def _huge_offset_check() -> None:
+def _huge_offset_check(cache_dtype: torch.dtype) -> None:
     """Write and attend at blocks whose element offsets exceed 2^31, in a cache that is virtual memory
     (torch.empty on CPU commits only the pages touched). An int32 offset would wrap and write or read
-    elsewhere (or fault), so the write and both attention paths are compared with torch's indexing."""
+    elsewhere (or fault), so the write is checked by torch's indexing and every kernel that reads the cache
+    (decode, split-K decode, prefill + mixed, cascade) against the reference reading the same cache.
+    Three sequences share a two-block prefix (a prefix-cache hit: the cascade's shared blocks), then have
+    blocks of their own; shared and own blocks lie past 2^31 elements, and a few below."""
     page, num_kv_heads, head_dim = 16, 2, 16
-    num_blocks = 3 * 2**21                                        # 3.2e9 elements, 6.4 GB virtual
-    k_cache = torch.empty((num_blocks, page, num_kv_heads, head_dim), dtype=torch.bfloat16)
+    block_elements = page * num_kv_heads * head_dim               # 512: block 2^22 starts at element 2^31
+    num_blocks = 3 * 2**21                                        # 3.2e9 elements: 6.4 GB virtual in bf16
+    k_cache = torch.empty((num_blocks, page, num_kv_heads, head_dim), dtype=cache_dtype)
     v_cache = torch.empty_like(k_cache)
-    top = [num_blocks - 1, 5, num_blocks - 7, 2**31 // (page * num_kv_heads * head_dim) + 3]
     assert triton_kernels.largest_element_offset(k_cache) == 3 * 2**30 - 1
-    for b in top:
+    mark = 2**31 // block_elements
+    shared, own = [num_blocks - 1, mark + 3], [[5, num_blocks - 7], [mark], [num_blocks - 4, mark + 1]]
+    seq_lens, shared_len = [55, 41, 61], 2 * page                 # last blocks part full
+    used = shared + [b for blocks in own for b in blocks]
+    for b in used:                                                # a read of an unwritten row gives NaN
         k_cache[b].fill_(float("nan"))
         v_cache[b].fill_(float("nan"))
-    seq_len = 55                                                  # 4 blocks, the last one partial
-    table = torch.tensor([top], dtype=torch.int32)
-    slots = torch.tensor([top[p // page] * page + p % page for p in range(seq_len)])
+    table = torch.tensor([shared + blocks + [0] * (2 - len(blocks)) for blocks in own], dtype=torch.int32)
+    slots = torch.tensor(slots_of(table, 0, range(shared_len), page) + [
+        s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(shared_len, n), page)])
     gen = torch.Generator().manual_seed(50)
-    key = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
-    value = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).bfloat16()
-    backend = TritonBackend(num_splits=2)
-    backend.write_kv(key, value, k_cache, v_cache, slots)
-    gathered = k_cache[table[0].long()].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    assert torch.equal(gathered, key), "write kernel wrote somewhere else"
+    # values the cache dtype holds exactly (Triton 3.6's interpreter rounds to fp8 wrongly: test_write_kv_fp8_cache)
+    key, value = (torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(cache_dtype).bfloat16()
+                  for _ in range(2))
+    TritonBackend().write_kv(key, value, k_cache, v_cache, slots)
+    for cache, written in ((k_cache, key), (v_cache, value)):
+        assert torch.equal(cache[slots // page, slots % page].float(), written.float()), "a write went elsewhere"
+        assert int((~cache[torch.tensor(used)].float().isnan()).sum()) == written.numel(), "a stray write"
     ref = TorchReferenceBackend()
-    for q_len in (1, 7):                                          # decode, then prefill over a prefix
-        meta = make_meta([q_len], [seq_len], table)
-        query = torch.randn(q_len, 4, head_dim, generator=gen).bfloat16()
-        got = backend.attend(query, k_cache, v_cache, meta, 0.25).float()
+    prefix_len = torch.tensor([shared_len], dtype=torch.int32)
+    for name, q_lens, splits, prefix in (("decode", [1, 1, 1], 1, None), ("split-K decode", [1, 1, 1], 3, None),
+                                         ("prefill+mixed", [7, 1, 13], None, None),
+                                         ("cascade", [1, 1, 1], 2, prefix_len)):
+        meta = dataclasses.replace(make_meta(q_lens, seq_lens, table), prefix_len=prefix)
+        query = torch.randn(sum(q_lens), 4, head_dim, generator=gen).bfloat16()
+        got = TritonBackend(num_splits=splits).attend(query, k_cache, v_cache, meta, 0.25).float()
         expected = ref.attend(query, k_cache, v_cache, meta, 0.25).float()
-        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
-    print("ok: write, decode and prefill at element offsets up to", triton_kernels.largest_element_offset(k_cache))
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+    print(f"ok ({str(cache_dtype).removeprefix('torch.')} cache): write, decode, split-K decode, prefill+mixed "
+          f"and cascade at element offsets up to {triton_kernels.largest_element_offset(k_cache):,}")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU variant of tests/gpu/test_kernel_safety.py")
-def test_offsets_past_2_to_the_31_in_the_interpreter():
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_offsets_past_2_to_the_31_in_the_interpreter(cache_dtype):
     # a subprocess, so a wrapped offset that faults fails this test instead of killing pytest
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__, "--huge-offset-check"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, __file__, "--huge-offset-check", cache_dtype], env=env,
+                          capture_output=True, text=True, timeout=300)
     if done.returncode != 0 and "DefaultCPUAllocator" in done.stderr:
-        pytest.skip("cannot reserve 12.8 GB of virtual memory here")
+        pytest.skip("cannot reserve 6.4 to 12.8 GB of virtual memory here")
     assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    assert "ok: write, decode and prefill" in done.stdout
+    assert f"ok ({cache_dtype} cache): write, decode, split-K decode, prefill+mixed and cascade" in done.stdout
 
 
 # ---- the kernels compile for the H200 (sm_90) -----------------------------------------------------------
@@ -465,7 +478,7 @@ def test_kernels_compile_for_sm90_without_spills():
     run_compile_check(__file__, "ok: all kernels compile")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--huge-offset-check"]:
-    _huge_offset_check()
+if __name__ == "__main__" and sys.argv[1:2] == ["--huge-offset-check"]:
+    _huge_offset_check(getattr(torch, sys.argv[2]))
 if COMPILE_CHECK:
     _compile_check()

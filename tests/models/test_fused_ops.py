@@ -4,6 +4,7 @@ kernels and the GEMV compiled for sm_90 with programmatic dependent launch (no G
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -186,6 +187,58 @@ def test_one_token_views_of_fused_qkv_are_adjacent():
     assert not fused_ops._adjacent_heads(q, k.clone())
 
 
+def _huge_slot_check() -> None:
+    """The one-token fused cache writes at slots whose element offsets pass 2^31, in caches that are virtual
+    memory (torch.empty on CPU commits only the pages touched): qk_norm_rope_write_kv_ (two tokens) and
+    gemv_rope_write_kv (one token, twice). An int32 offset would wrap and write elsewhere (or fault): each
+    slot's row must hold its token's k and v, read back by torch's indexing (the plain write), and nothing
+    else in its NaN-filled block may change."""
+    from kvfit.models import gemv
+    num_q, num_kv, dim, page, hidden = 4, 2, 16, 16, 32
+    block_elements = page * num_kv * dim                          # 512: block 2^22 starts at element 2^31
+    mark = 2**31 // block_elements
+    num_blocks = mark + 64                                        # 2.15e9 elements: 4.3 GB virtual each
+    k_cache = torch.empty((num_blocks, page, num_kv, dim), dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.tensor([num_blocks * page - 1, (mark + 5) * page + 3, mark * page, (num_blocks - 9) * page + 8])
+    blocks, within = slots // page, slots % page
+    k_cache[blocks] = float("nan")
+    v_cache[blocks] = float("nan")
+    g = torch.Generator().manual_seed(60)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    rows = (num_q + 2 * num_kv) * dim
+    qkv = torch.randn(2, rows, generator=g).bfloat16()
+    _, k, v = views = _qkv_views(qkv, num_q, num_kv, dim)         # k and v after the call: what it wrote
+    qw, kw = torch.randn(dim, generator=g).bfloat16(), torch.randn(dim, generator=g).bfloat16()
+    assert fused_ops.qk_norm_rope_write_kv_(*views, torch.tensor([3, 70000]), freqs, qw, kw, 1e-6, k_cache,
+                                            v_cache, slots[:2])
+    written = [(k, v)]
+    x = torch.randn(1, hidden, generator=g).bfloat16()
+    w = (torch.randn(rows, hidden, generator=g) / hidden ** 0.5).bfloat16()
+    for i, pos in ((2, 5), (3, 4095)):
+        out = gemv.gemv_rope_write_kv(x, w, None, torch.tensor([pos]), freqs, k_cache, v_cache, slots[i:i + 1],
+                                      num_q, num_kv)
+        written.append(_qkv_views(out, num_q, num_kv, dim)[1:])  # the projection after RoPE: its k and v
+    for cache, expected in ((k_cache, torch.cat([kv[0] for kv in written])),
+                            (v_cache, torch.cat([kv[1] for kv in written]))):
+        assert torch.equal(cache[blocks, within], expected), "a fused write went elsewhere"
+        assert int((~cache[blocks].isnan()).sum()) == expected.numel(), "a stray fused write"
+    print(f"ok: qk_norm_rope_write_kv_ and gemv_rope_write_kv at element offsets up to "
+          f"{int(slots.max()) * num_kv * dim + num_kv * dim - 1:,}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU variant of test_kernel_safety.py's fused writes")
+def test_fused_cache_writes_past_2_to_the_31_in_the_interpreter():
+    # a subprocess, so a wrapped offset that faults fails this test instead of killing pytest
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__, "--huge-slot-check"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0 and "DefaultCPUAllocator" in done.stderr:
+        pytest.skip("cannot reserve 8.6 GB of virtual memory here")
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert "ok: qk_norm_rope_write_kv_ and gemv_rope_write_kv" in done.stdout
+
+
 def _compile_check() -> None:
     """Compile the fused kernels and the GEMV for sm_90 with PDL on (griddepcontrol in the PTX) as a
     launch specialises them, assemble with ptxas -v: no errors, no register spills."""
@@ -229,3 +282,5 @@ def test_kernels_compile_for_sm90_with_pdl():
 
 if COMPILE_CHECK:
     _compile_check()
+if __name__ == "__main__" and sys.argv[1:] == ["--huge-slot-check"]:
+    _huge_slot_check()
