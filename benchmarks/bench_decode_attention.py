@@ -61,7 +61,7 @@ def spot_check(backend, query, k_cache, v_cache, meta, scale):
 def sweep(query, k_cache, v_cache, meta, scale, do_bench):
     """Best (seconds, config) over split counts, K/V tile tokens and warps, calling the kernel directly, and
     the best seconds for each split count."""
-    from kvfit.attention.triton_decode import paged_decode_attention
+    from kvfit.kernels.attention_decode import paged_decode_attention
     best = (float("inf"), None)
     by_splits: dict[int, float] = {}
     out = torch.empty_like(query)
@@ -82,7 +82,7 @@ def sweep(query, k_cache, v_cache, meta, scale, do_bench):
 def cascade(query, k_cache, v_cache, meta, scale, prefix_tokens, do_bench) -> tuple[float, str]:
     """Best (seconds, config) of cascade decode (the shared prefix attended once for all sequences) over
     prefix and suffix split counts; its output checked against the plain kernel's."""
-    from kvfit.attention.triton_decode import paged_decode_attention
+    from kvfit.kernels.attention_decode import paged_decode_attention
     prefix_len = torch.tensor([prefix_tokens], dtype=torch.int32, device=query.device)
     args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     plain = paged_decode_attention(*args, num_splits=1)
@@ -100,7 +100,7 @@ def cascade(query, k_cache, v_cache, meta, scale, prefix_tokens, do_bench) -> tu
 def measure(backend, batch, context, page, args, gen, copy_bps) -> tuple[float, str]:
     """One shape: the backend's own launch (and, with --sweep, the best swept config); ratio and table row."""
     import triton.testing
-    from kvfit.attention.triton_decode import decode_read_bytes
+    from kvfit.kernels.attention_decode import decode_read_bytes
     query, k_cache, v_cache, meta = build_step(batch, context, page, args, gen)
     scale = args.head_dim ** -0.5
     spot_check(backend, query, k_cache, v_cache, meta, scale)

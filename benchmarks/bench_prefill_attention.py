@@ -110,7 +110,7 @@ def main() -> int:
         print("bench_prefill_attention needs a CUDA device", file=sys.stderr)
         return 2
     import triton.testing
-    from kvfit.attention.triton_prefill import PREFILL_CONFIG, paged_prefill_attention
+    from kvfit.kernels.attention_prefill import PREFILL_CONFIG, paged_prefill_attention
     do_bench = triton.testing.do_bench
     gen = torch.Generator().manual_seed(0)
     scale = args.head_dim ** -0.5

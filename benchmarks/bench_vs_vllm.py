@@ -19,7 +19,7 @@ repetition never hits the previous one's prompts. Groups (one engine configurati
           shared-prefix: 256 requests sharing a 2,000-token system prompt + 128-512 own tokens, 128 out
           long-context:  32 requests of 8,000 in / 256 out
 KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment;
-KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (triton_prefill.PREFILL_CONFIG).
+KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (kvfit.kernels.attention_prefill.PREFILL_CONFIG).
 KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
 config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
 "-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8).
@@ -103,8 +103,8 @@ class KvfitEngine(_Engine):
         extra = json.loads(os.environ.get("KVFIT_BENCH_ARGS", "{}"))
         if os.environ.get("KVFIT_BENCH_PREFILL"):
             # JSON [BLOCK_M, BLOCK_N, num_warps, num_stages]: the prefill attention tiles, for an experiment
-            from kvfit.attention import triton_prefill
-            triton_prefill.PREFILL_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_PREFILL"]))
+            from kvfit.kernels import attention_prefill
+            attention_prefill.PREFILL_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_PREFILL"]))
         model = model_folder(model, "kvfit") if os.environ.get("KVFIT_BENCH_FP8") else model
         self.llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],

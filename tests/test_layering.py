@@ -1,7 +1,10 @@
 """The import graph of src/kvfit, read with ast: one-way layering and no import circles.
 
 Layers, lowest first: a module may import its own layer's modules and lower layers only.
-server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config -> kv, text.
+server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config, kernels -> kv, text.
+kernels/ (every Triton kernel and its launcher) sits below everything that calls them (attention, models, runner)
+and beside config: it reads only the platforms' gate, kv's spec constants, quant_scheme's FP8 constants, errors,
+units and itself.
 text/ (tokenizer, chat template, detokenizer, generation config) is what the server and the engine share;
 it reads only model_facts and errors, so it sits low, beside kv, and imports no torch.
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
@@ -25,6 +28,7 @@ LAYERS = {
     "kv": 3,
     "text": 3,                           # tokenizer, chat template, detokenizer, generation config
     "config": 4,
+    "kernels": 4,                        # Triton kernels and launchers (test_kernels_import_only_their_inputs)
     "structured_params": 4,              # StructuredOutputsParams, held by sampling_params
     "sampling_params": 5,
     "planning": 6,                       # reads sampling_params (the prompt-logprobs slice bound)
@@ -39,7 +43,7 @@ LAYERS = {
     "cli": 14, "__init__": 14, "__main__": 15,
 }
 # modules ranked apart from their component. platforms/ owns the --device names, which config.py checks, and the
-# one gate of the Triton kernels, which attention/, models/ and the runner's kernels ask: these modules (and the
+# one gate of the Triton kernels, which their launchers ask: these modules (and the
 # package module) import nothing of platforms/ but the registry (and kvfit.errors), so they sit below config.
 MODULE_LAYERS = {
     "kvfit.platforms": 3, "kvfit.platforms.registry": 3, "kvfit.platforms.gate": 3,
@@ -129,6 +133,17 @@ def test_text_imports_no_torch():
     # the HTTP front-end tokenizes, renders templates and detokenizes; none of that needs torch
     for path in (SRC / "text").rglob("*.py"):
         assert not _imports_named(path, "torch"), f"{path.name} imports torch"
+
+
+# what kernels/ may import besides itself: the one device gate and the constants the kernels share with their callers
+KERNEL_IMPORTS = ("kvfit.platforms.gate", "kvfit.kv", "kvfit.quant_scheme", "kvfit.errors", "kvfit.units")
+
+
+def test_kernels_import_only_their_inputs():
+    wrong = [f"{module} -> {dep}" for module, deps in GRAPH.items() if _component(module) == "kernels"
+             for dep in deps if _component(dep) != "kernels"
+             and not any(dep == allowed or dep.startswith(allowed + ".") for allowed in KERNEL_IMPORTS)]
+    assert wrong == []
 
 
 def test_no_import_circles():

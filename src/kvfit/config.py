@@ -212,7 +212,7 @@ class DeviceConfig:
     enforce_eager: bool = False            # no CUDA graphs
     # vLLM's --disable-cascade-attn: decode steps never attend a prefix all sequences share once for all
     disable_cascade_attn: bool = False
-    # the Triton kernels launch with programmatic dependent launch where the GPU has it (sm90+: attention/pdl.py);
+    # the Triton kernels launch with programmatic dependent launch where the GPU has it (sm90+: kernels/pdl.py);
     # False: never (A/B measurements, a driver that misbehaves with it). No flag (vLLM has none); LLM(pdl=...).
     # None: KVFIT_PDL (1 or 0) if set, else on (the environment is read here, once)
     pdl: bool | None = None

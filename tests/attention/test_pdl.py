@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.config import PDL_ENV, DeviceConfig
 from kvfit.errors import ConfigError
 

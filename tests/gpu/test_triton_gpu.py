@@ -165,8 +165,8 @@ def test_step_dependent_ints_compile_no_new_kernel_variant():
     int that is 1 or a multiple of 16 into a new kernel, compiled in the middle of serving (it cost the
     first throughput repetition 30%). After one call per kernel, no other width compiles more, nor a
     split count of the same power-of-two bucket (S_PAD, a real constant of the reduce kernel)."""
-    from kvfit.attention.triton_decode import _decode_reduce_kernel, _decode_split_kernel
-    from kvfit.attention.triton_prefill import _prefill_kernel
+    from kvfit.kernels.attention_decode import _decode_reduce_kernel, _decode_split_kernel
+    from kvfit.kernels.attention_prefill import _prefill_kernel
     kernels = (_prefill_kernel, _decode_split_kernel, _decode_reduce_kernel)
 
     def compiled() -> list[int]:

@@ -4,7 +4,7 @@ Decode-only steps (meta.max_query_len == 1) go to the split-K decode kernel (wit
 shared prefix first, once for all sequences: cascade), every other step
 (prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel.
 Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
-attend never synchronises with the device. Every kernel offset is int64 (triton_kernels.py).
+attend never synchronises with the device. Every kernel offset is int64 (kernels/attention_common.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.attention.registry import backend_max_offset
-from kvfit.attention.triton_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_READS, CASCADE_MIN_TOKENS,
-                                           choose_num_splits,
-                                           choose_prefix_splits, heads_per_program, paged_decode_attention)
-from kvfit.attention.triton_kernels import write_kv_cache
-from kvfit.attention.triton_prefill import paged_prefill_attention
 from kvfit.errors import ConfigError
+from kvfit.kernels.attention_common import write_kv_cache
+from kvfit.kernels.attention_decode import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_READS, CASCADE_MIN_TOKENS,
+                                            choose_num_splits,
+                                            choose_prefix_splits, heads_per_program, paged_decode_attention)
+from kvfit.kernels.attention_prefill import paged_prefill_attention
 from kvfit.platforms.gate import on_gpu
 
 # SMs assumed when kernels run in Triton's CPU interpreter (tests): small, so splits stay few.

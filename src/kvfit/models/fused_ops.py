@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID
 from kvfit.platforms.gate import triton_applies
 
@@ -212,7 +212,7 @@ def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     """
     if not (_adjacent_heads(q, k) and _adjacent_heads(k, v)):
         return False
-    from kvfit.attention.triton_kernels import check_cache_pair      # (needs Triton, as this path does)
+    from kvfit.kernels.attention_common import check_cache_pair    # (needs Triton, as this path does)
     num_kv = k.shape[1]
     check_cache_pair(k_cache, v_cache)
     assert v.shape == k.shape and k_cache.shape[2:] == k.shape[1:], (k.shape, v.shape, k_cache.shape)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID
 from kvfit.platforms.gate import triton_applies
 
@@ -191,7 +191,7 @@ def gemv_rope_write_kv(x: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | 
     to the cache dtype; a PADDING_SLOT_ID slot is skipped); slot_mapping [1]. -> [1, (Hq + 2 Hkv) D]: the
     projection after RoPE, equal to linear() then fused_ops.qk_norm_rope_write_kv_ without q/k norms.
     """
-    from kvfit.attention.triton_kernels import check_cache_pair      # (needs Triton, as this path does)
+    from kvfit.kernels.attention_common import check_cache_pair    # (needs Triton, as this path does)
     rows, k = qkv.shape
     head_dim = k_cache.shape[3]
     assert x.shape == (1, k) and qkv.stride(1) == 1 and head_dim % 2 == 0, (x.shape, qkv.shape, k_cache.shape)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.platforms.gate import triton_applies
 
 try:

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from kvfit.attention import pdl
 from kvfit.config import EngineConfig
+from kvfit.kernels import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import ModelFacts
 from kvfit.models.kv_scales import kv_scale_layers

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.models.quant.fp8 import Fp8Weight
 
 try:

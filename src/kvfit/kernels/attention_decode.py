@@ -6,7 +6,7 @@ table) and keeps an online softmax in fp32. With one split it writes the output 
 each split writes a partial (max, sum, acc) and a reduce kernel combines them.
 
 Scores are kept in the log2 domain (scale * log2(e) folded into the scale) so exp2 is used throughout.
-All offsets are int64 (see triton_kernels.py).
+All offsets are int64 (see attention_common.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvfit.attention import pdl
-from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
+from kvfit.kernels import pdl
+from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
                                              kv_tile_tokens, next_pow2, padded_head_dim)
 from kvfit.platforms.gate import on_gpu
 
@@ -83,7 +83,7 @@ def _decode_split_kernel(
     # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
     # _shared_prefix_kernel into partials 0..prefix_splits-1); this kernel's go after them. prefix_splits is
     # a runtime int (0 without CASCADE) so each bucket's split count compiles no variant of its own
-    if PDL:     # before any load (attention/pdl.py)
+    if PDL:     # before any load (pdl.py)
         gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_CHUNKS).to(tl.int64)
@@ -149,7 +149,7 @@ def _shared_prefix_kernel(
     block_tables row 0's blocks), once per tile for ROWS query rows of many sequences, instead of once per
     sequence. Program (kv head, row block, split); row r is sequence r // GROUP's query head
     kv_head * GROUP + r % GROUP."""
-    if PDL:     # before any load (attention/pdl.py)
+    if PDL:     # before any load (pdl.py)
         gdc_wait()
     kv_head = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -196,7 +196,7 @@ def _decode_reduce_kernel(
     # program (seq, block of HEADS query heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     # Several heads per program: one per (seq, head) made 8,000 programs of 5 x 128 floats each at batch
     # 256 x 32 heads, and the reduce cost a quarter of the cascade decode's time
-    if PDL:     # before any load and before the early return (attention/pdl.py)
+    if PDL:     # before any load and before the early return (pdl.py)
         gdc_wait()
         gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)

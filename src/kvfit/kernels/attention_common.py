@@ -6,7 +6,7 @@ that crashed another engine past 2^31 elements). Strides arrive as kernel argume
 specialise to int32; an int64 index times an int32 stride is an int64 product, so no cast of the
 stride is needed once the index is int64.
 
-Kernels here and in triton_decode.py / triton_prefill.py; the backend is triton_backend.py.
+Kernels here and in attention_decode.py / attention_prefill.py; the backend is attention/triton_backend.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvfit.attention import pdl
+from kvfit.kernels import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID
 
 
@@ -159,7 +159,7 @@ def _write_kv_kernel(
     H_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr, PDL: tl.constexpr,
 ):
     # one program per token: copies its [Hkv, D] key and value into the slot's row
-    if PDL:     # before any load and before the early return (attention/pdl.py)
+    if PDL:     # before any load and before the early return (pdl.py)
         gdc_wait()
         gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)

@@ -7,7 +7,7 @@ Program (seq, row tile, kv head) packs the query heads that share a KV head into
 row r is token ``r // GROUP`` of the sequence, query head ``kv_head * GROUP + r % GROUP``, so each K/V
 tile is loaded once for the whole group and a decode sequence (q_len 1) in a mixed batch still fills
 GROUP rows. Keys are walked in tiles of BLOCK_N tokens with an online softmax in fp32 (log2 domain).
-All offsets are int64 (see triton_kernels.py).
+All offsets are int64 (see attention_common.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.attention.triton_decode import LOG2_E
-from kvfit.attention.triton_kernels import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
+from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
                                              kv_tile_tokens, padded_head_dim)
+from kvfit.kernels.attention_decode import LOG2_E
 from kvfit.platforms.gate import on_gpu
 
 

@@ -1,0 +1,10 @@
+"""kvfit's Triton kernels and their launchers; the attention backend, the layers and the runner call them.
+
+- attention_common.py: the KV-cache write kernel and the tile helpers decode and prefill share (int64 offsets)
+- attention_decode.py, attention_prefill.py: paged decode (split-K, cascade) and paged prefill attention
+- pdl.py: programmatic dependent launch, the contract every kernel with a `PDL` constexpr keeps
+
+Whether a kernel runs on a tensor is asked of kvfit.platforms.gate (`triton_applies`, `on_gpu`), never of
+the tensor's device here. Kernels import only that gate, kv's spec constants (PADDING_SLOT_ID), errors,
+units and each other (tests/test_layering.py), so every layer above may call them.
+"""
