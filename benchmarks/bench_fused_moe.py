@@ -1,4 +1,4 @@
-"""Fused MoE (kvfit.models.fused_moe) on the GPU: sweep launch configs per batch size, against the torch reference.
+"""Fused MoE (kvfit.kernels.fused_moe) on the GPU: sweep launch configs per batch size, against the torch reference.
 
 python benchmarks/bench_fused_moe.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--m 1 8 32 128 512 2048 8192]
                                      [--budget-s 360] [--dtype bfloat16] [--tp 1]
@@ -38,7 +38,7 @@ DEVICE = "cuda"
 
 def candidates(m: int, num_experts: int, top_k: int, dtype: torch.dtype) -> list[dict[str, int]]:
     """Configs worth timing at m tokens: tile rows by tokens per expert, the rest from a short list."""
-    from kvfit.models.fused_moe import SMEM_BYTES, default_config, make_config, stage_bytes
+    from kvfit.kernels.fused_moe import SMEM_BYTES, default_config, make_config, stage_bytes
     rows = m * top_k / num_experts
     if rows <= 4:        # decode: bound by reading the weights; wide K tiles and deep pipelines
         tiles = [(16, n, k, 4, s) for n, k, s in ((32, 128, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5),
@@ -107,7 +107,7 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def sweep_configs(label, problem, configs, ref, deadline) -> dict[str, float]:
     """json(config) -> graph seconds per call, for each config that matches the reference, until the deadline."""
-    from kvfit.models.fused_moe import fused_moe
+    from kvfit.kernels.fused_moe import fused_moe
     results = {}
     for cfg in configs:
         if results and time.monotonic() > deadline:
@@ -124,7 +124,7 @@ def sweep_configs(label, problem, configs, ref, deadline) -> dict[str, float]:
 
 def best_row(label, m, problem, cfg, results, ref, default_cfg, vllm) -> dict:
     """The winner beside the default, eager timing, the reference, vLLM and a per-kernel breakdown."""
-    from kvfit.models.fused_moe import fused_moe, moe_reference
+    from kvfit.kernels.fused_moe import fused_moe, moe_reference
     x, w13, w2, weights, ids = problem
     row = {"shape": label, "m": m, "best": cfg, "fused_graph_s": results[json.dumps(cfg)],
            "default_graph_s": results.get(json.dumps(default_cfg)),
@@ -147,7 +147,7 @@ def best_row(label, m, problem, cfg, results, ref, default_cfg, vllm) -> dict:
 
 def sweep_shape(label, shape, m_values, dtype, deadline, vllm, rows, best):
     """Every M for one layer shape: appends table rows, records the best config per M in best."""
-    from kvfit.models import fused_moe as fm
+    from kvfit.kernels import fused_moe as fm
     num_experts, top_k, hidden, inter = shape
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden ** 0.5).to(dtype)
@@ -196,8 +196,8 @@ def align_key(sorted_ids, block_experts, block_m: int, num_pairs: int) -> torch.
 
 def time_align(shapes, m_values, dtype, tp: int) -> list[dict]:
     """moe_align at each M, with the block_m get_config picks there: one program vs the parallel path."""
-    from kvfit.models import fused_moe as fm
-    from kvfit.models import moe_align as ma
+    from kvfit.kernels import fused_moe as fm
+    from kvfit.kernels import moe_align as ma
     vllm = vllm_function("vllm.model_executor.layers.fused_moe.moe_align_block_size", "moe_align_block_size")
     us = lambda s: f"{s * 1e6:7.1f}" if s else "      -"   # noqa: E731
     rows = []

@@ -69,7 +69,7 @@ def main() -> int:
     from common import copy_bandwidth
     if args.fp8:
         return run_fp8(args.model)
-    from kvfit.models.gemv import gemv
+    from kvfit.kernels.gemv import gemv
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     gen = torch.Generator(device="cuda").manual_seed(0)

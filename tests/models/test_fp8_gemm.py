@@ -184,7 +184,7 @@ def test_fused_fp8_experts_match_the_reference_loop(block):
     config = fe.fm.make_config(16, 32, 32, 1, 4, 1)
     got = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
                                experts.down_proj_scale, block, weights, ids, config)
-    from kvfit.models.fused_moe import experts_by_group
+    from kvfit.kernels.fused_moe import experts_by_group
     from kvfit.models.quant.fp8 import fp8_linear_reference
 
     def expert_mlp(e, rows):

@@ -19,8 +19,8 @@ if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before the kernels' module is (re)imported
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-from kvfit.models import fused_moe as fm  # noqa: E402
-from kvfit.models import moe_align as ma  # noqa: E402
+from kvfit.kernels import fused_moe as fm  # noqa: E402
+from kvfit.kernels import moe_align as ma  # noqa: E402
 
 
 def _interpreter_fixes() -> None:
@@ -446,7 +446,7 @@ if COMPILE_CHECK:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warm_up_runs_each_distinct_config_once():
-    from kvfit.models.fused_moe import get_config, warm_up
+    from kvfit.kernels.fused_moe import get_config, warm_up
     w13 = torch.randn(8, 2 * 32, 64, device="cuda", dtype=torch.bfloat16) * 0.05
     w2 = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16) * 0.05
     count = warm_up(w13, w2, 2, 1000)
@@ -455,5 +455,5 @@ def test_warm_up_runs_each_distinct_config_once():
 
 
 def test_warm_up_is_a_no_op_off_the_fused_path():
-    from kvfit.models.fused_moe import warm_up
+    from kvfit.kernels.fused_moe import warm_up
     assert warm_up(torch.zeros(4, 16, 8), torch.zeros(4, 8, 8), 2, 64) == 0

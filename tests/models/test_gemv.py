@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvfit.models import fused_ops, gemv  # noqa: E402
+from kvfit.kernels import fused_ops, gemv  # noqa: E402
 from kvfit.kv.spec import PADDING_SLOT_ID  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

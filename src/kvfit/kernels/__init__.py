@@ -2,6 +2,9 @@
 
 - attention_common.py: the KV-cache write kernel and the tile helpers decode and prefill share (int64 offsets)
 - attention_decode.py, attention_prefill.py: paged decode (split-K, cascade) and paged prefill attention
+- fused_ops.py: the decoder's small ops fused (residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU x mul)
+- gemv.py: one-token linears (batch-1 decode), with the gate/up SiLU and the q/k/v RoPE + cache-write epilogues
+- fused_moe.py, moe_align.py: mixture-of-experts routing, its torch reference and the grouped-GEMM experts
 - pdl.py: programmatic dependent launch, the contract every kernel with a `PDL` constexpr keeps
 
 Whether a kernel runs on a tensor is asked of kvfit.platforms.gate (`triton_applies`, `on_gpu`), never of

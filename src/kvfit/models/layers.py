@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfit.models import fused_ops
-from kvfit.models.gemv import gemv_applies, gemv_silu_mul
+from kvfit.kernels import fused_ops
+from kvfit.kernels.gemv import gemv_applies, gemv_silu_mul
 from kvfit.models.parallel import make_param, split_evenly
 from kvfit.models.quant.linear import fuse_projection, make_linear, project
 

@@ -19,9 +19,9 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.errors import ConfigError
+from kvfit.kernels import fused_ops
+from kvfit.kernels.gemv import gemv_applies, gemv_rope_write_kv, linear
 from kvfit.model_facts import ModelFacts
-from kvfit.models import fused_ops
-from kvfit.models.gemv import gemv_applies, gemv_rope_write_kv, linear
 from kvfit.models.kv_scales import KVScales, is_fp8_cache, kv_scale_targets
 from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
 from kvfit.models.parallel import (Shard, VocabEmbedding, gather_vocab, kv_head_range, make_param, read_shard,

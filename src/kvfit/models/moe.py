@@ -22,10 +22,10 @@ import re
 import torch
 
 from kvfit.errors import ConfigError
+from kvfit.kernels import fused_moe
+from kvfit.kernels.fused_moe import moe_experts, select_experts
+from kvfit.kernels.gemv import linear
 from kvfit.model_facts import ModelFacts, MoEConfig, moe_config
-from kvfit.models import fused_moe
-from kvfit.models.fused_moe import moe_experts, select_experts
-from kvfit.models.gemv import linear
 from kvfit.models.layers import SwiGLU
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
+from kvfit.kernels.gemv import linear
 from kvfit.kv.spec import kv_heads_per_rank
-from kvfit.models.gemv import linear
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
-from kvfit.models.fused_moe import experts_by_group
+from kvfit.kernels.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
 from kvfit.models.quant import fused_experts

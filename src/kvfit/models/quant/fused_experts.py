@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.models import fused_moe as fm
-from kvfit.models.moe_align import moe_align
+from kvfit.kernels import fused_moe as fm
+from kvfit.kernels.moe_align import moe_align
 from kvfit.models.quant.fp8 import Fp8Weight, quantize_activations
 
 try:

@@ -219,7 +219,7 @@ def project(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias for a fused weight: an Fp8Weight through fp8_linear, a tensor through gemv.linear."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
-    from kvfit.models.gemv import linear
+    from kvfit.kernels.gemv import linear
     return linear(x, weight, bias)
 
 

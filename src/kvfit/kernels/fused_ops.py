@@ -28,7 +28,7 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    # the math a fused epilogue shares with these kernels (models/gemv.py's one-token GEMVs), written once so
+    # the math a fused epilogue shares with these kernels (gemv.py's one-token GEMVs), written once so
     # the fused and unfused paths stay bit-identical
     @triton.jit
     def silu_times(gate, up):
@@ -58,7 +58,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if PDL:     # see attention/pdl.py
+        if PDL:     # see pdl.py
             gdc_wait()
             gdc_launch_dependents()
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)

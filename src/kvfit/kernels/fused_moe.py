@@ -28,7 +28,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-from kvfit.models.moe_align import moe_align  # noqa: E402
+from kvfit.kernels.moe_align import moe_align  # noqa: E402
 from kvfit.platforms.gate import triton_applies  # noqa: E402
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -23,7 +23,7 @@ try:
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from kvfit.models.fused_ops import rotate_halves, silu_times, store_kv_halves
+    from kvfit.kernels.fused_ops import rotate_halves, silu_times, store_kv_halves
 except ImportError:  # CPU-only installs
     triton = None
 
