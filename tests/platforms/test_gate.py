@@ -22,8 +22,7 @@ def test_gpu_tensors_take_the_kernels_where_triton_imports(monkeypatch):
 
 
 def test_every_kernel_gate_asks_it(monkeypatch):
-    from kvfit.kernels import fused_moe, fused_ops, gemv
-    from kvfit.runner import greedy
+    from kvfit.kernels import fused_moe, fused_ops, gemv, greedy
     monkeypatch.setattr(gate, "on_gpu", lambda t: True)          # as if these host tensors were on a GPU
     x = torch.zeros(1, 16)
     expected = gate.triton_importable()

@@ -13,7 +13,7 @@ if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvfit.runner import greedy  # noqa: E402
+from kvfit.kernels import greedy  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and not COMPILE_CHECK:
     import importlib

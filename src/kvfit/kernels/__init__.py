@@ -5,6 +5,7 @@
 - fused_ops.py: the decoder's small ops fused (residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU x mul)
 - gemv.py: one-token linears (batch-1 decode), with the gate/up SiLU and the q/k/v RoPE + cache-write epilogues
 - fused_moe.py, moe_align.py: mixture-of-experts routing, its torch reference and the grouped-GEMM experts
+- greedy.py: the all-greedy step's argmax and finite-logits check in one read of the logits
 - pdl.py: programmatic dependent launch, the contract every kernel with a `PDL` constexpr keeps
 
 Whether a kernel runs on a tensor is asked of kvfit.platforms.gate (`triton_applies`, `on_gpu`), never of

@@ -1,9 +1,9 @@
 """The one gate of kvfit's Triton kernels: whether they run on a tensor (a CUDA GPU, with Triton installed).
 
-Kernel launchers (attention/, models/, runner/greedy.py) ask here rather than checking the device
-themselves, so which device runs the kernels is decided in platforms/. This module imports nothing (not
-torch, and Triton only once a GPU tensor asks: a CPU run stays Triton-free), so the kernels, which sit
-below platforms/, may import it (tests/test_layering.py ranks it low).
+Kernel launchers (kernels/) and the callers choosing a kernel or torch (the Triton backend, the sampler) ask
+here rather than checking the device themselves, so which device runs the kernels is decided in platforms/.
+This module imports nothing (not torch, and Triton only once a GPU tensor asks: a CPU run stays Triton-free),
+so the kernels, which sit below platforms/, may import it (tests/test_layering.py ranks it low).
 """
 
 from __future__ import annotations

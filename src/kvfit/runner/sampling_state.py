@@ -284,7 +284,7 @@ class SamplingState:
         plan = self._plan(rows_host, num_generated_host, masked)
         if not plan.sampled and not plan.processed and not plan.logprobs:
             if triton_applies(logits):       # (imported here: Triton stays unimported on CPU)
-                from kvfit.runner import greedy
+                from kvfit.kernels import greedy
                 if greedy.applies(logits):   # argmax and the finite check in one read of the logits
                     tokens, finite = greedy.greedy_tokens(logits)                          # [N], [N]
                     return SampleResult(self._count(tokens, logits, rows, counted, finite))

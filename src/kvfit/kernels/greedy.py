@@ -38,7 +38,7 @@ if triton is not None:
     def _chunk_kernel(logits_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, stride_row, vocab, num_chunks,
                       CHUNK: tl.constexpr, PDL: tl.constexpr):
         # program (row, chunk): the chunk's max, the first index holding it, whether any logit is non-finite
-        if PDL:     # see attention/pdl.py
+        if PDL:     # see pdl.py
             gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
