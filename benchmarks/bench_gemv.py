@@ -5,7 +5,7 @@ For each weight shape of the model (q/k/v, o, gate/up, down, lm_head) at one tok
 CUDA graph replaying the product over enough weight copies that nothing stays in L2, as bytes of
 weight read per second, for cuBLAS and each Triton config; then the whole decode step's linears.
 --fp8: per-channel FP8 weights: cuBLASLt's _scaled_mm (with the activation's quantize kernel, the W8A8 path)
-against the FP8 GEMV (models/quant/fp8_gemv.py) in each of FP8_CONFIGS.
+against the FP8 GEMV (kernels/fp8_gemv.py) in each of FP8_CONFIGS.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def main() -> int:
 
 def run_fp8(model: str) -> int:
     """The --fp8 sweep: bytes of FP8 weight read per second, _scaled_mm (W8A8) against each GEMV config."""
-    from kvfit.models.quant.fp8 import Fp8Weight, quantize_weight_per_channel
-    from kvfit.models.quant.fp8_gemv import fp8_gemv
-    from kvfit.models.quant.gemm import _scaled_mm_linear
+    from kvfit.kernels.fp8 import Fp8Weight, quantize_weight_per_channel
+    from kvfit.kernels.fp8_gemm import _scaled_mm_linear
+    from kvfit.kernels.fp8_gemv import fp8_gemv
     gen = torch.Generator(device="cuda").manual_seed(0)
     totals, best, rows = {"scaled_mm": 0.0}, {}, []
     for name, (n, k, per_step) in shapes(model).items():

@@ -34,7 +34,7 @@ FP8_MAX = 448.0                              # largest finite float8_e4m3fn
 MIN_AMAX = 1e-10                             # an all-zero row still gets a finite scale (its values quantize to 0)
 # scratch of one quantized GEMM per element of its input, which the capacity estimate counts: dynamic
 # activations on CUDA are quantized in one Triton launch into the fp8 result alone; static ones (and the
-# torch path elsewhere) make an fp32 copy first, divided in place (models/quant/fp8.py)
+# torch path elsewhere) make an fp32 copy first, divided in place (kernels/fp8.py)
 ACTIVATION_SCRATCH_BYTES = 1
 STATIC_ACTIVATION_SCRATCH_BYTES = 4 + 1
 

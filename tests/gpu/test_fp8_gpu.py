@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("triton")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
 
-from kvfit.models.quant.block_gemm import block_fp8_linear  # noqa: E402
-from kvfit.models.quant.fp8 import (Fp8Weight, fp8_linear_reference, quantize_weight_blocks,  # noqa: E402
-                                    quantize_weight_per_channel)
-from kvfit.models.quant.gemm import fp8_linear, scaled_mm_applies  # noqa: E402
+from kvfit.kernels.fp8 import (Fp8Weight, fp8_linear_reference, quantize_weight_blocks,  # noqa: E402
+                               quantize_weight_per_channel)
+from kvfit.kernels.fp8_block_gemm import block_fp8_linear  # noqa: E402
+from kvfit.kernels.fp8_gemm import fp8_linear, scaled_mm_applies  # noqa: E402
 
 
 def _generates_in_full(llm, max_tokens: int) -> None:

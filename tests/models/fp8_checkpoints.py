@@ -19,8 +19,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvfit.models.quant.fp8 import (dequantize_weight, quantize_weight_blocks, quantize_weight_per_channel,
-                                    quantize_weight_per_tensor)
+from kvfit.kernels.fp8 import (dequantize_weight, quantize_weight_blocks, quantize_weight_per_channel,
+                               quantize_weight_per_tensor)
 
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
                     r"(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)|"
@@ -82,7 +82,7 @@ def write_fp8_copy(src: str, dst, fmt: str, block=(128, 128), skip=()) -> tuple[
 def fake_quant_hooks(hf_model, fmt: str, block=(128, 128)) -> list:
     """Forward pre-hooks on hf_model's quantized nn.Linear layers that quantize their input as kvfit's FP8 GEMM
     does (per token, per token and block group, or static), so the fp32 reference computes kvfit's numbers."""
-    from kvfit.models.quant.fp8 import Fp8Weight, dequantize_activations, quantize_activations
+    from kvfit.kernels.fp8 import Fp8Weight, dequantize_activations, quantize_activations
     handles = []
     for name, module in hf_model.named_modules():
         if not isinstance(module, torch.nn.Linear) or not LINEAR.fullmatch(f"{name}.weight"):
@@ -104,7 +104,7 @@ def fake_quant_experts(hf_model, fmt: str, block=(128, 128)) -> int:
     inputs of its two GEMMs as kvfit's FP8 experts do; returns how many modules it changed."""
     import types
 
-    from kvfit.models.quant.fp8 import Fp8Weight, dequantize_activations, quantize_activations
+    from kvfit.kernels.fp8 import Fp8Weight, dequantize_activations, quantize_activations
     probe = Fp8Weight(torch.empty(0), torch.empty(0), block if fmt == "block" else None)
 
     def fq(x):

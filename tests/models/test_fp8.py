@@ -21,9 +21,9 @@ from paged_batch import PagedCache, hf_logits, random_tokens  # noqa: E402
 
 from kvfit.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvfit.errors import ConfigError  # noqa: E402
+from kvfit.kernels.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel  # noqa: E402
 from kvfit.model_facts import facts_from_config, load_model_facts  # noqa: E402
 from kvfit.models.loader import load_model  # noqa: E402
-from kvfit.models.quant.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel  # noqa: E402
 from kvfit.models.quant.linear import Fp8Linear  # noqa: E402
 from kvfit.quant_scheme import parse_quantization_config  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402

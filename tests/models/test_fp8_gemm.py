@@ -15,15 +15,15 @@ if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before the kernel's module is (re)imported
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-from kvfit.models.quant import block_gemm as bg  # noqa: E402
-from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, dequantize_weight, fp8_linear_reference,  # noqa: E402
-                                    quantize_activations, quantize_groups, quantize_weight_blocks,
-                                    quantize_weight_per_channel, quantize_weight_per_tensor)
-from kvfit.models.quant.gemm import fp8_linear  # noqa: E402
+from kvfit.kernels import fp8_block_gemm as bg  # noqa: E402
+from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, dequantize_weight, fp8_linear_reference,  # noqa: E402
+                               quantize_activations, quantize_groups, quantize_weight_blocks,
+                               quantize_weight_per_channel, quantize_weight_per_tensor)
+from kvfit.kernels.fp8_gemm import fp8_linear  # noqa: E402
 
-from kvfit.models.quant import fp8_gemv as gv  # noqa: E402
-from kvfit.models.quant import fused_experts as fe  # noqa: E402
-from kvfit.models.quant import quantize_kernel as qk  # noqa: E402
+from kvfit.kernels import fp8_fused_experts as fe  # noqa: E402
+from kvfit.kernels import fp8_gemv as gv  # noqa: E402
+from kvfit.kernels import fp8_quantize as qk  # noqa: E402
 
 if INTERPRET and bg.triton is not None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -185,7 +185,7 @@ def test_fused_fp8_experts_match_the_reference_loop(block):
     got = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
                                experts.down_proj_scale, block, weights, ids, config)
     from kvfit.kernels.fused_moe import experts_by_group
-    from kvfit.models.quant.fp8 import fp8_linear_reference
+    from kvfit.kernels.fp8 import fp8_linear_reference
 
     def expert_mlp(e, rows):
         gate_up, down = experts.expert_weights(e)

@@ -5,6 +5,10 @@
 - fused_ops.py: the decoder's small ops fused (residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU x mul)
 - gemv.py: one-token linears (batch-1 decode), with the gate/up SiLU and the q/k/v RoPE + cache-write epilogues
 - fused_moe.py, moe_align.py: mixture-of-experts routing, its torch reference and the grouped-GEMM experts
+- fp8.py: FP8 weights (Fp8Weight), their quantization and the fp32 reference GEMM the FP8 kernels are held to
+- fp8_gemm.py: the FP8 GEMM a quantized linear runs, chosen per call (fp8_gemv.py for one token, cuBLASLt's
+  _scaled_mm, fp8_block_gemm.py, or the reference); fp8_quantize.py: activations quantized in one launch
+- fp8_fused_experts.py: fused_moe's grouped GEMMs with FP8 experts
 - greedy.py: the all-greedy step's argmax and finite-logits check in one read of the logits
 - pdl.py: programmatic dependent launch, the contract every kernel with a `PDL` constexpr keeps
 

@@ -6,9 +6,9 @@ or per block ([E, 2 n / bn, ceil(H / bk)], [E, ceil(H / bn), n / bk]: the gate a
 row block, so n must be a multiple of bn). Filled from the Hub's per-expert tensors (`...experts.{e}.
 gate_proj.weight` + `weight_scale` / `weight_scale_inv`), or quantized per row from 16-bit ones (online).
 
-Compute: on CUDA with Triton, fused_experts.py's grouped GEMMs (FP8 tensor cores, no host sync: CUDA graphs
+Compute: on CUDA with Triton, kernels/fp8_fused_experts.py's grouped GEMMs (FP8 tensor cores, no host sync: CUDA graphs
 capture them); elsewhere tokens grouped by expert (moe_reference's loop), each expert's two GEMMs through
-gemm.fp8_linear, with activations quantized per token (per group for blocks) at the same two points. Static
+fp8_gemm.fp8_linear, with activations quantized per token (per group for blocks) at the same two points. Static
 activation scales for experts are not supported (a ConfigError at build).
 """
 
@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
+from kvfit.kernels import fp8_fused_experts
+from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
+from kvfit.kernels.fp8_fused_experts import fused_experts_applies, fused_fp8_experts
+from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.kernels.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
-from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel)
-from kvfit.models.quant import fused_experts
-from kvfit.models.quant.fused_experts import fused_experts_applies, fused_fp8_experts
-from kvfit.models.quant.gemm import fp8_linear
 from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
 from kvfit.quant_scheme import Fp8Scheme
 
@@ -144,8 +144,8 @@ class Fp8Experts(torch.nn.Module):
     def warm_up(self, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
         """Compile the fused kernels' configs for up to max_tokens tokens of activations in dtype now
         (start-up); how many ran."""
-        return fused_experts.warm_up(self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                     self.down_proj_scale, self.scheme.block_size, top_k, max_tokens, dtype)
+        return fp8_fused_experts.warm_up(self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                         self.down_proj_scale, self.scheme.block_size, top_k, max_tokens, dtype)
 
     def expert_weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:
         block = self.scheme.block_size

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from kvfit.errors import ConfigError
+from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel,
+                               quantize_weight_per_tensor)
+from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.models.fusion import fuse_rows
 from kvfit.models.parallel import ColumnLinear, RowLinear, Shard, all_reduce, make_param, read_shard, source_shape
-from kvfit.models.quant.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel,
-                                    quantize_weight_per_tensor)
-from kvfit.models.quant.gemm import fp8_linear
 from kvfit.quant_scheme import Fp8Scheme
 
 SAFETENSORS_FP8 = ("F8_E4M3",)

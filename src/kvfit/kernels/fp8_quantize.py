@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvfit.platforms.gate import triton_applies
 from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 
 try:
@@ -24,7 +25,7 @@ MAX_ROW_BLOCK = 4096        # columns a program holds at once; wider rows take t
 
 def quantize_kernel_applies(x: torch.Tensor) -> bool:
     """Triton is installed and x is a 2-D CUDA tensor with unit stride along its rows."""
-    return triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+    return triton_applies(x) and x.dim() == 2 and x.stride(1) == 1
 
 
 if triton is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import fused_moe as fm
+from kvfit.kernels.fp8 import Fp8Weight, quantize_activations
 from kvfit.kernels.moe_align import moe_align
-from kvfit.models.quant.fp8 import Fp8Weight, quantize_activations
+from kvfit.platforms.gate import on_gpu, triton_applies
 
 try:
     import triton
@@ -27,7 +28,7 @@ except ImportError:  # CPU-only installs
 
 def fused_experts_applies(x: torch.Tensor) -> bool:
     """Triton is installed and x is a CUDA tensor of a 16-bit or fp32 dtype."""
-    return triton is not None and x.is_cuda and x.dtype in fm.FLOAT_DTYPES
+    return triton_applies(x) and x.dtype in fm.FLOAT_DTYPES
 
 
 if triton is not None:
@@ -175,7 +176,7 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     num_m_blocks = block_experts.numel()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)           # [T*k, I]
     launch = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_K=block_k, GROUP_M=config["GROUP_SIZE_M"], GROUP_N=group_n, DOT_FP32=not x.is_cuda,
+                  BLOCK_K=block_k, GROUP_M=config["GROUP_SIZE_M"], GROUP_N=group_n, DOT_FP32=not on_gpu(x),
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     xq = xq.contiguous()
     _gate_up_fp8_kernel[(num_m_blocks * triton.cdiv(inter, block_n),)](

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.models.quant.fp8 import Fp8Weight, quantize_activations
+from kvfit.kernels.fp8 import Fp8Weight, quantize_activations
+from kvfit.platforms.gate import on_gpu, triton_applies
 
 try:
     import triton
@@ -29,7 +30,7 @@ LARGE_M = 64
 
 def block_gemm_applies(x: torch.Tensor) -> bool:
     """Triton is installed and x is a CUDA tensor."""
-    return triton is not None and x.is_cuda
+    return triton_applies(x)
 
 
 def config_for(m: int) -> tuple[int, int, int, int]:
@@ -85,7 +86,7 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: 
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    interpret = not xq.is_cuda
+    interpret = not on_gpu(xq)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _block_fp8_gemm_kernel[grid](
         xq, x_scale, w.weight, w.scale, out, bias if bias is not None else out, m, n, k,

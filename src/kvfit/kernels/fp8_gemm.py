@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.models.quant.block_gemm import block_fp8_linear, block_gemm_applies
-from kvfit.models.quant.fp8 import Fp8Weight, fp8_linear_reference, quantize_activations
-from kvfit.models.quant.fp8_gemv import fp8_gemv, fp8_gemv_applies
+from kvfit.kernels.fp8 import Fp8Weight, fp8_linear_reference, quantize_activations
+from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies
+from kvfit.kernels.fp8_gemv import fp8_gemv, fp8_gemv_applies
+from kvfit.platforms.gate import on_gpu
 
 
 def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """cuBLASLt's FP8 GEMM takes this call: CUDA, per-channel scales, K and N multiples of 16."""
-    return (x.is_cuda and w.block_size is None and x.shape[1] % 16 == 0 and w.out_features % 16 == 0
+    return (on_gpu(x) and w.block_size is None and x.shape[1] % 16 == 0 and w.out_features % 16 == 0
             and hasattr(torch, "_scaled_mm"))
 
 
@@ -26,7 +27,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         y = fp8_gemv(x2, w, bias)
     elif scaled_mm_applies(x2, w):
         y = _scaled_mm_linear(x2, w, bias)
-    elif x2.is_cuda and w.block_size is not None:
+    elif on_gpu(x2) and w.block_size is not None:
         y = block_fp8_linear(x2, w, bias) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
     else:
         y = fp8_linear_reference(x2, w, bias)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import pdl
-from kvfit.models.quant.fp8 import Fp8Weight
+from kvfit.kernels.fp8 import Fp8Weight
+from kvfit.platforms.gate import triton_applies
 
 try:
     import triton
@@ -73,7 +74,7 @@ if triton is not None:
 
 def fp8_gemv_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
     """One 16-bit (or fp32) token on CUDA with Triton; the weight with unit stride along K."""
-    return (triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    return (triton_applies(x) and x.dim() == 2 and x.shape[0] == 1
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.weight.stride(1) == 1)
 
 

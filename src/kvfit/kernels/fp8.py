@@ -9,8 +9,8 @@ the order of fp32 sums: dynamically per token (scale [T, 1] = amax / 448), per t
 for block weights (scale [T, ceil(K / bk)]), or with the checkpoint's static per-tensor input_scale.
 y = (xq * x_scale) @ (Wq * w_scale)^T (+ bias) in fp32, rounded once to the activation dtype.
 
-Paths (gemm.py): `fp8_linear` runs torch._scaled_mm (cuBLASLt, rowwise scales, bf16 out) for per-channel weights on
-CUDA where its shape rules hold (K and N multiples of 16), the Triton block GEMM (block_gemm.py) for block
+Paths (fp8_gemm.py): `fp8_linear` runs torch._scaled_mm (cuBLASLt, rowwise scales, bf16 out) for per-channel weights
+on CUDA where its shape rules hold (K and N multiples of 16), the Triton block GEMM (fp8_block_gemm.py) for block
 weights on CUDA, and `fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and
 the GPU paths' test oracle.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.models.quant.quantize_kernel import FP8_DTYPE, quantize_kernel_applies, quantize_rows
+from kvfit.kernels.fp8_quantize import FP8_DTYPE, quantize_kernel_applies, quantize_rows
 from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 
 
