@@ -1,4 +1,5 @@
-"""The import graph of src/kvfit, read with ast: one-way layering and no import circles.
+"""The import graph of src/kvfit, read with ast: one-way layering and no import circles; and device questions
+(`.is_cuda`, `.device.type`) only in platforms/ and kernels/.
 
 Layers, lowest first: a module may import its own layer's modules and lower layers only.
 server -> engine -> runner -> (platforms) -> models -> attention -> contract types -> config, kernels -> kv, text.
@@ -146,6 +147,41 @@ def test_kernels_import_only_their_inputs():
     assert wrong == []
 
 
+# device questions outside platforms/ and kernels/ (expression -> why it may stay); anything else asks platforms/
+DEVICE_CHECKS_ALLOWED = {
+    ("kvfit.structured.matcher", "bitmask.device.type"): "an internal assert: llguidance fills host memory only",
+}
+
+
+def _device_checks(path: Path) -> list[str]:
+    """`x.is_cuda` and `x.device.type` / `device.type` attribute reads in the file, as source text."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        of_device = ((isinstance(owner, ast.Attribute) and owner.attr == "device")
+                     or (isinstance(owner, ast.Name) and owner.id == "device"))
+        if node.attr == "is_cuda" or (node.attr == "type" and of_device):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_device_questions_stay_in_platforms_and_kernels():
+    wrong, used = [], set()
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        if _component(module) in ("platforms", "kernels"):
+            continue
+        for expr in _device_checks(path):
+            if (module, expr) in DEVICE_CHECKS_ALLOWED:
+                used.add((module, expr))
+            else:
+                wrong.append(f"{module}: {expr}")
+    assert wrong == [], "ask kvfit.platforms (gate.on_gpu, the platform) instead"
+    assert used == set(DEVICE_CHECKS_ALLOWED), "an allowed device check is gone: drop it from the list"
+
+
 def test_no_import_circles():
     """Depth-first search over modules; a back edge is a circle (reported with its path)."""
     state: dict[str, int] = {}          # 1: on the current path, 2: done
@@ -175,3 +211,4 @@ def test_the_graph_is_read():
     assert "kvfit.kv.pool" in GRAPH["kvfit.kv.manager"]
     assert "kvfit.step" in GRAPH["kvfit.engine.scheduler"]
     assert "kvfit.text.tokenizer" in GRAPH["kvfit.text.detokenizer"]
+    assert "kvfit.kernels.attention_decode" in GRAPH["kvfit.attention.triton_backend"]

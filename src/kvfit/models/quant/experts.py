@@ -25,6 +25,7 @@ from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.kernels.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
+from kvfit.platforms.gate import on_gpu
 from kvfit.quant_scheme import Fp8Scheme
 
 
@@ -157,7 +158,7 @@ class Fp8Experts(torch.nn.Module):
         if fused_experts_applies(x):
             return fused_fp8_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
                                      self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if on_gpu(x) and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
                                "16-bit experts); run with --enforce-eager")
 
