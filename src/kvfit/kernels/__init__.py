@@ -13,6 +13,6 @@
 - pdl.py: programmatic dependent launch, the contract every kernel with a `PDL` constexpr keeps
 
 Whether a kernel runs on a tensor is asked of kvfit.platforms.gate (`triton_applies`, `on_gpu`), never of
-the tensor's device here. Kernels import only that gate, kv's spec constants (PADDING_SLOT_ID), errors,
-units and each other (tests/test_layering.py), so every layer above may call them.
+the tensor's device here. Kernels import only that gate, kv's spec constants (PADDING_SLOT_ID), quant_scheme's
+FP8 constants, errors, units and each other (tests/test_layering.py), so every layer above may call them.
 """
