@@ -45,7 +45,9 @@ def _interpreter_fixes() -> None:
 
 def _import_backend():
     """The kernel modules, re-imported if something imported them before TRITON_INTERPRET was set."""
-    from kvfit.attention import triton_backend, triton_decode, triton_kernels, triton_prefill
+    from kvfit.attention import triton_backend
+    from kvfit.kernels import attention_common as triton_kernels, attention_decode as triton_decode
+    from kvfit.kernels import attention_prefill as triton_prefill
     if INTERPRET:
         from triton.runtime.interpreter import InterpretedFunction
         if not isinstance(triton_kernels._write_kv_kernel, InterpretedFunction):
@@ -310,7 +312,7 @@ def test_prefill_head_layouts(heads, head_dim):
 def test_prefill_unmasked_tiles_below_the_diagonal_match_the_reference(split):
     # long prefixes and row tiles starting mid-tile: several whole key tiles below the causal diagonal go
     # through the unmasked loop (split), the rest through the masked one; both walks give the reference
-    from kvfit.attention.triton_prefill import paged_prefill_attention
+    from kvfit.kernels.attention_prefill import paged_prefill_attention
     gen = torch.Generator().manual_seed(34)
     q_lens, seq_lens = [19, 3, 40], [70, 50, 40]
     k_cache, v_cache, table = filled_caches(seq_lens, 8, 2, 16, torch.float32, gen)
@@ -434,7 +436,7 @@ def _compile_check() -> None:
     cannot see, and register spills. Needs no GPU. Runs without TRITON_INTERPRET (a subprocess)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
     from triton_interpreter import compile_sm90
-    from kvfit.attention import triton_decode as dec, triton_kernels as ker, triton_prefill as pre
+    from kvfit.kernels import attention_common as ker, attention_decode as dec, attention_prefill as pre
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
     def build(kernel, qd, cd, consts, warps=4):

@@ -149,7 +149,7 @@ def _fused_writes(k_cache: torch.Tensor, v_cache: torch.Tensor, gen: torch.Gener
     """The fused one-token cache writes at _fused_slots: qk_norm_rope_write_kv_ (two tokens) and
     gemv_rope_write_kv (one token, twice). Each slot's row must hold its token's k and v as torch casts and
     indexes them (the plain write). Returns the elements written to each cache."""
-    from kvfit.models import fused_ops, gemv
+    from kvfit.kernels import fused_ops, gemv
     device = k_cache.device
     slots = torch.tensor(_fused_slots(k_cache.shape[0]), dtype=torch.int64, device=device)
     rows, hidden = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, 512
@@ -183,7 +183,7 @@ def _fused_writes(k_cache: torch.Tensor, v_cache: torch.Tensor, gen: torch.Gener
 def run_check(num_blocks: int = NUM_BLOCKS, device: str = "cuda", cache_dtype: torch.dtype = torch.bfloat16) -> str:
     """Write at the top of the cache (> 2^32 elements by default), attend there, compare; says what it tested."""
     from kvfit.attention.triton_backend import TritonBackend
-    from kvfit.attention.triton_kernels import largest_element_offset
+    from kvfit.kernels.attention_common import largest_element_offset
     device = torch.device(device)
     need = 2 * num_blocks * ELEMENTS_PER_BLOCK * torch.empty((), dtype=cache_dtype).element_size()
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else need + RESERVE_BYTES

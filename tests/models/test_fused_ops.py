@@ -15,7 +15,7 @@ if not torch.cuda.is_available() and not COMPILE_CHECK:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kvfit.models import fused_ops  # noqa: E402
+from kvfit.kernels import fused_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,7 +124,7 @@ def _qkv_views(qkv, num_q, num_kv, dim):
                          ids=["fp32-norm", "bf16", "bf16-fp8-cache-norm"])
 def test_fused_cache_write_equals_rope_then_write_kv(heads, dtype, cache_dtype, norm):
     # the one-launch path must leave q, k, v and both caches bit-identical to qk_norm_rope_ + write_kv_cache
-    from kvfit.attention.triton_kernels import write_kv_cache
+    from kvfit.kernels.attention_common import write_kv_cache
     from kvfit.kv.spec import PADDING_SLOT_ID
     num_q, num_kv = heads
     dim, tokens, page, num_blocks = 32, 6, 4, 5
@@ -193,7 +193,7 @@ def _huge_slot_check() -> None:
     gemv_rope_write_kv (one token, twice). An int32 offset would wrap and write elsewhere (or fault): each
     slot's row must hold its token's k and v, read back by torch's indexing (the plain write), and nothing
     else in its NaN-filled block may change."""
-    from kvfit.models import gemv
+    from kvfit.kernels import gemv
     num_q, num_kv, dim, page, hidden = 4, 2, 16, 16, 32
     block_elements = page * num_kv * dim                          # 512: block 2^22 starts at element 2^31
     mark = 2**31 // block_elements
@@ -245,7 +245,7 @@ def _compile_check() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/ (a script here)
     from triton_interpreter import compile_sm90
 
-    from kvfit.models import gemv
+    from kvfit.kernels import gemv
     ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64"}
 
     def build(kernel, consts, warps=4, stages=3):
