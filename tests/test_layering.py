@@ -14,6 +14,7 @@ Every import counts, at module level or inside a function (a lazy import is stil
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,77 @@ def test_device_questions_stay_in_platforms_and_kernels():
                 wrong.append(f"{module}: {expr}")
     assert wrong == [], "ask kvfit.platforms (gate.on_gpu, the platform) instead"
     assert used == set(DEVICE_CHECKS_ALLOWED), "an allowed device check is gone: drop it from the list"
+
+
+# DESIGN's edges per component, not only ranks: what each component imports besides itself. The chain is
+# server -> engine -> runner -> models -> attention -> kernels, with contract types, config and kv below; the
+# other edges are named with the reason they exist. A new edge fails here: add it with its reason, or route it
+# through the layer DESIGN says owns it (the server reaches the engine only through ServingEngine, so it
+# imports no runner, models, attention or kernels).
+BASE = {"errors", "units", "version"}
+ALLOWED = {
+    "catalog": set(), "quant_scheme": set(), "units": set(), "version": set(), "errors": set(),
+    "hub": {"catalog"},
+    "model_facts": {"catalog", "quant_scheme"},
+    "kv": {"model_facts"},
+    "text": {"model_facts"},
+    "config": {"quant_scheme", "model_facts", "hub", "kv",
+               "platforms"},                       # the --device names (platforms.registry, ranked below config)
+    "kernels": {"quant_scheme", "kv", "platforms"},   # FP8 constants, PADDING_SLOT_ID, the one gate
+    "structured_params": set(), "sampling_params": {"structured_params"},
+    "planning": {"model_facts", "kv", "config", "sampling_params"},
+    "step": {"sampling_params"},
+    "attention": {"kv", "kernels", "platforms"},
+    "models": {"quant_scheme", "model_facts", "kv", "kernels", "attention", "platforms"},
+    "platforms": {"quant_scheme", "model_facts", "kv", "config", "planning",
+                  "models"},                       # the CPU platform's start-up estimate reads the weight files
+    "structured": {"structured_params"},
+    "runner": {"model_facts", "kv", "config", "kernels", "sampling_params", "step", "planning", "attention",
+               "models", "platforms", "structured"},
+    "engine": {"hub", "model_facts", "kv", "text", "config", "sampling_params", "planning", "step",
+               "structured", "platforms", "runner",
+               "attention", "models"},             # start-up: the backend registry, and the loader's weight check
+    "server": {"text", "kv", "structured_params", "sampling_params", "structured", "engine"},
+    "commands": {"catalog", "hub", "model_facts", "kv", "text", "config", "sampling_params", "planning",
+                 "attention", "platforms", "engine", "server"},
+    "cli": {"config", "commands"}, "__init__": {"sampling_params", "engine"}, "__main__": {"cli"},
+}
+
+
+def test_components_import_only_what_design_allows():
+    found: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        for dep in deps:
+            if _component(dep) != _component(module):
+                found.setdefault(_component(module), set()).add(_component(dep))
+    wrong = {c: sorted(deps - ALLOWED.get(c, set()) - BASE) for c, deps in found.items()}
+    assert {c: d for c, d in wrong.items() if d} == {}
+
+
+def _registry_strings() -> list[tuple[str, str]]:
+    """Every "kvfit.x.y:Name" string constant in src (the registries name classes lazily this way)."""
+    pattern = re.compile(r"kvfit(\.\w+)+:\w+")
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.fullmatch(node.value):
+                found.append((_module_name(path), node.value))
+    return found
+
+
+def test_registry_strings_name_classes_that_exist():
+    strings = _registry_strings()
+    assert len(strings) >= 6          # model architectures, attention backends, platforms
+    missing = []
+    for holder, value in strings:
+        module, name = value.split(":")
+        path = SRC.parent.joinpath(*module.split("."))
+        path = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        defined = path.is_file() and any(isinstance(n, ast.ClassDef) and n.name == name
+                                         for n in ast.parse(path.read_text(encoding="utf-8")).body)
+        if not defined:
+            missing.append(f"{holder}: {value}")
+    assert missing == []
 
 
 def test_no_import_circles():
