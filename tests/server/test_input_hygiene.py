@@ -94,8 +94,15 @@ def test_a_lone_surrogate_is_400_naming_its_field(server, path, body, field, cap
 
 def test_a_surrogate_pair_and_long_digits_in_text_are_fine(server):
     raw = json.dumps({"model": "fake", "prompt": "\U0001f600 12345678901234567890123", "max_tokens": 2,
-                      "seed": 2**64 - 1}).encode()
+                      "seed": 2**63 - 1}).encode()
     assert post(server, raw).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 2**64 - 1])
+def test_a_seed_past_64_bits_is_400_naming_seed(server, seed):
+    # vLLM's API bounds the seed to a 64-bit signed integer
+    r = post(server, json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 2, "seed": seed}).encode())
+    assert r.status_code == 400 and openai_error(r)["param"] == "seed", r.text
 
 
 # Content-Type -----------------------------------------------------------------------------------

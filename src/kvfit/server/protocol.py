@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 logger = logging.getLogger("kvfit")
 
@@ -88,7 +88,7 @@ class _SamplingFields(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)     # a 64-bit integer, as vLLM's API bounds it
     user: str | None = None             # the client's end-user id: informative only, as in vLLM
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
