@@ -2,7 +2,8 @@
 
 Every expectation is derived from what this run measures (the reading and KVSpec), never from one
 machine's numbers; the budget from the GPU it runs on (gpu_capacity.gpu_budget: about 20 GiB of KV cache
-beside the engine, so the full-load run is as long on any card).
+beside the engine, so the full-load run is as long on any card), with bf16 weights and cache and again with FP8
+weights and an fp8 KV cache.
 Run: python -m pytest tests/gpu/test_capacity_gpu.py -q -s
 """
 
@@ -23,10 +24,15 @@ KV_CACHE_BYTES = 20 << 30
 LEAST_KV_BYTES = 8 << 30
 
 
-@pytest.fixture(scope="module")
-def settings():
+# bf16 weights and cache; FP8 weights (online) with an fp8 KV cache, whose profile counts the quantized GEMMs'
+# scratch and the one-byte blocks (issue 28 (5)): every test below runs for both
+VARIANTS = {"bf16": {}, "fp8": dict(quantization="fp8", kv_cache_dtype="fp8")}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def settings(request):
     from gpu_capacity import gpu_budget
-    return gpu_budget(MODEL, SETTINGS, KV_CACHE_BYTES, LEAST_KV_BYTES)
+    return gpu_budget(MODEL, {**SETTINGS, **VARIANTS[request.param]}, KV_CACHE_BYTES, LEAST_KV_BYTES)
 
 
 @pytest.fixture(scope="module")
