@@ -18,7 +18,7 @@ for s in "$@"; do case $s in
   latency-8b) step latency-8b 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
   latency-8b-nopdl) step latency-8b-nopdl 300 env KVFIT_PDL=0 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b ;;
   first-run-small) step first-run-small 300 python3 benchmarks/first_run_compiles.py --model qwen3-0.6b ;;
-  pdl-tests) step pdl-tests 300 python3 -m pytest tests/models/test_fused_ops.py tests/models/test_gemv.py tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
+  pdl-tests) step pdl-tests 300 python3 -m pytest tests/kernels/test_fused_ops.py tests/kernels/test_gemv.py tests/gpu/test_triton_gpu.py tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
   decode-long-8b) step decode-long-8b 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 32 --kv-heads 8 --sweep ;;
   profile-long-kvfit) step profile-long-kvfit 400 python3 benchmarks/profile_vs_vllm.py --models qwen3-0.6b --workload long-context --engines kvfit --out "$OUT/profile-long-kvfit.json" ;;
   latency-8b-k16) step latency-8b-k16 300 python3 benchmarks/bench_decode_latency.py --model llama-3.1-8b --num-scheduler-steps 16 ;;
@@ -30,9 +30,9 @@ for s in "$@"; do case $s in
   decode-shared) step decode-shared 200 bash -c "python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 && python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 --shared-prefix 2000 --cascade && python3 benchmarks/bench_decode_attention.py --batch 64 256 --context 2448 --block-size 16 --q-heads 32 --kv-heads 8 --shared-prefix 2000 --cascade" ;;
   cascade-rule) step cascade-rule 400 bash -c "for p in 256 512 1024 2000; do python3 benchmarks/bench_decode_attention.py --batch 8 16 32 64 128 256 --context \$((p + 200)) --block-size 16 --q-heads 16 --kv-heads 8 --shared-prefix \$p --cascade --no-search --graphs; done; for p in 512 2000; do python3 benchmarks/bench_decode_attention.py --batch 16 64 256 --context \$((p + 200)) --block-size 16 --q-heads 32 --kv-heads 8 --shared-prefix \$p --cascade --no-search --graphs; done" ;;
   decode-grid) step decode-grid 300 python3 benchmarks/bench_decode_attention.py --sweep ;;
-  fused) step fused 120 python3 -m pytest tests/models/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
+  fused) step fused 120 python3 -m pytest tests/kernels/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;
-  moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/models/test_fused_moe.py -q -s -p no:cacheprovider ;;
+  moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/kernels/test_fused_moe.py -q -s -p no:cacheprovider ;;
   vs-vllm-moe) step vs-vllm-moe 1200 python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b mixtral-8x7b ;;
   vs-vllm-base) step vs-vllm-base 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --out "$OUT/vs-base.json" ;;
   vs-vllm-long) step vs-vllm-long 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups long --out "$OUT/vs-long.json" ;;
@@ -46,7 +46,7 @@ for s in "$@"; do case $s in
   decode-long) step decode-long 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 16 --kv-heads 8 --sweep ;;
   cudnn-probe) step cudnn-probe 240 bash -c "python3 benchmarks/probe_cudnn_attention.py && python3 benchmarks/probe_cudnn_attention.py --q-heads 32" ;;
   prefill-attn) step prefill-attn 300 bash -c "python3 benchmarks/bench_prefill_attention.py --sweep && python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32" ;;
-  fp8-gpu) step fp8-gpu 330 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/models/test_fp8_gemm.py -q -s -p no:cacheprovider ;;
+  fp8-gpu) step fp8-gpu 330 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -q -s -p no:cacheprovider ;;
   capacity-new) step capacity-new 300 python3 -m pytest tests/gpu/test_co_tenants_gpu.py tests/gpu/test_sampler_reserve_gpu.py tests/gpu/test_headroom_gpu.py -q -s -p no:cacheprovider ;;
   *) echo "unknown step $s" ;;
 esac; done

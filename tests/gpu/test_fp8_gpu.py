@@ -1,7 +1,7 @@
 """FP8 on the GPU (issue 28): the CUDA GEMMs against the fp32 reference, tiny FP8 checkpoints greedy against
 the CPU path (logprob differences printed), and --quantization fp8 on llama-3.1-8b (dummy weights): FP8 weights
 in memory and `kvfit plan` within 2% of the profile; a block-wise FP8 Qwen3-30B-A3B shape (dummy) runs with CUDA
-graphs through the fused FP8 experts. tests/models/test_fp8_gemm.py runs its kernel tests on the GPU too.
+graphs through the fused FP8 experts. tests/kernels/test_fp8_gemm.py runs its kernel tests on the GPU too.
 Run: python -m pytest tests/gpu/test_fp8_gpu.py -q -s
 """
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # triton.language must first be imported in interpreter mode, or the kernel tests collected after this
-    # module (test_fp8_gemm, test_fused_moe) cannot interpret their kernels
+    # triton.language must first be imported in interpreter mode, or kernel tests collected after this
+    # module in the same run (tests/kernels/test_fp8_gemm.py, test_fused_moe.py) cannot interpret their kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fp8_checkpoints import (fake_quant_experts, fake_quant_hooks, quantization_config,  # noqa: E402

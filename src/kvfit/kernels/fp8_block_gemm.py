@@ -23,7 +23,7 @@ except ImportError:  # CPU-only installs
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the block's columns (one scale per K step). The wide
 # tile takes 8 warps: with 4, its fp32 accumulator and the K step's partial product spill (ptxas, sm_90).
 # Not tuned on a GPU yet. K is a compile-time constant (one compile per layer width): with a runtime K,
-# Triton 3.6 does not software-pipeline the loads (tests/models/test_fp8_gemm.py checks that it does).
+# Triton 3.6 does not software-pipeline the loads (tests/kernels/test_fp8_gemm.py checks that it does).
 SMALL_M_CONFIG, LARGE_M_CONFIG = (16, 128, 4, 4), (64, 128, 8, 3)
 LARGE_M = 64
 
