@@ -73,10 +73,22 @@ class RequestStream:
     # time to first token or None, time since the previous output or None)
     on_progress: Callable[[int, int, float | None, float | None], None] | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _error_next: APIError | None = None  # an error found behind outputs that were folded into one
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
-        """The next output; raises APIError if the engine failed the request, TimeoutError on timeout."""
-        item = await asyncio.wait_for(self.queue.get(), timeout)
+        """The next output; raises APIError if the engine failed the request, TimeoutError on timeout.
+
+        Outputs are cumulative, so when several wait (the event loop fell behind the engine) only the newest is
+        returned: one SSE event for all of them, which is when the front-end most needs fewer events. An error
+        queued behind them is raised at the next call."""
+        item = self._error_next or await asyncio.wait_for(self.queue.get(), timeout)
+        self._error_next = None
+        while not isinstance(item, APIError) and not self.queue.empty():
+            newer = self.queue.get_nowait()
+            if isinstance(newer, APIError):
+                self._error_next = newer
+                break
+            item = newer
         if isinstance(item, APIError):
             self.finished, self.error = True, item
             raise item

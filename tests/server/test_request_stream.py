@@ -1,0 +1,38 @@
+"""RequestStream.next: outputs are cumulative, so those that wait are folded into the newest (one SSE event for
+them), and an error queued behind them still reaches the client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfit.engine.output import CompletionOutput, RequestOutput
+from kvfit.server.async_engine import RequestStream
+from kvfit.server.protocol import APIError
+
+
+def _output(num_tokens: int, finished: bool = False) -> RequestOutput:
+    sample = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)))
+    return RequestOutput("r", None, [1, 2], outputs=[sample], finished=finished)
+
+
+def test_waiting_outputs_fold_into_the_newest_and_an_error_behind_them_follows():
+    async def run():
+        progress = []
+        stream = RequestStream("r", num_prompt_tokens=2, on_progress=lambda *args: progress.append(args[1]))
+        for n in (1, 2, 3):
+            stream.queue.put_nowait((_output(n), float(n)))
+        error = APIError(500, "boom", "server_error")
+        stream.queue.put_nowait(error)
+        first = await stream.next()
+        assert len(first.outputs[0].token_ids) == 3 and progress == [3]     # every new token counted once
+        with pytest.raises(APIError):
+            await stream.next()
+        assert stream.finished and stream.error is error
+        one = RequestStream("s")
+        one.queue.put_nowait((_output(1), 1.0))
+        assert len((await one.next()).outputs[0].token_ids) == 1           # nothing waiting: the one output
+        one.queue.put_nowait((_output(4, finished=True), 2.0))
+        assert (await one.next()).finished and one.finished
+    asyncio.run(run())
