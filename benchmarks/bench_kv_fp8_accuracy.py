@@ -32,20 +32,9 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog", "Hello world! How are 
 def loud_folder(root: str, loud: float) -> str:
     """A tiny llama (tests/tiny_models.py) with k/v times `loud`, q and o_proj divided by it."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    from safetensors.torch import load_file, save_file
-
-    from tiny_models import make_tiny_model
-    folder = make_tiny_model(root, num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
-                             name=f"tiny-llama-loud{loud:g}")
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    for name in tensors:
-        if name.endswith(("k_proj.weight", "v_proj.weight")):
-            tensors[name] = tensors[name] * loud
-        elif name.endswith(("q_proj.weight", "o_proj.weight")):
-            tensors[name] = tensors[name] / loud
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
+    from tiny_models import make_loud_model
+    return make_loud_model(root, loud, num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
+                           name=f"tiny-llama-loud{loud:g}")
 
 
 def prompt_logprobs(folder: str, device: str, dtype: str, **kwargs) -> list[dict[int, float]]:

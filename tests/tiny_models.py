@@ -191,3 +191,20 @@ def make_tiny_model(tmp_path, arch: str = "llama", num_kv_heads: int = 2, seed: 
     with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as fh:
         json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, fh)
     return folder
+
+
+def make_loud_model(tmp_path, loud: float, **kwargs) -> str:
+    """make_tiny_model's llama with k_proj and v_proj `loud` times larger and q_proj and o_proj `loud` times
+    smaller: the same model in exact arithmetic (q . k and o_proj(v) unchanged), but with keys and values past an
+    fp8 cache's range (448) for a large `loud` (the KV cache scale tests)."""
+    from safetensors.torch import load_file, save_file
+    folder = make_tiny_model(tmp_path, **kwargs)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensors[name] = tensors[name] * loud
+        elif name.endswith(("q_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] / loud
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvfit import LLM, SamplingParams
 from kvfit.errors import ConfigError
 from kvfit.models.kv_scales import KVScales, kv_scale_targets
-from tiny_models import make_tiny_model
+from tiny_models import make_loud_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # fp8_checkpoints (tests/models)
 
@@ -25,18 +25,8 @@ LOUD = 2000.0      # k and v LOUD times larger, q and o_proj LOUD times smaller:
 
 @pytest.fixture(scope="module")
 def loud_model(tmp_path_factory):
-    """A tiny llama whose keys and values reach thousands (fp8 e4m3 saturates at 448) and whose outputs equal the
-    plain model's (q . k and o_proj(v) are unchanged in exact arithmetic)."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("kv-scales"), num_layers=2)
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    for name in list(tensors):
-        if name.endswith(("k_proj.weight", "v_proj.weight")):
-            tensors[name] = tensors[name] * LOUD
-        elif name.endswith(("q_proj.weight", "o_proj.weight")):
-            tensors[name] = tensors[name] / LOUD
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
+    """Keys and values reach thousands (fp8 e4m3 saturates at 448); outputs equal the plain model's."""
+    return make_loud_model(tmp_path_factory.mktemp("kv-scales"), LOUD, num_layers=2)
 
 
 def _prompt_logprobs(folder: str, **kwargs) -> list[float]:
