@@ -72,34 +72,10 @@ def main() -> int:
     from kvfit.kernels.gemv import gemv
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    totals = {"cublas": 0.0}
-    best = {}
-    rows = []
-    for name, (n, k, per_step) in shapes(args.model).items():
-        nbytes = n * k * 2
-        copies = max(2, -(-(512 << 20) // nbytes))           # >= 512 MiB of weights: L2 never holds them
-        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        ref = torch.nn.functional.linear(x.float(), weights[0].float())
-        t_cublas = graph_time(lambda a, w: torch.nn.functional.linear(a, w), x, weights)
-        results = {"cublas": t_cublas}
-        for cfg in CONFIGS:
-            got = gemv(x, weights[0], config=cfg).float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (name, cfg, err)
-            results[str(cfg)] = graph_time(lambda a, w, c=cfg: gemv(a, w, config=c), x, weights)
-        winner = min((c for c in results if c != "cublas"), key=results.get)
-        best[name] = winner
-        totals["cublas"] += per_step * t_cublas
-        totals["triton best"] = totals.get("triton best", 0.0) + per_step * results[winner]
-        for cfg in CONFIGS:
-            totals[str(cfg)] = totals.get(str(cfg), 0.0) + per_step * results[str(cfg)]
-        line = " ".join(f"{c}:{nbytes / t / 1e12:.2f}" for c, t in results.items())
-        print(f"{name:8s} N={n:6d} K={k:5d} TB/s read  {line}", flush=True)
-        rows.append({"name": name, "n": n, "k": k, "seconds": results, "best": winner})
-        del weights
-        torch.cuda.empty_cache()
+    totals, best, rows = sweep(
+        args.model, lambda n, k, gen: torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16), 2,
+        lambda x, w: torch.nn.functional.linear(x.float(), w.float()),
+        ("cublas", lambda a, w: torch.nn.functional.linear(a, w)), gemv, CONFIGS, "triton best")
     print("per decode step (all linears): " + ", ".join(f"{c} {t * 1e3:.3f} ms" for c, t in totals.items()))
     print(f"best config per shape: {best}")
     print("RESULT " + json.dumps({"model": args.model, "copy_bandwidth_Bps": bandwidth, "rows": rows,
@@ -112,34 +88,49 @@ def run_fp8(model: str) -> int:
     from kvfit.kernels.fp8 import Fp8Weight, quantize_weight_per_channel
     from kvfit.kernels.fp8_gemm import _scaled_mm_linear
     from kvfit.kernels.fp8_gemv import fp8_gemv
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    totals, best, rows = {"scaled_mm": 0.0}, {}, []
-    for name, (n, k, per_step) in shapes(model).items():
-        copies = max(2, -(-(512 << 20) // (n * k)))
-        weights = [Fp8Weight(*quantize_weight_per_channel(
-            torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)), None) for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        ref = x.float() @ weights[0].dequantize().t()
-        results = {"scaled_mm": graph_time(lambda a, w: _scaled_mm_linear(a, w, None), x, weights)}
-        for cfg in FP8_CONFIGS:
-            got = fp8_gemv(x, weights[0], config=cfg).float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (name, cfg, err)
-            results[str(cfg)] = graph_time(lambda a, w, c=cfg: fp8_gemv(a, w, config=c), x, weights)
-        winner = min((c for c in results if c != "scaled_mm"), key=results.get)
-        best[name] = winner
-        for c, t in results.items():
-            totals[c] = totals.get(c, 0.0) + per_step * t
-        totals["gemv best"] = totals.get("gemv best", 0.0) + per_step * results[winner]
-        print(f"{name:8s} N={n:6d} K={k:5d} TB/s read  "
-              + " ".join(f"{c}:{n * k / t / 1e12:.2f}" for c, t in results.items()), flush=True)
-        rows.append({"name": name, "n": n, "k": k, "seconds": results, "best": winner})
-        del weights
-        torch.cuda.empty_cache()
+
+    def make_weight(n: int, k: int, gen) -> Fp8Weight:
+        weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        return Fp8Weight(*quantize_weight_per_channel(weight), None)
+    totals, best, rows = sweep(model, make_weight, 1, lambda x, w: x.float() @ w.dequantize().t(),
+                               ("scaled_mm", lambda a, w: _scaled_mm_linear(a, w, None)), fp8_gemv, FP8_CONFIGS,
+                               "gemv best")
     print("per decode step (all linears, FP8): " + ", ".join(f"{c} {t * 1e3:.3f} ms" for c, t in totals.items()))
     print(f"best config per shape: {best}")
     print("RESULT " + json.dumps({"model": model, "fp8": True, "rows": rows, "step_totals_s": totals}))
     return 0
+
+
+def sweep(model: str, make_weight, weight_bytes: int, reference, baseline, kernel, configs, best_name: str):
+    """Per weight shape of `model` at one token: the seconds of `baseline` (name, fn) and of `kernel` in each of
+    `configs` (each checked against `reference` first), as bytes of weight read per second; -> (per decode step
+    totals, the best config per shape, rows)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base_name, base_fn = baseline
+    totals, best, rows = {base_name: 0.0}, {}, []
+    for name, (n, k, per_step) in shapes(model).items():
+        nbytes = n * k * weight_bytes
+        copies = max(2, -(-(512 << 20) // nbytes))           # >= 512 MiB of weights: L2 never holds them
+        weights = [make_weight(n, k, gen) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        ref = reference(x, weights[0])
+        results = {base_name: graph_time(base_fn, x, weights)}
+        for cfg in configs:
+            got = kernel(x, weights[0], config=cfg).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, cfg, err)
+            results[str(cfg)] = graph_time(lambda a, w, c=cfg: kernel(a, w, config=c), x, weights)
+        winner = min((c for c in results if c != base_name), key=results.get)
+        best[name] = winner
+        for c, t in results.items():
+            totals[c] = totals.get(c, 0.0) + per_step * t
+        totals[best_name] = totals.get(best_name, 0.0) + per_step * results[winner]
+        print(f"{name:8s} N={n:6d} K={k:5d} TB/s read  "
+              + " ".join(f"{c}:{nbytes / t / 1e12:.2f}" for c, t in results.items()), flush=True)
+        rows.append({"name": name, "n": n, "k": k, "seconds": results, "best": winner})
+        del weights
+        torch.cuda.empty_cache()
+    return totals, best, rows
 
 
 if __name__ == "__main__":

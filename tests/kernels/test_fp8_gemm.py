@@ -230,7 +230,7 @@ def _compile_check() -> None:
         print(f"quantize K={consts['K']} group={group}: spills {spills} B")
         assert spills == 0, report
     for n, k, block_k in ((4096, 4096, None), (28672, 4096, None), (4096, 14336, None), (6144, 4096, 128)):
-        bn, bk, warps = gv.config_for(n, k, block_k)       # the FP8 GEMV at llama-3.1-8b's shapes
+        bn, bk, warps = gv.config_for(k, block_k)       # the FP8 GEMV at llama-3.1-8b's shapes
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                "N": "i32", "stride_wn": "i32", "stride_sn": "i32"}
         consts = dict(K=k, BLOCK_N=bn, BLOCK_K=bk, SCALE_BN=128 if block_k else 1, SCALE_BK=block_k or 1,

@@ -31,8 +31,8 @@ except ImportError:  # CPU-only installs
 CONFIG = (2, 2048, 4)
 
 
-def config_for(n: int, k: int, block_k: int | None) -> tuple[int, int, int]:
-    """The launch config for an [n, k] FP8 weight (block_k: its scale tiles' width, or None per channel)."""
+def config_for(k: int, block_k: int | None) -> tuple[int, int, int]:
+    """The launch config for an FP8 weight of k columns (block_k: its scale tiles' width, or None per channel)."""
     bn, bk, warps = CONFIG
     bk = min(bk, triton.next_power_of_2(k))
     if block_k is not None:
@@ -85,7 +85,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     n, k = w.weight.shape
     assert x.shape == (1, k), (x.shape, w.weight.shape)
     block = w.block_size
-    block_n, block_k, warps = config or config_for(n, k, None if block is None else block[1])
+    block_n, block_k, warps = config or config_for(k, None if block is None else block[1])
     if block is not None:
         assert block[1] % block_k == 0, (block, block_k)
     scale = w.scale if block is not None else w.scale.reshape(-1)

@@ -18,7 +18,7 @@ from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import ModelFacts
 from kvfit.models.kv_scales import kv_scale_layers
 from kvfit.planning import prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len, resolve_model_dtype
-from kvfit.platforms.registry import platform_of
+from kvfit.platforms.base import Platform
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
 from kvfit.runner.kv_cache import TORCH_DTYPES, KVCaches, allocate_kv_caches
@@ -59,18 +59,18 @@ def _pdl_as_configured(method):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, facts: ModelFacts, device: torch.device, backend, spec: KVSpec,
-                 tp_rank: int = 0, graphs_supported: bool = False):
+    def __init__(self, config: EngineConfig, facts: ModelFacts, platform: Platform, backend, spec: KVSpec,
+                 tp_rank: int = 0):
         self.config = config
         self.facts = facts
-        self.device = device
-        self.platform = platform_of(device)      # device questions (host copies, events, the allocator cache)
+        self.platform = platform                 # device questions (host copies, events, the allocator cache)
+        self.device = platform.torch_device()
         self.backend = backend
         self.spec = spec
         self.tp_rank = tp_rank
         self.dtype = model_dtype(config, facts)
         self.max_model_len = resolve_max_model_len(facts, config.model.max_model_len)
-        self.use_graphs = graphs_supported and not config.device.enforce_eager
+        self.use_graphs = platform.supports_graphs and not config.device.enforce_eager
         # a decode step's shared prefix attended once for all sequences, where the backend would; prefix caching
         # finds shared prefixes (StepDelta.num_common_prefix_blocks), so without it no cascade graphs either
         cascade = config.cache.enable_prefix_caching and not config.device.disable_cascade_attn

@@ -40,8 +40,7 @@ class Worker:
                  tp_rank: int = 0):
         self.platform = platform
         self.config = config
-        self.runner = ModelRunner(config, facts, platform.torch_device(), backend, spec, tp_rank=tp_rank,
-                                  graphs_supported=platform.supports_graphs)
+        self.runner = ModelRunner(config, facts, platform, backend, spec, tp_rank=tp_rank)
         self.reading: MemoryReading | None = None      # this rank's, once measured
 
     def measure_rank(self, after_load: Callable[[], None] | None = None) -> MemoryReading:
