@@ -32,6 +32,7 @@ for s in "$@"; do case $s in
   decode-grid) step decode-grid 300 python3 benchmarks/bench_decode_attention.py --sweep ;;
   fused) step fused 120 python3 -m pytest tests/kernels/test_fused_ops.py tests/gpu/test_triton_gpu.py -q -p no:cacheprovider ;;
   fused-moe) step fused-moe 480 python3 benchmarks/bench_fused_moe.py ;;
+  fused-moe-fp8) TAIL=${TAIL:-60} step fused-moe-fp8 420 python3 benchmarks/bench_fused_moe.py --fp8 block --shapes qwen3-30b-a3b --budget-s 270 ;;
   moe-gpu) step moe-gpu 300 python3 -m pytest tests/gpu/test_moe_gpu.py tests/kernels/test_fused_moe.py -q -s -p no:cacheprovider ;;
   vs-vllm-moe) step vs-vllm-moe 1200 python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b mixtral-8x7b ;;
   vs-vllm-base) step vs-vllm-base 560 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --out "$OUT/vs-base.json" ;;

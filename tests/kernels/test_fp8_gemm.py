@@ -162,10 +162,17 @@ def test_quantize_kernel_equals_the_torch_path(k, group):
 
 
 @needs_triton
-@pytest.mark.parametrize("block", [None, (32, 32)])
-def test_fused_fp8_experts_match_the_reference_loop(block):
+@pytest.mark.parametrize("block,config", [
+    (None, fe.fm.make_config(16, 32, 32, 1, 4, 1)),
+    ((32, 32), fe.fm.make_config(16, 32, 32, 1, 4, 1)),                        # a tile is one scale block
+    ((32, 32), fe.fm.make_config(16, 16, 32, 1, 4, 1)),                        # two tiles share a scale row
+    ((32, 32), {**fe.fm.make_config(16, 64, 32, 1, 4, 1), fe.DOWN_BLOCK_N_KEY: 16}),   # a tile spans two rows
+    ((32, 32), {**fe.fm.make_config(16, 16, 32, 1, 4, 1), fe.DOWN_BLOCK_N_KEY: 64}),   # down wider than gate/up
+])
+def test_fused_fp8_experts_match_the_reference_loop(block, config):
     """The grouped-GEMM FP8 experts against Fp8Experts' per-expert loop (interpreter on CPU): partial M
-    blocks, experts with no tokens, per-channel and block scales."""
+    blocks, experts with no tokens, per-channel and block scales; tiles inside one scale block (one weight
+    scale per K step) and across two, the down launch's own BLOCK_N."""
     from kvfit.models.quant.experts import Fp8Experts
     from kvfit.quant_scheme import Fp8Scheme
     torch.manual_seed(4)
@@ -181,7 +188,6 @@ def test_fused_fp8_experts_match_the_reference_loop(block):
     x = torch.randn(num_tokens, hidden, device=device, dtype=torch.float32)
     ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), device=device)     # the last expert: no tokens
     weights = torch.rand(num_tokens, top_k, device=device)
-    config = fe.fm.make_config(16, 32, 32, 1, 4, 1)
     got = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
                                experts.down_proj_scale, block, weights, ids, config)
     from kvfit.kernels.fused_moe import experts_by_group
@@ -244,27 +250,31 @@ def _compile_check() -> None:
 
 
 def _compile_check_fused_experts(compile_sm90) -> None:
-    """The FP8 experts' two kernels at Qwen3-30B-A3B's shape ([128, 128] blocks, and per channel) for decode
-    and the widest prefill configs: no spills, shared memory within Hopper's."""
+    """The FP8 experts' two kernels at Qwen3-30B-A3B's shape ([128, 128] blocks, and per channel) for decode,
+    the widest prefill configs and every TUNED_FP8_CONFIGS entry: no spills, shared memory within Hopper's."""
     types = {"x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32",
              "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "act_ptr": "*bf16", "out_ptr": "*bf16",
              "weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
-    for m in (1, 8192):
-        for group_n in (128, 0):
-            cfg = fe.fp8_config(m, num_experts, hidden, inter, top_k, (group_n, 128) if group_n else None)
-            consts = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=cfg["BLOCK_SIZE_M"],
-                          BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-                          GROUP_N=group_n,
-                          DOT_FP32=False)
-            for kernel, extra in ((fe._gate_up_fp8_kernel, {"TOP_K": top_k}), (fe._down_fp8_kernel, {})):
-                sig = {n: "constexpr" if n in {**consts, **extra} else types.get(n, "i32") for n in kernel.arg_names}
-                divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")}
-                options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-                compiled, spills, report = compile_sm90(kernel, sig, {**consts, **extra}, divisible, options)
-                print(f"{kernel.__name__} m={m} group_n={group_n}: shared {compiled.metadata.shared} B, "
-                      f"spills {spills} B")
-                assert spills == 0 and compiled.metadata.shared <= 227 * 1024, report
+    cases = [(m, group_n, fe.fp8_config(m, num_experts, hidden, inter, top_k, (group_n, 128) if group_n else None))
+             for m in (1, 8192) for group_n in (128, 0)]
+    for group_n in (128, 0):        # every tuned entry of this shape (the sweep pasted them; distinct ones once)
+        block = (group_n, 128) if group_n else None
+        tuned = fe.TUNED_FP8_CONFIGS.get((num_experts, hidden, inter, top_k, fe.fp8_scales_name(block)), {})
+        cases += [(m, group_n, cfg) for m, cfg in tuned.items() if cfg not in [c for _, _, c in cases]]
+    for m, group_n, cfg in cases:
+        consts = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=cfg["BLOCK_SIZE_M"],
+                      BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"], GROUP_N=group_n, DOT_FP32=False)
+        down_n = cfg.get(fe.DOWN_BLOCK_N_KEY, cfg["BLOCK_SIZE_N"])
+        for kernel, extra in ((fe._gate_up_fp8_kernel, {"TOP_K": top_k, "BLOCK_N": cfg["BLOCK_SIZE_N"]}),
+                              (fe._down_fp8_kernel, {"BLOCK_N": down_n})):
+            sig = {n: "constexpr" if n in {**consts, **extra} else types.get(n, "i32") for n in kernel.arg_names}
+            divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")}
+            options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            compiled, spills, report = compile_sm90(kernel, sig, {**consts, **extra}, divisible, options)
+            print(f"{kernel.__name__} m={m} group_n={group_n}: shared {compiled.metadata.shared} B, "
+                  f"spills {spills} B")
+            assert spills == 0 and compiled.metadata.shared <= 227 * 1024, report
 
 
 @needs_triton
