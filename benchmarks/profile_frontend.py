@@ -1,6 +1,7 @@
 """What `kvfit serve`'s HTTP front-end costs per streamed token, without a GPU (issue 31: where the time goes).
 
 python benchmarks/profile_frontend.py [--model qwen3-0.6b] [--streams 256] [--tokens 256] [--step-ms 10] [--py-spy]
+                                     [--http-parser auto|httptools|h11] [--event-loop auto|uvloop|asyncio]
 
 A server process runs the real front-end (the app, EngineCoreClient, FrontEndText's incremental detokenizing,
 response building, SSE) in front of an engine core process whose engine is the tests' stand-in
@@ -34,19 +35,21 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 sys.path.insert(0, HERE)
 
 
-def serve(folder: str, port_file: str, streams: int, step_ms: float) -> None:
+def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str, loop: str) -> None:
     """The server process: the front-end in front of a stand-in engine core; writes its port, serves until killed."""
     sys.path[:0] = [TESTS, os.path.join(TESTS, "server")]
     from fake_engine import FakeEngine
     from server_testing import running_server
 
     from kvfit.server.core_process import EngineCoreClient
+    from kvfit.server.launch import ConnectionLimits
     from kvfit.text.tokenizer import load_tokenizer
     factory = functools.partial(FakeEngine, max_model_len=4096, max_running=streams, step_seconds=step_ms / 1e3)
     client = EngineCoreClient.launch(factory, tokenizer=load_tokenizer(folder), generation_config="vllm",
                                      model_folder=folder, max_waiting_requests=16 * streams, log_level="warning")
     try:
-        with running_server(client, model_name="bench") as (url, _):
+        limits = ConnectionLimits(max_connections=None, http_parser=parser, event_loop=loop)
+        with running_server(client, model_name="bench", limits=limits) as (url, _):
             with open(port_file, "w") as f:
                 f.write(url.rsplit(":", 1)[1])
             while True:
@@ -91,10 +94,12 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--py-spy", action="store_true")
+    ap.add_argument("--http-parser", default="auto", choices=["auto", "httptools", "h11"])
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     ap.add_argument("--serve", nargs=2, metavar=("FOLDER", "PORT_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(*args.serve, args.streams, args.step_ms)
+        serve(*args.serve, args.streams, args.step_ms, args.http_parser, args.event_loop)
         return 0
     from bench_serve import make_folder, make_requests, median_spread, process_cpu, run_load
     root = tempfile.mkdtemp(prefix="kvfit-frontend-")
@@ -102,7 +107,8 @@ def main() -> int:
     vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
     port_file = os.path.join(root, "port")
     server = subprocess.Popen([sys.executable, __file__, "--streams", str(args.streams), "--step-ms",
-                               str(args.step_ms), "--serve", folder, port_file], start_new_session=True)
+                               str(args.step_ms), "--http-parser", args.http_parser, "--event-loop", args.event_loop,
+                               "--serve", folder, port_file], start_new_session=True)
     try:
         while not os.path.exists(port_file) or not open(port_file).read():
             if server.poll() is not None:

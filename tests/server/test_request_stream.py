@@ -26,7 +26,8 @@ def test_waiting_outputs_fold_into_the_newest_and_an_error_behind_them_follows()
         error = APIError(500, "boom", "server_error")
         stream.queue.put_nowait(error)
         first = await stream.next()
-        assert len(first.outputs[0].token_ids) == 3 and progress == [3]     # every new token counted once
+        # one SSE event, but each folded output is counted as it arrived (one inter-token latency per step)
+        assert len(first.outputs[0].token_ids) == 3 and progress == [1, 1, 1]
         with pytest.raises(APIError):
             await stream.next()
         assert stream.finished and stream.error is error

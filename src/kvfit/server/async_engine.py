@@ -83,29 +83,36 @@ class RequestStream:
         queued behind them is raised at the next call."""
         item = self._error_next or await asyncio.wait_for(self.queue.get(), timeout)
         self._error_next = None
+        if not isinstance(item, APIError):
+            self._account(*item)
         while not isinstance(item, APIError) and not self.queue.empty():
             newer = self.queue.get_nowait()
             if isinstance(newer, APIError):
                 self._error_next = newer
                 break
             item = newer
+            self._account(*item)        # each folded output still counts (one inter-token latency per step)
         if isinstance(item, APIError):
             self.finished, self.error = True, item
             raise item
-        output, at = item
-        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
-        if num_tokens > self.num_output_tokens:
-            first = self.first_token_time is None
-            ttft = at - self.arrival_time if first else None
-            itl = None if first else at - self.last_token_time
-            if first:
-                self.first_token_time = at
-            self.last_token_time = at
-            if self.on_progress is not None:
-                self.on_progress(self.num_prompt_tokens if first else 0, num_tokens - self.num_output_tokens, ttft, itl)
-            self.num_output_tokens = num_tokens
+        output, _ = item
         self.finished, self.output = output.finished, output
         return output
+
+    def _account(self, output: RequestOutput, at: float) -> None:
+        """Token counts, first-token and inter-token times of one output as it arrived (at: monotonic s)."""
+        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+        if num_tokens <= self.num_output_tokens:
+            return
+        first = self.first_token_time is None
+        ttft = at - self.arrival_time if first else None
+        itl = None if first else at - self.last_token_time
+        if first:
+            self.first_token_time = at
+        self.last_token_time = at
+        if self.on_progress is not None:
+            self.on_progress(self.num_prompt_tokens if first else 0, num_tokens - self.num_output_tokens, ttft, itl)
+        self.num_output_tokens = num_tokens
 
 
 @dataclass

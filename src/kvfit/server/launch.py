@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -29,6 +30,11 @@ from typing import Callable, Mapping
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:       # httptools not installed: h11 serves
+    HttpToolsProtocol = None
 
 from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, HeadSizeCounter, head_too_large_response, is_loopback_host
@@ -121,12 +127,18 @@ class ConnectionLimits:
     max_connections: int | None = DEFAULT_MAX_CONNECTIONS     # None: fd_connection_limit()
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS
     keep_alive_s: int = DEFAULT_KEEP_ALIVE_SECONDS
+    http_parser: str = "auto"       # "auto": httptools where installed, else h11 (see http_protocol)
+    event_loop: str = "auto"        # "auto": uvloop where installed, else asyncio (see event_loop_name)
 
     def __post_init__(self):
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
         if not 0 < self.header_timeout_s < float("inf"):
             raise ConfigError(f"--header-timeout must be a positive number of seconds, got {self.header_timeout_s}")
+        if self.http_parser not in ("auto", "httptools", "h11"):
+            raise ConfigError(f"the HTTP parser must be auto, httptools or h11, got {self.http_parser!r}")
+        if self.event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ConfigError(f"the event loop must be auto, uvloop or asyncio, got {self.event_loop!r}")
 
     def connection_cap(self) -> int:
         """The cap uvicorn enforces: the flag's, else what the file descriptor limit leaves."""
@@ -228,13 +240,17 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-class _HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline on each request head: a connection that has not sent a
-    complete head within head_timeout_s of connecting (or of starting a new request after a response)
-    is closed. uvicorn has no such timeout: its keep-alive timer stops at the first byte. A head past
-    MAX_HEADER_BYTES is a 431 however it arrives (h11's cap holds only for a head still incomplete)."""
+class _HeadGuard:
+    """Mixed into uvicorn's HTTP protocols: a deadline on each request head, so a connection that has not sent
+    a complete head within head_timeout_s of connecting (or of starting a new request after a response) is
+    closed (uvicorn has no such timeout: its keep-alive timer stops at the first byte), and a head past
+    MAX_HEADER_BYTES is a 431 however it arrives (h11's own cap holds only for a head still incomplete;
+    httptools has none). The protocol says when it awaits a head (_awaiting_head)."""
 
     head_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS      # set per server by uvicorn_config
+
+    def _awaiting_head(self) -> bool:
+        raise NotImplementedError
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -242,16 +258,16 @@ class _HeadTimeoutProtocol(H11Protocol):
         self._head_size = HeadSizeCounter()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self.conn.their_state is h11.IDLE:     # a new request begins
+        if self._head_timer is None and self._awaiting_head():      # a new request begins
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
             self._head_size.reset()
-        if self.conn.their_state is h11.IDLE and self._head_size.feed(data) > MAX_HEADER_BYTES:
+        if self._awaiting_head() and self._head_size.feed(data) > MAX_HEADER_BYTES:
             self._cancel_head_timer()
             self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
             self.transport.close()
             return
         super().data_received(data)
-        if self._head_timer is not None and self.conn.their_state is not h11.IDLE:   # its head is complete
+        if self._head_timer is not None and not self._awaiting_head():   # its head is complete
             self._cancel_head_timer()
 
     def connection_lost(self, exc) -> None:
@@ -265,21 +281,67 @@ class _HeadTimeoutProtocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._awaiting_head() and not self.transport.is_closing():
             logger.debug("closing a connection from %s: no complete request head within %s s",
                          self.client and self.client[0], self.head_timeout_s)
             self.transport.close()
 
 
+class _H11HeadGuard(_HeadGuard, H11Protocol):
+    """uvicorn's pure-Python h11 protocol with the head guard (where httptools is not installed)."""
+
+    def _awaiting_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+
+if HttpToolsProtocol is not None:
+    class _HttpToolsHeadGuard(_HeadGuard, HttpToolsProtocol):
+        """uvicorn's httptools (llhttp, in C) protocol with the head guard: vLLM's default parser, a third of
+        the front-end's time per streamed token in h11 (benchmarks/profile_frontend.py)."""
+
+        def connection_made(self, transport) -> None:
+            self._head_pending = True
+            super().connection_made(transport)
+
+        def _awaiting_head(self) -> bool:
+            return self._head_pending
+
+        def on_headers_complete(self) -> None:
+            self._head_pending = False
+            self._cancel_head_timer()       # before the response streams: the deadline is the head's alone
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._head_pending = True       # the next bytes begin the next request's head
+
+
+def http_protocol(prefer: str = "auto") -> type:
+    """The guarded HTTP protocol class: httptools where it is installed (prefer "auto" or "httptools"), else
+    h11 (or prefer "h11")."""
+    if prefer == "httptools" and HttpToolsProtocol is None:
+        raise ConfigError("the httptools HTTP parser is not installed; pip install httptools, or use h11")
+    return _H11HeadGuard if prefer == "h11" or HttpToolsProtocol is None else _HttpToolsHeadGuard
+
+
+def event_loop_name(prefer: str = "auto") -> str:
+    """uvloop (libuv, vLLM's default) where it is installed (prefer "auto" or "uvloop"), else asyncio's own loop."""
+    installed = importlib.util.find_spec("uvloop") is not None
+    if prefer == "uvloop" and not installed:
+        raise ConfigError("the uvloop event loop is not installed; pip install uvloop, or use asyncio")
+    return "uvloop" if prefer != "asyncio" and installed else "asyncio"
+
+
 def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level: str = "info",
                    graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_SECONDS) -> uvicorn.Config:
-    """uvicorn's settings for kvfit: the h11 protocol with a head timeout (whatever else is installed),
+    """uvicorn's settings for kvfit: httptools (else h11) with a head timeout, uvloop (else asyncio),
     limit_concurrency as the connection cap (past it, requests get 503), the keep-alive timeout and
     the head size cap. kvfit's access log (AccessLogMiddleware, outermost) replaces uvicorn's, and
     uvicorn's loggers are left unconfigured so they log in kvfit's format (logs.configure_logging)."""
-    protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": limits.header_timeout_s})
-    return uvicorn.Config(AccessLogMiddleware(app), http=protocol, log_level=log_level, log_config=None,
-                          access_log=False, lifespan="on",
+    base = http_protocol(limits.http_parser)
+    protocol = type("HeadTimeoutProtocol", (base,), {"head_timeout_s": limits.header_timeout_s})
+    return uvicorn.Config(AccessLogMiddleware(app), http=protocol, loop=event_loop_name(limits.event_loop), log_level=log_level,
+                          log_config=None, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.connection_cap(),
                           timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 

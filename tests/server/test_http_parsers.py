@@ -1,0 +1,90 @@
+"""Both HTTP parsers kvfit serves with (httptools where installed, h11 otherwise) keep the head guard: a head
+that stalls is closed after --header-timeout, a head past 16 KiB is a 431, while a response that streams for
+longer than the head timeout and a keep-alive connection idle between requests are left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from kvfit.errors import ConfigError
+from kvfit.server.launch import ConnectionLimits, HttpToolsProtocol, bind_socket, http_protocol, url_of, uvicorn_config
+
+HEAD_TIMEOUT_S = 0.5
+PARSERS = ["h11"] + (["httptools"] if HttpToolsProtocol is not None else [])
+
+
+async def _app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"transfer-encoding", b"chunked")]})
+    if scope["path"] == "/slow":           # streams for 3 head timeouts
+        for _ in range(6):
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            await asyncio.sleep(HEAD_TIMEOUT_S / 2)
+    await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+
+@contextlib.contextmanager
+def _server(parser: str):
+    sock = bind_socket("127.0.0.1", 0)
+    limits = ConnectionLimits(max_connections=16, header_timeout_s=HEAD_TIMEOUT_S, http_parser=parser)
+    server = uvicorn.Server(uvicorn_config(_app, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    host, port = url_of(sock).removeprefix("http://").rsplit(":", 1)
+    try:
+        yield host, int(port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def _read_response(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"0\r\n\r\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_the_head_guard_holds_for_each_parser(parser):
+    with _server(parser) as address:
+        with socket.create_connection(address, timeout=5) as conn:       # a head that stalls is closed
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            assert conn.recv(100) == b""
+            assert time.monotonic() - start < 4 * HEAD_TIMEOUT_S
+        with socket.create_connection(address, timeout=5) as conn:       # an oversized head is a 431
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024 + b"\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 431")
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")        # streams past the head timeout
+            assert _read_response(conn).endswith(b"ok\r\n0\r\n\r\n")
+            time.sleep(3 * HEAD_TIMEOUT_S)                                # idle between requests: keep-alive's
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"ok" in _read_response(conn)
+
+
+def test_an_unknown_or_missing_parser_is_refused():
+    with pytest.raises(ConfigError, match="auto, httptools or h11"):
+        ConnectionLimits(http_parser="picohttp")
+    assert http_protocol("h11").__name__ == "_H11HeadGuard"
+    if HttpToolsProtocol is None:
+        with pytest.raises(ConfigError, match="pip install httptools"):
+            http_protocol("httptools")
