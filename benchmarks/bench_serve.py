@@ -17,6 +17,11 @@ carry; medians over --runs (spread = (max - min) / median) and the kvfit / vllm 
 
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --num-requests 512 --rates inf --runs 2
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 2000 --rates inf
+  python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,offline --rates inf
+
+Engine `offline` is kvfit's `LLM.generate` on the same requests (random dataset: their token ids, greedy,
+ignore_eos, the same max_tokens), in a child process with the same flags: the serving / offline ratio is
+what the server costs on top of the engine.
 vLLM: ../shared/peers/vllm (PYTHONPATH with its site/ and deps/); without it the vllm rows are skipped.
 """
 
@@ -240,6 +245,50 @@ def process_cpu(pid: int) -> tuple[float, float]:
     return cpu_seconds(pid), sum(cpu_seconds(child) for child in children(pid))
 
 
+# offline ------------------------------------------------------------------------------------------
+def offline_child(folder: str, requests_path: str, args) -> None:
+    """In a child process: LLM.generate over the requests (after a warm-up), --runs times, with the engine flags
+    `kvfit serve` gets here (server_command's); prints one JSON line per run with its output tok/s."""
+    from kvfit import LLM, SamplingParams
+    from kvfit.commands.flags import add_engine_flags, engine_kwargs
+    flags = argparse.ArgumentParser()
+    add_engine_flags(flags)
+    serve_flags = server_command("kvfit", folder, 0, args)[5:]        # after `python -m kvfit.cli serve FOLDER`
+    known, _ = flags.parse_known_args(serve_flags)
+    with open(requests_path) as f:
+        requests = json.load(f)
+    llm = LLM(folder, **engine_kwargs(known))
+    prompts = [{"prompt_token_ids": r["body"]["prompt"]} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["num_out"], ignore_eos=True) for r in requests]
+    llm.generate(prompts[:16], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 16, use_tqdm=False)
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("OFFLINE " + json.dumps({"out_tok_s": tokens / duration, "duration_s": duration,
+                                       "req_s": len(outs) / duration, "errors": {}}), flush=True)
+    llm.shutdown()
+
+
+def run_offline(folder: str, requests: list[dict], args, root: str) -> list[dict]:
+    """kvfit's LLM.generate on the same requests, in a child process (its GPU memory freed after)."""
+    if args.dataset != "random":
+        print("offline: only the random dataset (token ids) runs offline; skipped")
+        return []
+    path = os.path.join(root, "offline-requests.json")
+    with open(path, "w") as f:
+        json.dump(requests, f)
+    command = [sys.executable, __file__, "--offline-child", folder, path, "--runs", str(args.runs),
+               "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), f"--kvfit-args={args.kvfit_args}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    runs = [json.loads(line[len("OFFLINE "):]) for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
+    if done.returncode != 0 or not runs:
+        print(f"offline: the child failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return runs
+
+
 # servers ------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -309,7 +358,11 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the JSON results here")
     p.add_argument("--kvfit-args", default="", help="more `kvfit serve` flags (e.g. '--device cpu')")
+    p.add_argument("--offline-child", nargs=2, metavar=("FOLDER", "REQUESTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.offline_child:
+        offline_child(*args.offline_child, args)
+        return
     root = "/tmp/kvfit-bench-serve"
     os.makedirs(root, exist_ok=True)
     # a folder is used as it is (a CPU smoke run on a tiny model); a catalog name gets a built folder
@@ -322,6 +375,14 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     results = {}
     for engine in args.engines.split(","):
+        if engine == "offline":
+            runs = run_offline(folder, requests, args, root)
+            for i, run in enumerate(runs):
+                print(f"offline {args.model} run {i}: " + json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                                                     for k, v in run.items()}), flush=True)
+            if runs:
+                results[("offline", float("inf"))] = runs
+            continue
         if engine == "vllm":
             try:
                 import vllm  # noqa: F401
@@ -354,7 +415,7 @@ def main() -> None:
         row = {}
         for key in ("out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
                     "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token"):
-            values = [r[key] for r in runs if r[key] is not None]
+            values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 row[key] = median_spread(values)
         row["errors"] = sum(sum(r["errors"].values()) for r in runs)
@@ -363,11 +424,14 @@ def main() -> None:
               + ", ".join(f"{k} {v[0]:.1f} (spread {v[1]:.1%})" if isinstance(v, tuple) else f"{k} {v}"
                           for k, v in row.items()), flush=True)
     for rate in rates:
-        ours, theirs = results.get(("kvfit", rate)), results.get(("vllm", rate))
-        if ours and theirs:
-            ratio = (statistics.median(r["out_tok_s"] for r in ours) / statistics.median(r["out_tok_s"] for r in theirs))
-            print(f"RATIO {args.model} {args.dataset} n={args.num_requests} rate={rate}: kvfit/vllm output tok/s "
-                  f"{ratio:.3f}", flush=True)
+        ours = results.get(("kvfit", rate))
+        for peer, label in (("vllm", "kvfit/vllm"), ("offline", "kvfit serve / kvfit LLM.generate")):
+            theirs = results.get((peer, rate))
+            if ours and theirs:
+                ratio = (statistics.median(r["out_tok_s"] for r in ours)
+                         / statistics.median(r["out_tok_s"] for r in theirs))
+                print(f"RATIO {args.model} {args.dataset} n={args.num_requests} rate={rate}: {label} output tok/s "
+                      f"{ratio:.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "table": table,
