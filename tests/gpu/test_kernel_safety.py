@@ -307,8 +307,8 @@ def _serve_past_2_to_the_32(llm, prompts: list[list[int]], expected: list[list[i
     assert engine.plan.num_blocks == ENGINE_NUM_BLOCKS, engine.plan.num_blocks
     k_cache = runner.kv_caches[0][0]
     assert k_cache.numel() > 2**32 and k_cache.shape[0] == ENGINE_NUM_BLOCKS
-    attn = runner.model.model.layers[0].self_attn                # what _one_token_fused asks of the model
-    assert attn.q_norm is None and isinstance(attn.qkv_weight, torch.Tensor) and attn.head_dim == 64
+    attn = runner.model.model.layers[0].self_attn     # what the backend's one-token fused write asks of the model
+    assert attn.q_norm is None and attn.qkv_proj.dense_weight is not None and attn.head_dim == 64
     held = engine.pool.allocate(ENGINE_NUM_BLOCKS - ENGINE_TOP_BLOCKS)     # fresh ids, lowest first
     assert held == list(range(ENGINE_NUM_BLOCKS - ENGINE_TOP_BLOCKS))
     assert len(held) * ENGINE_ELEMENTS_PER_BLOCK >= 2**32        # what the requests get starts past 2^32

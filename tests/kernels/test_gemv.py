@@ -161,13 +161,14 @@ def test_gemv_rope_write_kv_pairs_per_program_and_default_config():
 def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_path(monkeypatch, qkv_bias):
     # llama.Attention and SwiGLU with the one-token GEMVs (the gate opened for CPU tensors here) against the
     # same modules on the plain path: same output, same cache contents
+    from kvfit.attention import fused_write
     from kvfit.attention.base import AttentionMetadata
     from kvfit.attention.torch_ref import TorchReferenceBackend
     from kvfit.models import layers, llama
     from kvfit.models.rope import inv_freq, rope_config_from_raw
 
-    class PlainWriteReference(TorchReferenceBackend):
-        plain_cache_write = True                        # as the Triton backend: the fused write may stand in
+    class PlainWriteReference(fused_write.FusedCacheWrite, TorchReferenceBackend):
+        """As the Triton backend: a plain write, so the fused one may stand in."""
 
     num_q, num_kv, dim, hidden, page = 4, 2, 16, 64, 4
     cfg = llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
@@ -180,7 +181,6 @@ def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_
     for module in (attn, mlp):
         for p in module.parameters():
             p.data.normal_(0, 0.2)
-        module.fuse_projections()
     freqs = inv_freq(cfg.rope, DEVICE)
     context = 9                                   # 8 cached tokens and this one
     cache_init = [torch.randn(4, page, num_kv, dim).to(DEVICE) for _ in range(2)]
@@ -192,14 +192,14 @@ def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_
                              seq_lens_host=[context])
     x, positions = torch.randn(1, hidden).to(DEVICE), torch.tensor([context - 1]).to(DEVICE)
     calls = []
-    for module, name in ((llama, "gemv_rope_write_kv"), (layers, "gemv_silu_mul")):
+    for module, name in ((fused_write, "gemv_rope_write_kv"), (layers, "gemv_silu_mul")):
         inner = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, inner=inner, name=name, **k: (calls.append(name),
                                                                                  inner(*a, **k))[1])
     results = {}
     for fused in (False, True):
         gate = (lambda t, w: t.dim() == 2 and t.shape[0] == 1) if fused else (lambda t, w: False)
-        monkeypatch.setattr(llama, "gemv_applies", gate)
+        monkeypatch.setattr(fused_write, "gemv_applies", gate)
         monkeypatch.setattr(layers, "gemv_applies", gate)
         caches = tuple(c.clone() for c in cache_init)
         out = attn(x, positions, caches, meta, freqs)

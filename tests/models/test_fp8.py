@@ -24,6 +24,7 @@ from kvfit.errors import ConfigError  # noqa: E402
 from kvfit.kernels.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel  # noqa: E402
 from kvfit.model_facts import facts_from_config, load_model_facts  # noqa: E402
 from kvfit.models.loader import load_model  # noqa: E402
+from kvfit.models.linear import SplitColumnLinear  # noqa: E402
 from kvfit.models.quant.linear import Fp8Linear  # noqa: E402
 from kvfit.quant_scheme import parse_quantization_config  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
@@ -63,8 +64,11 @@ def test_dense_fp8_checkpoint_matches_the_dequantized_reference(models, arch, fm
     root, src = models
     fp8, deq = write_fp8_copy(src[arch], root / f"{arch}-{fmt}", fmt)
     model, got, tokens = _logits(fp8)
-    layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == FP8_DTYPE
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    # one fused FP8 GEMM, or one per part where block scales straddle two parts (128-row blocks, 64 q rows)
+    linears = list(qkv.parts) if isinstance(qkv, SplitColumnLinear) else [qkv]
+    assert isinstance(qkv, SplitColumnLinear) == (fmt == "block")
+    assert all(isinstance(m, Fp8Linear) and m.weight.dtype == FP8_DTYPE for m in linears)
     assert model.lm_head.weight.dtype == torch.float32            # ignored by the checkpoint: model dtype
     want = _reference(deq, tokens, fmt)
     # the same fp8 values and scales; fp32 summation order differs, and a 1e-7 difference can move one
@@ -114,7 +118,7 @@ def test_ignored_layers_stay_in_the_model_dtype(models):
     json.dump(config, open(path, "w"))
     model, got, tokens = _logits(fp8)
     mlp = model.model.layers[1].mlp
-    assert mlp.down_proj.weight.dtype == torch.float32 and mlp.up_proj.weight.dtype == FP8_DTYPE
+    assert mlp.down_proj.weight.dtype == torch.float32 and mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
     for handle, (name, _) in zip(fake_quant_hooks(hf, "ct-channel"), _quantized_linears(hf)):
@@ -133,7 +137,7 @@ def test_online_fp8_is_per_channel_and_matches_its_reference(models, tmp_path):
     from safetensors.torch import load_file, save_file
     root, src = models
     model, got, tokens = _logits(src["qwen3"], quantization="fp8")
-    q = model.model.layers[0].self_attn.q_proj
+    q = model.model.layers[0].self_attn.qkv_proj
     assert q.weight.dtype == FP8_DTYPE and q.weight_scale.shape == (q.weight.shape[0], 1)
     # the reference: the checkpoint's weights quantized per channel and dequantized, in transformers
     import shutil
@@ -156,7 +160,7 @@ def test_online_fp8_with_dummy_weights_holds_one_byte_a_weight(models):
     model, got, _ = _logits(src["llama"], quantization="fp8", load_format="dummy")
     assert torch.isfinite(got).all()
     linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert len(linears) == 2 * 7 and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert len(linears) == 2 * 4 and all(m.weight.dtype == FP8_DTYPE for m in linears)
     assert all(m.weight_scale.abs().min() > 0 for m in linears)
 
 

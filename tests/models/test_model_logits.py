@@ -99,10 +99,10 @@ def test_family_flags(tiny_qwen2, tiny_qwen3, tiny_llama):
     _, qwen2, _ = _load(tiny_qwen2)
     _, qwen3, _ = _load(tiny_qwen3)
     _, llama, _ = _load(tiny_llama)
-    assert qwen2.model.layers[0].self_attn.q_proj.bias is not None
+    assert qwen2.model.layers[0].self_attn.qkv_proj.bias is not None
     assert qwen2.model.layers[0].self_attn.o_proj.bias is None
     assert qwen3.model.layers[0].self_attn.q_norm is not None and qwen3.config.head_dim == 32
-    assert llama.model.layers[0].self_attn.q_proj.bias is None and llama.model.layers[0].self_attn.q_norm is None
+    assert llama.model.layers[0].self_attn.qkv_proj.bias is None and llama.model.layers[0].self_attn.q_norm is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

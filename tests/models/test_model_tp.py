@@ -20,7 +20,7 @@ from kvfit.errors import ConfigError
 from kvfit.model_facts import load_model_facts
 from kvfit.models import loader
 from kvfit.models.llama import CausalLM
-from kvfit.models.parallel import check_tensor_parallel, read_shard, vocab_range
+from kvfit.models.parallel import check_tensor_parallel, read_shard, read_slice, vocab_range
 from tiny_models import make_tiny_model
 
 
@@ -109,11 +109,20 @@ def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
     facts = load_model_facts(folder)
     model = loader.load_model(folder, facts, torch.float32, "cpu", TorchReferenceBackend(), tp_rank=1, tp_size=2)
     full = load_file(f"{folder}/model.safetensors")
-    params = dict(model.named_parameters())
-    assert dict(reads) == {name: tuple(p.shape) for name, p in params.items()}
-    for name, param in params.items():
-        assert torch.equal(param, read_shard(param, full[name])), name
+    # every checkpoint tensor read once, as its slice: a fused parameter's parts (q/k/v, gate/up) fill its rows
+    pieces = {name: (param, index) for name, (_, param, index) in model.checkpoint_targets().items()}
+    assert dict(reads) == {name: tuple(_piece(param, index).shape) for name, (param, index) in pieces.items()}
+    for name, (param, index) in pieces.items():
+        part = param.parts[index] if hasattr(param, "parts") else None
+        want = read_shard(param, full[name]) if part is None else read_slice(part.shard, full[name])
+        assert torch.equal(_piece(param, index), want), name
     # the shapes rank 1 of 2 holds: half the query heads, the one (replicated) KV head, the vocab's tail
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight.shape[0] == 2 * facts.head_dim and attn.k_proj.weight.shape[0] == facts.head_dim
+    assert attn.qkv_proj.weight.shape[0] == (2 + 1 + 1) * facts.head_dim
+    assert [part.size for part in attn.qkv_proj.parts] == [2 * facts.head_dim, facts.head_dim, facts.head_dim]
     assert model.model.embed_tokens.weight.shape[0] == 160 and model.lm_head.weight.shape[0] == 160
+
+
+def _piece(param, index: int):
+    """The rows of param that checkpoint part `index` fills (the whole parameter when it has no parts)."""
+    return param[param.parts[index].rows] if hasattr(param, "parts") else param

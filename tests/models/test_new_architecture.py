@@ -29,9 +29,6 @@ class UpDown(torch.nn.Module):
         self.up_proj = ColumnLinear(hidden_size, intermediate_size, False, dtype, device)
         self.down_proj = RowLinear(intermediate_size, hidden_size, False, dtype, device)
 
-    def fuse_projections(self):
-        pass
-
     def forward(self, x):
         return self.down_proj(torch.relu(self.up_proj(x)))
 

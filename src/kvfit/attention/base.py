@@ -5,13 +5,20 @@ One step is a flat batch of T query tokens from B sequences. Sequence i owns que
 ``seq_lens[i]`` tokens (cached prefix + new), so query j of sequence i sits at position
 ``seq_lens[i] - q_len_i + j`` and attends causally to keys at positions <= its own. Decode is the
 case q_len_i == 1; prefill over a cached prefix is q_len_i < seq_lens[i].
+
+A model's attention layer makes two calls per step: `project_write_kv` (q, k, v from the layer input, RoPE,
+and the cache write) and `attend_step`. The backend owns the cache write, so a backend whose write is a plain
+cast copy may fold RoPE, and for one token the projection too, into its write kernel (attention/fused_write.py);
+the layer does not know which.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -43,14 +50,78 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class AttentionHeads:
+    """One layer's heads on this rank: the q/k/v projection's rows are q heads, then k heads, then v heads."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+        d, num_tokens = self.head_dim, qkv.shape[0]
+        q, k, v = qkv.split([self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
+        return (q.view(num_tokens, self.num_q_heads, d), k.view(num_tokens, self.num_kv_heads, d),
+                v.view(num_tokens, self.num_kv_heads, d))
+
+
+class QKVProjection(Protocol):
+    """The layer's fused q/k/v projection: called on x [T, hidden] -> [T, (Hq + 2 Hkv) D]."""
+
+    dense_weight: torch.Tensor | None   # its 16-bit weight [(Hq + 2 Hkv) D, hidden], or None (FP8, split parts)
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Rotary(Protocol):
+    """This step's RoPE (after an optional per-head RMSNorm of q and k), called on (q, k) -> (q, k)."""
+
+    positions: torch.Tensor             # [T] int64
+    inv_freq: torch.Tensor              # [D' / 2] fp32 (D' = D: RoPE over the whole head)
+    q_norm_weight: torch.Tensor | None  # [D], with k_norm_weight; None: no q/k norm
+    k_norm_weight: torch.Tensor | None
+    eps: float
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class KVCacheScales(Protocol):
+    """The scales of an fp8 cache (models/kv_scales.py): k, v divided on the way in, q and the output scaled."""
+
+    def for_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def scale_query(self, q: torch.Tensor) -> torch.Tensor: ...
+
+    def scale_output(self, out: torch.Tensor) -> torch.Tensor: ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
+                     scale: float) -> torch.Tensor:
+    """Causal attention of each sequence over its own tokens of this step, with no KV cache.
+
+    q: [T, Hq, D], k/v: [T, Hkv, D]; sequence i is rows query_start_loc[i]:query_start_loc[i+1].
+    Used when the model runs without a cache (a profile run): every sequence is a fresh prefill.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)                                    # [Hq, L, D]
+        ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)    # [Hq, L, D]
+        vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
 class AttentionBackend:
     """A backend declares the largest element offset its kernels compute (the planner's index limit)."""
 
     name: str = "abstract"
     max_element_offset: int = 2**63 - 1
-    # write_kv stores token t's key/value, cast to the cache dtype, at slot_mapping[t] and does nothing else
-    # (no scales, no layout of its own): a model may then do that write in a kernel of its own
-    plain_cache_write: bool = False
 
     def cascade_tokens(self, shared_tokens: int, num_seqs: int) -> int:
         """Of the shared_tokens every one of a decode step's num_seqs sequences has in the same blocks, how
@@ -67,3 +138,33 @@ class AttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query: [T, Hq, D] -> output [T, Hq, D] in query's dtype."""
         raise NotImplementedError
+
+    # what a model's attention layer calls ----------------------------------------------------------
+    def project_write_kv(self, x: torch.Tensor, projection: QKVProjection, heads: AttentionHeads, rotary: Rotary,
+                         kv_cache, slot_mapping: torch.Tensor, kv_scales: KVCacheScales | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's q [T, Hq, D], k, v [T, Hkv, D] from x [T, hidden]: projected, q and k rotated, and with a
+        cache ((k_cache, v_cache) or None) k and v written at slot_mapping (divided by kv_scales, q multiplied by
+        them, when given). A backend may fold the projection, RoPE and the write into fewer kernels."""
+        q, k, v = heads.split(projection(x))
+        return self.rotate_write_kv(q, k, v, rotary, kv_cache, slot_mapping, kv_scales)
+
+    def rotate_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv_cache,
+                        slot_mapping: torch.Tensor, kv_scales: KVCacheScales | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project_write_kv after the projection: RoPE of q and k, then (with a cache) the write of k and v."""
+        q, k = rotary(q, k)
+        if kv_cache is not None:
+            if kv_scales is not None:
+                (k, v), q = kv_scales.for_cache(k, v), kv_scales.scale_query(q)
+            self.write_kv(k, v, *kv_cache, slot_mapping)
+        return q, k, v
+
+    def attend_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                    scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+        """The output [T, Hq, D] of project_write_kv's q over the cache; with no cache (a profile run) each
+        sequence attends causally to its own k, v of this step."""
+        if kv_cache is None:
+            return causal_attention(q, k, v, meta.query_start_loc_host or meta.query_start_loc.tolist(), scale)
+        out = self.attend(q, *kv_cache, meta, scale)
+        return out if kv_scales is None else kv_scales.scale_output(out)

@@ -5,6 +5,8 @@ shared prefix first, once for all sequences: cascade), every other step
 (prefill, chunked prefill over a cached prefix, mixed prefill + decode) to the prefill kernel.
 Launch sizes come from host ints in the metadata (max_query_len, max_seq_len, tensor shapes), so
 attend never synchronises with the device. Every kernel offset is int64 (kernels/attention_common.py).
+Its cache write (write_kv_cache) is a cast copy to the slot (fp8 at scale 1.0), so FusedCacheWrite folds it
+into the RoPE and one-token projection kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.attention.fused_write import FusedCacheWrite
 from kvfit.attention.registry import backend_max_offset
 from kvfit.errors import ConfigError
 from kvfit.kernels.attention_common import write_kv_cache
@@ -31,13 +34,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(FusedCacheWrite, AttentionBackend):
     """Paged attention in Triton kernels; `num_splits` pins decode's split-K count (None: chosen per step)."""
 
     name = "triton"
     # all kernels cast indices to int64 before multiplying by strides (declared in registry.py)
     max_element_offset = backend_max_offset("triton")
-    plain_cache_write = True        # write_kv_cache: a cast copy to the slot (fp8 at scale 1.0)
 
     def __init__(self, num_splits: int | None = None):
         if num_splits is not None and num_splits < 1:

@@ -206,7 +206,7 @@ def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     """qk_norm_rope_ of q, k, and the KV-cache write of k (after RoPE) and v, in one launch -> True; False
     (nothing done) unless q, k, v are adjacent views of one fused qkv row.
 
-    The write is the attention backend's plain one (AttentionBackend.plain_cache_write): token t's k and v
+    The write is the attention backend's plain one (attention/fused_write.py): token t's k and v
     cast to the cache dtype at slot slot_mapping[t] of caches [num_blocks, block_size, Hkv, D];
     PADDING_SLOT_ID rows are skipped.
     """

@@ -9,8 +9,9 @@ so with one the scales are read and not used.
 How they apply, without a change to any attention kernel (so prefill, decode, split-K, cascade and mixed steps
 all honour them): k and v are divided by their scales before the cache write; the query is multiplied by
 k_scale (q . (s K) = (s q) . K) and the attention output by v_scale (softmax weights sum to one: P (s V) =
-s (P V)), per KV head and the query heads that read it. The fused one-token paths that write the cache
-inside their own kernel are not taken while scales apply. The scales are device tensors changed in place,
+s (P V)), per KV head and the query heads that read it. The attention layer hands them to its backend's
+project_write_kv and attend_step; the backend's fused cache writes (attention/fused_write.py) are not taken
+while scales apply. The scales are device tensors changed in place,
 so CUDA graphs captured before a calculation replay with its values.
 """
 

@@ -1,6 +1,6 @@
-"""Decoder building blocks in plain torch: RMSNorm, SwiGLU MLP, cacheless causal attention.
+"""Decoder building blocks in plain torch, each choosing its kernels: RMSNorm, the SwiGLU MLP.
 
-The (vocab-parallel) embedding lives in parallel.py with the other sharded layers.
+The (vocab-parallel) embedding and the linears live in parallel.py and linear.py; RoPE in rope.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from kvfit.kernels import fused_ops
 from kvfit.kernels.gemv import gemv_applies, gemv_silu_mul
-from kvfit.models.parallel import make_param, split_evenly
-from kvfit.models.quant.linear import fuse_projection, make_linear, project
+from kvfit.models.linear import make_column, make_row
+from kvfit.models.parallel import OutputPart, make_param, split_evenly
+from kvfit.models.rope import rms_norm
 
 
 class RMSNorm(torch.nn.Module):
@@ -24,9 +25,7 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); one fused kernel on CUDA."""
@@ -37,7 +36,8 @@ class RMSNorm(torch.nn.Module):
 
 
 class SwiGLU(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)); gate/up split by intermediate channel, down by input column.
+    """down(silu(gate(x)) * up(x)); gate and up fused at construction (gate_up_proj: gate rows, then up rows,
+    each split by intermediate channel), down split by input column.
 
     scheme: FP8 weights (models/quant) for the projections it quantizes; prefix: the MLP's checkpoint name
     (model.layers.N.mlp), which the scheme's ignore list is matched against."""
@@ -46,45 +46,28 @@ class SwiGLU(torch.nn.Module):
                  tp_rank: int = 0, tp_size: int = 1, scheme=None, prefix: str = "mlp"):
         super().__init__()
         start, size = split_evenly(intermediate_size, tp_rank, tp_size, "MLP channels (intermediate_size)")
-        col = (hidden_size, intermediate_size, bias, dtype, device, scheme)
-        self.gate_proj = make_linear(*col, f"{prefix}.gate_proj", start, size)
-        self.up_proj = make_linear(*col, f"{prefix}.up_proj", start, size)
-        self.down_proj = make_linear(intermediate_size, hidden_size, bias, dtype, device, scheme, f"{prefix}.down_proj",
-                                     start, size, row=True, tp_size=tp_size)
-        self.gate_up_weight = self.gate_up_bias = None     # set by fuse_projections() after loading
-
-    def fuse_projections(self) -> None:
-        self.gate_up_weight, self.gate_up_bias = fuse_projection([self.gate_proj, self.up_proj])
+        parts = [OutputPart(f"{prefix}.{name}", intermediate_size, start, size) for name in ("gate_proj", "up_proj")]
+        self.gate_up_proj = make_column(hidden_size, parts, bias, dtype, device, scheme, f"{prefix}.gate_up_proj")
+        self.down_proj = make_row(intermediate_size, hidden_size, bias, dtype, device, scheme, f"{prefix}.down_proj",
+                                  start, size, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if isinstance(self.gate_up_weight, torch.Tensor) and gemv_applies(x, self.gate_up_weight):
-            # one token: gate/up, SiLU and product in one kernel
-            return self.down_proj(gemv_silu_mul(x, self.gate_up_weight, self.gate_up_bias))
-        gate_up = project(x, self.gate_up_weight, self.gate_up_bias)              # [T, 2 I]
-        if fused_ops.available(gate_up):
-            return self.down_proj(fused_ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_gate_up(self.gate_up_proj, x))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
-                     scale: float) -> torch.Tensor:
-    """Causal attention of each sequence over its own tokens of this step, with no KV cache.
+def silu_gate_up(projection: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection (gate rows, then up) of x [T, K] -> [T, I]: projection,
+    SiLU and product in one GEMV launch for one token with a 16-bit weight on CUDA, else its GEMM, then silu_mul."""
+    weight = projection.dense_weight
+    if weight is not None and gemv_applies(x, weight):
+        return gemv_silu_mul(x, weight, projection.bias)
+    return silu_mul(projection(x))
 
-    q: [T, Hq, D], k/v: [T, Hkv, D]; sequence i is rows query_start_loc[i]:query_start_loc[i+1].
-    Used when the model runs without a cache (a profile run): every sequence is a fresh prefill.
-    """
-    out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
-        if end == start:
-            continue
-        qs = q[start:end].transpose(0, 1)                                    # [Hq, L, D]
-        ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)    # [Hq, L, D]
-        vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
-    return out
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (gate, then up) -> silu(gate) * up [T, I]: one Triton launch on CUDA, torch elsewhere."""
+    if fused_ops.available(gate_up):
+        return fused_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=1)
+    return F.silu(gate) * up

@@ -5,8 +5,10 @@ architecture's entry in model_facts/architectures.py applied to config.json): Qw
 Qwen3 RMS-normalises each q and k head before RoPE and may have head_dim != hidden / heads; Llama and
 Qwen3 read attention_bias, Llama mlp_bias. GQA and MQA follow from num_key_value_heads. The four
 architectures' entries name CausalLM as their model class.
-Attention goes through an AttentionBackend: each layer writes this step's K/V into its cache slots,
-then attends over the block tables. Module names equal the checkpoint's, so loading maps 1:1.
+Attention goes through an AttentionBackend: each layer hands it x and its fused q/k/v projection, the
+backend writes this step's K/V into its cache slots (fusing what it can), then attends over the block
+tables. q/k/v and gate/up are fused at construction (models/linear.py); every other module name equals the
+checkpoint's, and the loader maps each checkpoint tensor to (parameter, part) via checkpoint_targets().
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from typing import Iterable
 
 import torch
 
-from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.attention.base import AttentionBackend, AttentionHeads, AttentionMetadata
 from kvfit.errors import ConfigError
-from kvfit.kernels import fused_ops
-from kvfit.kernels.gemv import gemv_applies, gemv_rope_write_kv, linear
+from kvfit.kernels.gemv import linear
 from kvfit.model_facts import ModelFacts
 from kvfit.models.kv_scales import KVScales, is_fp8_cache, kv_scale_targets
-from kvfit.models.layers import RMSNorm, SwiGLU, causal_attention
-from kvfit.models.parallel import (Shard, VocabEmbedding, gather_vocab, kv_head_range, make_param, read_shard,
-                                   source_shape, split_evenly)
-from kvfit.models.quant.linear import check_unloaded_tensor, fuse_projection, make_linear, project
-from kvfit.models.rope import RopeConfig, apply_rope, inv_freq, rope_config_from_raw
+from kvfit.models.layers import RMSNorm, SwiGLU
+from kvfit.models.linear import make_column, make_row
+from kvfit.models.parallel import (OutputPart, Shard, VocabEmbedding, gather_vocab, kv_head_range, load_part,
+                                   make_param, split_evenly)
+from kvfit.models.quant.linear import check_unloaded_tensor
+from kvfit.models.rope import RopeConfig, RotaryStep, inv_freq, rope_config_from_raw
 
 DEFAULT_RMS_NORM_EPS = 1e-6
 logger = logging.getLogger("kvfit")
@@ -73,7 +75,10 @@ def decoder_config(facts: ModelFacts) -> DecoderConfig:
 
 
 class Attention(torch.nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
+    """q/k/v (one fused projection, built so), optional per-head q/k RMSNorm, RoPE, paged attention, o_proj.
+
+    One path: the backend projects, rotates and writes the cache (project_write_kv: it may fuse them), then
+    attends (attend_step); KV cache scales, when they apply, go with both calls."""
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, dtype, device, tp_rank: int, tp_size: int,
                  scheme=None, prefix: str = "self_attn"):
@@ -82,89 +87,33 @@ class Attention(torch.nn.Module):
         q_start, self.num_heads = split_evenly(cfg.num_heads, tp_rank, tp_size, "attention heads")
         kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp_rank, tp_size)
         self.head_dim, self.backend, self.scale = d, backend, d ** -0.5
+        self.heads = AttentionHeads(self.num_heads, self.num_kv_heads, d)
         h = cfg.hidden_size
-        self.q_proj = make_linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device, scheme, f"{prefix}.q_proj",
-                                  q_start * d, self.num_heads * d)
-        kv_args = (cfg.qkv_bias, dtype, device, scheme)
-        kv_rows = (kv_start * d, self.num_kv_heads * d)
-        self.k_proj = make_linear(h, cfg.num_kv_heads * d, *kv_args, f"{prefix}.k_proj", *kv_rows)
-        self.v_proj = make_linear(h, cfg.num_kv_heads * d, *kv_args, f"{prefix}.v_proj", *kv_rows)
-        self.o_proj = make_linear(cfg.num_heads * d, h, cfg.o_bias, dtype, device, scheme, f"{prefix}.o_proj",
-                                  q_start * d, self.num_heads * d, row=True, tp_size=tp_size)
+        parts = [OutputPart(f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.num_heads * d),
+                 OutputPart(f"{prefix}.k_proj", cfg.num_kv_heads * d, kv_start * d, self.num_kv_heads * d),
+                 OutputPart(f"{prefix}.v_proj", cfg.num_kv_heads * d, kv_start * d, self.num_kv_heads * d)]
+        self.qkv_proj = make_column(h, parts, cfg.qkv_bias, dtype, device, scheme, f"{prefix}.qkv_proj")
+        self.o_proj = make_row(cfg.num_heads * d, h, cfg.o_bias, dtype, device, scheme, f"{prefix}.o_proj",
+                               q_start * d, self.num_heads * d, tp_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.kv_scales = KVScales(cfg.num_kv_heads, kv_start, self.num_kv_heads, self.num_heads, device)
-        self.qkv_weight = self.qkv_bias = None      # set by fuse_projections() after loading
 
-    def fuse_projections(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_projection([self.q_proj, self.k_proj, self.v_proj])
-
-    def _qkv(self, x: torch.Tensor):
-        if self.qkv_weight is None:
-            return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self._split_heads(project(x, self.qkv_weight, self.qkv_bias))       # [T, (Hq + 2 Hkv) D]
-
-    def _split_heads(self, q, k=None, v=None):
-        """[T, Hq, D], [T, Hkv, D], [T, Hkv, D] views of the fused projection's rows (or of q, k, v given)."""
-        d = self.head_dim
-        if k is None:
-            q, k, v = q.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1)
-        num_tokens = q.shape[0]
-        return (q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d),
-                v.view(num_tokens, self.num_kv_heads, d))
-
-    def _norm_rope(self, q, k, v, positions, kv_cache, meta: AttentionMetadata, freqs):
-        """q/k norms (Qwen3) and RoPE -> (q, k, whether k and v are in the cache already)."""
-        if not fused_ops.available(q):
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            return (*apply_rope(q, k, positions, freqs), False)
-        # q/k norm and RoPE in one launch, in place on the qkv output, with the cache write when the backend's
-        # is a plain one
-        norm = self.q_norm is not None
-        args = (positions, freqs, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0)
-        if kv_cache is not None and self.backend.plain_cache_write:
-            if fused_ops.qk_norm_rope_write_kv_(q, k, v, *args, *kv_cache, meta.slot_mapping):
-                return q, k, True
-        return (*fused_ops.qk_norm_rope_(q, k, *args), False)
-
-    def _one_token_fused(self, x: torch.Tensor, kv_cache, freqs: torch.Tensor) -> bool:
-        """The one-token GEMV does the projection, RoPE and the cache write: fused q/k/v weights, no q/k norm
-        (a norm needs a whole head in one program), RoPE over the whole head, the backend's plain cache write,
-        one token on CUDA."""
-        return (kv_cache is not None and isinstance(self.qkv_weight, torch.Tensor) and self.q_norm is None
-                and self.backend.plain_cache_write and 2 * freqs.numel() == self.head_dim
-                and gemv_applies(x, self.qkv_weight))
+    def rotary(self, positions: torch.Tensor, freqs: torch.Tensor) -> RotaryStep:
+        """This step's RoPE (after the q/k norms, Qwen3)."""
+        if self.q_norm is None:
+            return RotaryStep(positions, freqs, None, None)
+        return RotaryStep(positions, freqs, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 freqs: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
         num_tokens = x.shape[0]
-        # an fp8 cache with scales (kv_scales.py): k and v scaled on the way in, q and the output around attend;
-        # the fused paths that write the cache themselves are left out
-        scaled = self.kv_scales.applies and is_fp8_cache(kv_cache)
-        if not scaled and self._one_token_fused(x, kv_cache, freqs):
-            # one token (batch-1 decode): projection, RoPE and the cache write in one GEMV launch
-            q, k, v = self._split_heads(gemv_rope_write_kv(x, self.qkv_weight, self.qkv_bias, positions, freqs,
-                                                           *kv_cache, meta.slot_mapping, self.num_heads,
-                                                           self.num_kv_heads))
-            written = True                      # this step's k and v in the cache already
-        else:
-            q, k, v = self._qkv(x)              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D] (views of one matmul)
-            q, k, written = self._norm_rope(q, k, v, positions, None if scaled else kv_cache, meta, freqs)
-        if kv_cache is None:
-            starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
-            out = causal_attention(q, k, v, starts, self.scale)
-        else:
-            k_cache, v_cache = kv_cache
-            if scaled:
-                (k, v), q = self.kv_scales.for_cache(k, v), self.kv_scales.scale_query(q)
-            if not written:
-                self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)      # [T, Hq, D]
-            if scaled:
-                out = self.kv_scales.scale_output(out)
+        # an fp8 cache with scales (kv_scales.py): k and v scaled on the way in, q and the output around attend
+        scales = self.kv_scales if self.kv_scales.applies and is_fp8_cache(kv_cache) else None
+        q, k, v = self.backend.project_write_kv(x, self.qkv_proj, self.heads, self.rotary(positions, freqs),
+                                                kv_cache, meta.slot_mapping, scales)   # [T, Hq | Hkv | Hkv, D]
+        out = self.backend.attend_step(q, k, v, kv_cache, meta, self.scale, scales)    # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -275,17 +224,23 @@ class CausalLM(torch.nn.Module):
         """What to call an unloaded parameter in the error (the checkpoint tensor it lacks)."""
         return param_name
 
-    def fuse_projections(self) -> None:
-        """One matmul for q/k/v and one for gate/up in every layer (call after the weights are in)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""
         local = linear(hidden, self.lm_head.weight)                               # [N, vocab rows here]
         # gathered in the model's dtype, then widened: the same numbers as with one rank
         return gather_vocab(local, self.config.vocab_size, self.tp_size).float()
+
+    def checkpoint_targets(self) -> dict[str, tuple[str, torch.nn.Parameter, int]]:
+        """Checkpoint tensor name -> (parameter name, parameter, part index): a fused parameter's parts name
+        their checkpoint tensors (model.layers.0.self_attn.k_proj.weight -> qkv_proj.weight, part 1), any other
+        parameter is its own name's."""
+        targets = {}
+        for name, param in self.named_parameters():
+            parts = getattr(param, "parts", None)
+            names = [part.name for part in parts] if parts is not None else [name]
+            for index, checkpoint_name in enumerate(names):
+                targets[self.checkpoint_name(checkpoint_name)] = (name, param, index)
+        return targets
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -294,34 +249,28 @@ class CausalLM(torch.nn.Module):
         Each value is a torch.Tensor or a lazy safetensors slice; only this rank's part of it is read.
         Extra tensors (e.g. rotary inv_freq) are ignored; with tied embeddings lm_head.weight is too.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        targets = self.checkpoint_targets()
+        loaded: set[tuple[str, int]] = set()
         for name, source in named_tensors:
             name = self.checkpoint_name(name)
             if self._load_kv_scale(name, source):
                 continue
             special = self.load_special(name, source)
             if special is not None:
-                loaded.update(special)
+                loaded.update((param_name, 0) for param_name in special)
                 continue
-            param = params.get(name)
-            if param is None:
+            target = targets.get(name)
+            if target is None:
                 check_unloaded_tensor(name, source, self.scheme)
                 continue
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:          # FP8 weights and scales check and read their own tensors
-                loader(name, source)
-                loaded.add(name)
-                continue
-            check_unloaded_tensor(name, source, self.scheme, into=param)
-            shape = source_shape(source)
-            if shape != param.full_shape:
-                raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but config.json "
-                                  f"needs {list(param.full_shape)}; the weights do not match this config.json")
-            param.copy_(read_shard(param, source))
-            loaded.add(name)
-        missing = [self.missing_name(name) for name, param in params.items()
-                   if name not in loaded and not getattr(param, "derived", False)]
+            param_name, param, index = target
+            if not getattr(param, "quant_scale", False):
+                check_unloaded_tensor(name, source, self.scheme, into=param)
+            # FP8 weights and scales check and read their own tensors
+            getattr(param, "weight_loader", load_part)(param, index, name, source)
+            loaded.add((param_name, index))
+        missing = [self.missing_name(checkpoint_name) for checkpoint_name, (param_name, param, index) in targets.items()
+                   if (param_name, index) not in loaded and not getattr(param, "derived", False)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ConfigError(f"checkpoint is missing tensor {missing[0]}{more}; re-download the model or use "

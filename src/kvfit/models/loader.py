@@ -17,7 +17,7 @@ from kvfit.attention.base import AttentionBackend
 from kvfit.errors import CapacityError, ConfigError
 from kvfit.model_facts import ModelFacts, read_field, read_json_object
 from kvfit.units import gib
-from kvfit.models.quant.linear import Fp8Linear, finalize_quantized, quantize_into
+from kvfit.models.quant.linear import Fp8Linear, finalize_quantized
 from kvfit.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -43,7 +43,6 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         else:
             model.load_weights(_iter_tensors(files))
         finalize_quantized(model)
-        model.fuse_projections()
         if facts.quantization is not None:
             logger.info("weights: %s", facts.quantization.describe())
             if facts.quantization.kv_cache_scheme:
@@ -121,28 +120,39 @@ def _iter_tensors(files: list[str]) -> Iterator[tuple[str, object]]:
 def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
     """Random weights for profiling and benchmarks: normal(0, std), norm weights 1; same seed, same weights.
 
-    With tensor parallelism each rank draws its own parts from the same seeds (never the whole
-    tensor), so dummy weights differ between tensor-parallel sizes.
+    Each checkpoint tensor draws from its own generator, seeded by its name (a fused parameter's parts each
+    by theirs), so the weights do not depend on iteration order or on which projections are fused. With
+    tensor parallelism each rank draws its own parts from the same seeds (never the whole tensor), so dummy
+    weights differ between tensor-parallel sizes.
     """
-    fp8 = {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+    fp8 = {id(module.weight): module for module in model.modules() if isinstance(module, Fp8Linear)}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
         if getattr(param, "quant_scale", False):
             continue            # an FP8 weight's scales: set with its weight
-        # one generator per tensor, seeded by its name, so the weights do not depend on iteration order
-        gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
-        if name in fp8:        # FP8: drawn in fp32, quantized as the layer's scheme says
-            layer = fp8[name]
-            drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
-            quantize_into(layer, drawn)
-            if layer.input_scale is not None:
-                layer.input_scale.fill_(DUMMY_INPUT_SCALE)
+        parts = getattr(param, "parts", None)
+        if parts is None:
+            gen = _generator(param, seed, name)
+            if not (hasattr(model, "init_dummy_special") and model.init_dummy_special(name, param, gen, std)):
+                param.normal_(0.0, std, generator=gen)
             continue
-        if hasattr(model, "init_dummy_special") and model.init_dummy_special(name, param, gen, std):
-            continue
-        param.normal_(0.0, std, generator=gen)
+        layer = fp8.get(id(param))
+        for index, part in enumerate(parts):
+            gen = _generator(param, seed, part.name)
+            if layer is None:
+                param[part.rows].normal_(0.0, std, generator=gen)
+                continue
+            # FP8: drawn in fp32, quantized as the layer's scheme says
+            drawn = torch.empty(param[part.rows].shape, dtype=torch.float32, device=param.device)
+            layer.set_part(index, drawn.normal_(0.0, std, generator=gen))
+        if layer is not None and layer.input_scale is not None:
+            layer.input_scale.fill_(DUMMY_INPUT_SCALE)
+
+
+def _generator(param: torch.nn.Parameter, seed: int, name: str) -> torch.Generator:
+    return torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
 
 
 def _stable_hash(name: str) -> int:

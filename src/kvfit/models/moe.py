@@ -61,10 +61,6 @@ class SparseMoE(torch.nn.Module):
             self.shared_expert_gate = torch.nn.Module()
             self.shared_expert_gate.weight = make_param((1, h), None, dtype, device)
 
-    def fuse_projections(self) -> None:
-        if self.moe.shared_intermediate_size:   # the routed experts are stacked at load already
-            self.shared_expert.fuse_projections()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         router_logits = linear(x, self.gate.weight)                                  # [T, E]

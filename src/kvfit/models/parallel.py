@@ -8,12 +8,16 @@ replicated. KV heads are split when tp divides them, else each rank holds the on
 heads read (kvfit.kv.spec.kv_heads_per_rank). With tp_size == 1 every slice is the whole tensor and
 no collective runs. Collectives use the default process group (NCCL on CUDA, gloo on CPU).
 Every parameter carries `full_shape` (the checkpoint's shape) and `shard` (the slice it holds), so
-the loader checks shapes against the checkpoint and reads only this rank's part.
+the loader checks shapes against the checkpoint and reads only this rank's part. A fused parameter (q/k/v,
+gate/up, built fused at construction) carries `parts` instead: one ParamPart per checkpoint tensor, which
+says that tensor's shape, the slice of it this rank reads and the rows of the parameter it fills; the loader
+maps each checkpoint name to (parameter, part index) from them (vLLM's and nano-vllm's packed modules).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +90,68 @@ def make_param(full_shape: tuple[int, ...], shard: Shard | None, dtype, device) 
     return param
 
 
+@dataclass(frozen=True)
+class OutputPart:
+    """One checkpoint linear's output rows in a column-parallel layer (fused with others that read the same
+    input: q/k/v, gate/up): rows [start, start + size) of its `rows` are on this rank."""
+
+    name: str               # the checkpoint's module name, e.g. model.layers.0.self_attn.k_proj
+    rows: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ParamPart:
+    """Where checkpoint tensor `name` goes in a fused parameter: its shape in the checkpoint, the slice of it
+    this rank reads (None: all), and the rows of the parameter (dim 0) it fills."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    shard: Shard | None
+    rows: slice
+
+
+def column_parts(parts: Sequence[OutputPart], leaf: str, trailing: tuple[int, ...] = ()) -> list[ParamPart]:
+    """The ParamParts of tensor `leaf` (weight, bias, ...) of a fused column-parallel layer: each part's rows on
+    this rank, stacked in order; trailing: the tensor's shape after the rows (the weight's input columns)."""
+    out, offset = [], 0
+    for part in parts:
+        shard = None if part.size == part.rows else Shard(0, part.start, part.size)
+        out.append(ParamPart(f"{part.name}.{leaf}", (part.rows, *trailing), shard, slice(offset, offset + part.size)))
+        offset += part.size
+    return out
+
+
+def make_fused_param(parts: Sequence[ParamPart], local_shape: tuple[int, ...], dtype, device) -> torch.nn.Parameter:
+    """An uninitialised parameter of local_shape filled from the checkpoint tensors `parts` name."""
+    param = torch.nn.Parameter(torch.empty(local_shape, dtype=dtype, device=device), requires_grad=False)
+    param.parts = tuple(parts)
+    return param
+
+
+def check_source_shape(name: str, source, full_shape: tuple[int, ...]) -> None:
+    """ConfigError naming checkpoint tensor `name` unless its shape is full_shape."""
+    shape = source_shape(source)
+    if shape != tuple(full_shape):
+        raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but config.json needs "
+                          f"{list(full_shape)}; the weights do not match this config.json")
+
+
+@torch.no_grad()
+def load_part(param: torch.nn.Parameter, index: int, name: str, source) -> None:
+    """Checkpoint tensor `name` into part `index` of a fused parameter (shape checked, only this rank's slice
+    read); a parameter without parts takes the whole tensor (its full_shape, its shard)."""
+    parts = getattr(param, "parts", None)
+    if parts is None:
+        check_source_shape(name, source, param.full_shape)
+        param.copy_(read_shard(param, source))
+        return
+    part = parts[index]
+    check_source_shape(name, source, part.full_shape)
+    param[part.rows].copy_(read_slice(part.shard, source))
+
+
 def source_shape(source) -> tuple[int, ...]:
     """Shape of a checkpoint tensor: a torch.Tensor or a lazy safetensors slice (safe_open().get_slice)."""
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
@@ -97,7 +163,11 @@ def read_shard(param: torch.nn.Parameter, source) -> torch.Tensor:
     A lazy safetensors slice reads only those rows/columns from the file, so no rank ever
     materialises a tensor it holds only a part of.
     """
-    shard = getattr(param, "shard", None)
+    return read_slice(getattr(param, "shard", None), source)
+
+
+def read_slice(shard: Shard | None, source) -> torch.Tensor:
+    """Rows/columns `shard` of checkpoint tensor `source` (all of it for None), read lazily from a safetensors slice."""
     if shard is None:
         return source if isinstance(source, torch.Tensor) else source[:]
     index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
@@ -132,6 +202,12 @@ def _all_gather_single(out: torch.Tensor, x: torch.Tensor) -> None:
 class ColumnLinear(torch.nn.Module):
     """y = x W^T + b with W's output rows [out_start, out_start + out_size) on this rank."""
 
+    # the 16-bit weight [out rows here, in] a fused kernel may read in place of this layer's GEMM (models/layers.py
+    # silu_gate_up, the attention backend's one-token write); None for layers that are no single 16-bit matrix
+    @property
+    def dense_weight(self) -> torch.Tensor | None:
+        return self.weight
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device,
                  out_start: int = 0, out_size: int | None = None):
         super().__init__()
@@ -142,6 +218,19 @@ class ColumnLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)                   # [T, out_size]
+
+
+class MergedColumnLinear(ColumnLinear):
+    """Column-parallel linears that read the same input fused by output rows at construction (q/k/v, gate/up):
+    one weight [sum of the parts' rows here, in], one GEMM; each part's checkpoint tensors fill their rows."""
+
+    def __init__(self, in_features: int, parts: Sequence[OutputPart], bias: bool, dtype, device):
+        torch.nn.Module.__init__(self)
+        self.parts = tuple(parts)
+        rows = sum(part.size for part in parts)
+        self.weight = make_fused_param(column_parts(parts, "weight", (in_features,)), (rows, in_features), dtype,
+                                       device)                                 # [sum(rows here), in]
+        self.bias = make_fused_param(column_parts(parts, "bias"), (rows,), dtype, device) if bias else None
 
 
 class RowLinear(torch.nn.Module):

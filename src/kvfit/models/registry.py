@@ -7,9 +7,9 @@ can be planned. Classes are imported when a model is built, so this module needs
 model_facts (a lower layer) never imports models/.
 
 A model class is built as `cls(facts, dtype, device, attention_backend, tp_rank=, tp_size=)` and
-has load_weights(named tensors), fuse_projections(), forward(input_ids, positions, kv_caches, meta)
-and compute_logits(hidden); its structure comes from ModelFacts (biases, q/k norm), not from the
-family name.
+has load_weights(named tensors), forward(input_ids, positions, kv_caches, meta) and
+compute_logits(hidden); its structure comes from ModelFacts (biases, q/k norm), not from the family
+name. Projections that read the same input are fused when the model is built (models/linear.py).
 """
 
 from __future__ import annotations

@@ -8,13 +8,17 @@ max_position_embeddings), exactly as transformers does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from kvfit.kernels import fused_ops
 # reading and validating the settings needs no torch, so `kvfit plan` refuses what this module would
 from kvfit.model_facts import DEFAULT_ROPE_THETA, ROPE_TYPES, RopeConfig, rope_config_from_raw
 
-__all__ = ["DEFAULT_ROPE_THETA", "ROPE_TYPES", "RopeConfig", "rope_config_from_raw", "inv_freq", "apply_rope"]
+__all__ = ["DEFAULT_ROPE_THETA", "ROPE_TYPES", "RopeConfig", "rope_config_from_raw", "inv_freq", "apply_rope",
+           "RotaryStep", "rms_norm"]
+
 
 def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32 (the same formulas as transformers)."""
@@ -53,3 +57,31 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos = emb.cos().to(q.dtype)[:, None, :]                      # [T, 1, D]
     sin = emb.sin().to(q.dtype)[:, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in float32 and cast back before the weight (as transformers does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RotaryStep:
+    """RoPE at one step's positions, after the optional per-head RMSNorm of q and k (Qwen3): what an attention
+    backend applies, or folds into its cache write (attention.base.Rotary)."""
+
+    positions: torch.Tensor               # [T] int64
+    inv_freq: torch.Tensor                # [D / 2] fp32
+    q_norm_weight: torch.Tensor | None    # [D] each, or None (no q/k norm)
+    k_norm_weight: torch.Tensor | None
+    eps: float = 0.0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] normed and rotated: in place in one launch on CUDA, in torch elsewhere."""
+        if fused_ops.available(q):
+            return fused_ops.qk_norm_rope_(q, k, self.positions, self.inv_freq, self.q_norm_weight,
+                                           self.k_norm_weight, self.eps)
+        if self.q_norm_weight is not None:
+            q, k = rms_norm(q, self.q_norm_weight, self.eps), rms_norm(k, self.k_norm_weight, self.eps)
+        return apply_rope(q, k, self.positions, self.inv_freq)

@@ -1,15 +1,20 @@
 """FP8 linear layers: column- and row-parallel like parallel.py's, holding the weight in FP8 and its scales.
 
-Parameter names are the checkpoint's (`weight`, `weight_scale` or `weight_scale_inv`, `input_scale`), so the
-loader maps them 1:1; each carries a `weight_loader(name, source)` that checks the tensor's dtype and shape
+A column-parallel Fp8Linear holds one or more checkpoint linears (OutputParts) fused by output rows at
+construction (q/k/v, gate/up), as parallel.MergedColumnLinear does for 16-bit ones; models/linear.py builds
+one only where the parts' scales join (every part in FP8; block scales whose row blocks end at every part's
+last row). Its parameters (`weight`, `weight_scale` or `weight_scale_inv`, `input_scale`) carry one ParamPart
+per checkpoint tensor and a `weight_loader(param, part, name, source)` that checks the tensor's dtype and shape
 (a 16-bit tensor where the checkpoint should hold FP8 is an error, never a silent cast) and reads this rank's
-part. With --quantization fp8 (online) the `weight` loader reads the 16-bit tensor and quantizes it per
-output channel; its scale is derived (not in the checkpoint). After loading, `finalize()` builds the
-Fp8Weight the GEMM reads (a per-tensor scale widened to one per row). `fuse_fp8_rows` fuses q/k/v and
-gate/up as fusion.fuse_rows does for 16-bit weights, where their scales allow.
+part. With --quantization fp8 (online) the `weight` loader reads the 16-bit tensor and quantizes it per output
+channel; its scale is derived (not in the checkpoint). After loading, `finalize()` builds the Fp8Weight the
+GEMM reads (per-tensor scales, one per part, widened to one per row; static input scales, one per part, must be
+equal: one GEMM quantizes its input once).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -17,8 +22,8 @@ from kvfit.errors import ConfigError
 from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel,
                                quantize_weight_per_tensor)
 from kvfit.kernels.fp8_gemm import fp8_linear
-from kvfit.models.fusion import fuse_rows
-from kvfit.models.parallel import ColumnLinear, RowLinear, Shard, all_reduce, make_param, read_shard, source_shape
+from kvfit.models.parallel import (OutputPart, ParamPart, Shard, all_reduce, check_source_shape, column_parts,
+                                   make_fused_param, read_slice, source_shape)
 from kvfit.quant_scheme import Fp8Scheme
 
 SAFETENSORS_FP8 = ("F8_E4M3",)
@@ -42,37 +47,48 @@ def source_dtype_name(source) -> str:
     return SAFETENSORS_DTYPES.get(source.get_dtype(), source.get_dtype())
 
 
-def _scale_param(shape: tuple[int, ...], shard: Shard | None, device) -> torch.nn.Parameter:
-    return make_param(shape, shard, torch.float32, device)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class Fp8Linear(torch.nn.Module):
-    """y = x W^T + b with W [out, in] in FP8. Column-parallel: this rank holds output rows [start, start +
-    size); row-parallel (row=True): input columns [start, start + size), the partial sums all-reduced,
-    the bias added once after."""
+    """y = x W^T + b with W [rows, in] in FP8. Column-parallel: the parts' output rows on this rank, fused;
+    row-parallel (row=True, one part): input columns [in_start, in_start + in_size), the partial sums
+    all-reduced, the bias added once after. name: the layer's module name, for errors."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, scheme: Fp8Scheme,
-                 name: str, start: int = 0, size: int | None = None, row: bool = False, tp_size: int = 1):
+    dense_weight = None                # no 16-bit matrix for a fused one-token kernel to read
+
+    def __init__(self, in_features: int, parts: Sequence[OutputPart], bias: bool, dtype, device, scheme: Fp8Scheme,
+                 name: str, in_start: int = 0, in_size: int | None = None, row: bool = False, tp_size: int = 1):
         super().__init__()
-        self.scheme, self.name, self.row, self.tp_size = scheme, name, row, tp_size
-        full = in_features if row else out_features
-        size = full if size is None else size
-        shard = None if size == full else Shard(1 if row else 0, start, size)
-        self.weight = make_param((out_features, in_features), shard, FP8_DTYPE, device)
+        assert not row or len(parts) == 1, parts
+        self.scheme, self.name, self.row, self.tp_size, self.parts = scheme, name, row, tp_size, tuple(parts)
+        in_size = in_features if in_size is None else in_size
+        self.in_shard = None if in_size == in_features else Shard(1, in_start, in_size)
+        rows = sum(part.size for part in parts)
+        if row:
+            (part,) = parts
+            weight_parts = [ParamPart(f"{part.name}.weight", (part.rows, in_features), self.in_shard, slice(0, rows))]
+        else:
+            weight_parts = column_parts(parts, "weight", (in_features,))
+        self.weight = make_fused_param(weight_parts, (rows, in_size), FP8_DTYPE, device)     # [rows, in here]
         self.weight.weight_loader = self._load_weight
-        scale = self._make_scale(in_features, out_features, shard, device)
+        scale = self._make_scale(in_features, rows, device)
         setattr(self, self.scale_name, scale)
         scale.weight_loader = self._load_scale
         scale.derived = scheme.online                  # online: made from the weight, not in the checkpoint
         scale.quant_scale = True
         self.input_scale = None
-        if scheme.activation == "static":
-            self.input_scale = _scale_param((1,), None, device)
+        if scheme.activation == "static":               # one per part: [parts]
+            self.input_scale = self._per_part("input_scale", device)
             self.input_scale.weight_loader = self._load_scale
             self.input_scale.quant_scale = True
         # row-parallel: the bias is added once, after the sum over ranks
-        bias_shard = None if row else shard
-        self.bias = make_param((out_features,), bias_shard, dtype, device) if bias else None
+        self.bias = None
+        if bias:
+            bias_parts = column_parts([OutputPart(p.name, p.rows, 0, p.rows) for p in parts] if row else parts,
+                                      "bias")
+            self.bias = make_fused_param(bias_parts, (rows,), dtype, device)
         self.qweight: Fp8Weight | None = None          # set by finalize() after loading
 
     @property
@@ -83,45 +99,64 @@ class Fp8Linear(torch.nn.Module):
     def weight_scale_param(self) -> torch.nn.Parameter:
         return getattr(self, self.scale_name)
 
-    def _make_scale(self, in_features: int, out_features: int, shard: Shard | None, device):
+    def _per_part(self, leaf: str, device) -> torch.nn.Parameter:
+        parts = [ParamPart(f"{p.name}.{leaf}", (1,), None, slice(i, i + 1)) for i, p in enumerate(self.parts)]
+        return make_fused_param(parts, (len(parts),), torch.float32, device)
+
+    def _make_scale(self, in_features: int, rows: int, device) -> torch.nn.Parameter:
         scheme = self.scheme
-        if scheme.weight_strategy == "block":
-            bn, bk = scheme.block_size
-            unit = bk if self.row else bn
-            if shard is not None and (shard.start % unit or shard.size % unit):
-                raise ConfigError(f"{self.name}: --tensor-parallel-size {self.tp_size} splits it at "
-                                  f"{'column' if self.row else 'row'} {shard.start} (+{shard.size}), not on its "
-                                  f"{scheme.block_size} scale blocks; use a smaller --tensor-parallel-size")
-            block_shard = None if shard is None else Shard(shard.dim, shard.start // unit, shard.size // unit)
-            return _scale_param((-(-out_features // bn), -(-in_features // bk)), block_shard, device)
+        if scheme.weight_strategy == "tensor":
+            return self._per_part(self.scale_name, device)                     # [parts]
         if scheme.weight_strategy == "channel":
-            return _scale_param((out_features, 1), None if self.row else shard, device)
-        return _scale_param((1,), None, device)
+            parts = column_parts(self.parts, self.scale_name, (1,))
+            return make_fused_param(parts, (rows, 1), torch.float32, device)    # [rows, 1]
+        bn, bk = scheme.block_size
+        if self.row:
+            (part,) = self.parts
+            shard = self._block_shard(self.in_shard, bk)
+            cols = _cdiv(in_features, bk) if shard is None else shard.size
+            full = (_cdiv(part.rows, bn), _cdiv(in_features, bk))
+            parts = [ParamPart(f"{part.name}.{self.scale_name}", full, shard, slice(0, full[0]))]
+            return make_fused_param(parts, (full[0], cols), torch.float32, device)
+        parts, offset = [], 0
+        for part in self.parts:                 # each part's row blocks; a fused part before another is whole blocks
+            shard = self._block_shard(None if part.size == part.rows else Shard(0, part.start, part.size), bn)
+            blocks = _cdiv(part.size, bn)
+            parts.append(ParamPart(f"{part.name}.{self.scale_name}", (_cdiv(part.rows, bn), _cdiv(in_features, bk)),
+                                   shard, slice(offset, offset + blocks)))
+            offset += blocks
+        return make_fused_param(parts, (offset, _cdiv(in_features, bk)), torch.float32, device)
+
+    def _block_shard(self, shard: Shard | None, unit: int) -> Shard | None:
+        """The scale blocks of a weight shard; a shard not on block boundaries is a ConfigError."""
+        if shard is None:
+            return None
+        if shard.start % unit or shard.size % unit:
+            raise ConfigError(f"{self.name}: --tensor-parallel-size {self.tp_size} splits it at "
+                              f"{'column' if self.row else 'row'} {shard.start} (+{shard.size}), not on its "
+                              f"{self.scheme.block_size} scale blocks; use a smaller --tensor-parallel-size")
+        return Shard(shard.dim, shard.start // unit, shard.size // unit)
 
     # loading ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _load_weight(self, name: str, source) -> None:
-        param = self.weight
-        shape = source_shape(source)
-        if shape != param.full_shape:
-            raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but config.json needs "
-                              f"{list(param.full_shape)}; the weights do not match this config.json")
+    def _load_weight(self, param: torch.nn.Parameter, index: int, name: str, source) -> None:
+        part = param.parts[index]
+        check_source_shape(name, source, part.full_shape)
         if self.scheme.online:
             if is_fp8_source(source):
                 raise ConfigError(f"checkpoint tensor {name} is already float8 but config.json has no "
                                   "quantization_config; the checkpoint is incomplete (re-download it)")
-            quantize_into(self, read_shard(param, source).to(param.device))
+            self.set_part(index, read_slice(part.shard, source).to(param.device))
             return
         if not is_fp8_source(source):
             raise ConfigError(f"checkpoint tensor {name} is {source_dtype_name(source)} but quantization_config "
                               f"({self.scheme.method}) says float8_e4m3fn; the weights do not match config.json")
-        param.copy_(read_shard(param, source))
+        param[part.rows].copy_(read_slice(part.shard, source))
 
     @torch.no_grad()
-    def _load_scale(self, name: str, source) -> None:
-        param = self.input_scale if name.endswith("input_scale") else self.weight_scale_param
-        shape = source_shape(source)
-        full = param.full_shape
+    def _load_scale(self, param: torch.nn.Parameter, index: int, name: str, source) -> None:
+        part = param.parts[index]
+        shape, full = source_shape(source), part.full_shape
         # per-tensor scales come as [] or [1], per-channel ones as [N, 1] or [N] (compressed-tensors versions)
         fits = (shape == full or (len(full) == 1 and full[0] == 1 and shape in ((), (1,)))
                 or (len(full) == 2 and full[1] == 1 and shape == (full[0],) and param is not self.input_scale))
@@ -129,98 +164,52 @@ class Fp8Linear(torch.nn.Module):
             raise ConfigError(f"checkpoint tensor {name} has shape {list(shape)} but a {self.scheme.weight_strategy} "
                               f"scale of this layer is {list(full)}; the scales do not match config.json's "
                               "quantization_config")
+        target = param[part.rows]
         if shape == ():
             value = source if isinstance(source, torch.Tensor) else source[...]   # [:] fails on a 0-dim slice
-            param.copy_(value.reshape(1).float())
+            target.copy_(value.reshape(1).float())
             return
-        param.copy_(read_shard(param, source).float().reshape(param.shape))
+        target.copy_(read_slice(part.shard, source).float().reshape(target.shape))
+
+    @torch.no_grad()
+    def set_part(self, index: int, weight: torch.Tensor) -> None:
+        """Quantize part `index`'s 16-bit (or fp32) weight [its rows here, in here] into this layer's FP8 weight
+        and scale, as the scheme says (online and dummy weights)."""
+        scheme = self.scheme
+        if scheme.weight_strategy == "block":
+            wq, scale = quantize_weight_blocks(weight, scheme.block_size)
+        elif scheme.weight_strategy == "channel":
+            wq, scale = quantize_weight_per_channel(weight)
+        else:
+            wq, scale = quantize_weight_per_tensor(weight)
+        self.weight[self.weight.parts[index].rows].copy_(wq)
+        target = self.weight_scale_param[self.weight_scale_param.parts[index].rows]
+        target.copy_(scale.reshape(target.shape))
 
     def finalize(self) -> None:
-        """The Fp8Weight the GEMM reads: per-tensor scales widened to one per row (same values)."""
+        """The Fp8Weight the GEMM reads: per-tensor scales widened to one per row (same values); static input
+        scales that differ among the parts are a ConfigError naming the layer (one GEMM, one input scale)."""
         scale = self.weight_scale_param
         if self.scheme.weight_strategy == "tensor" and scale.dim() == 1:
-            scale.data = scale.data.reshape(1, 1).expand(self.weight.shape[0], 1).contiguous()
-        self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size,
-                                 None if self.input_scale is None else self.input_scale.data)
+            sizes = torch.tensor([part.size for part in self.parts], device=scale.device)
+            scale.data = scale.data.repeat_interleave(sizes).reshape(-1, 1).contiguous()     # [rows, 1]
+        input_scale = None
+        if self.input_scale is not None:
+            values = self.input_scale.data                                                 # [parts]
+            if not bool((values == values[0]).all()):
+                names = ", ".join(part.name.rsplit(".", 1)[-1] for part in self.parts)
+                raise ConfigError(f"{self.name}: the checkpoint's static input_scale differs among {names} "
+                                  f"({values.tolist()}); kvfit runs them as one GEMM with one input scale and will "
+                                  "not load them otherwise: re-quantize with one input scale for the layer's input")
+            input_scale = values[:1]
+        self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size, input_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in here] -> [T, rows] (row-parallel: summed over ranks)
         if not self.row:
             return fp8_linear(x, self.qweight, self.bias)
         y = all_reduce(fp8_linear(x, self.qweight), self.tp_size)
         return y if self.bias is None else y + self.bias
-
-
-@torch.no_grad()
-def quantize_into(layer: Fp8Linear, weight: torch.Tensor) -> None:
-    """Quantize this rank's 16-bit (or fp32) weight [out, in] into layer's FP8 weight and scale, as its scheme
-    says (online and dummy weights)."""
-    scheme = layer.scheme
-    if scheme.weight_strategy == "block":
-        wq, scale = quantize_weight_blocks(weight, scheme.block_size)
-    elif scheme.weight_strategy == "channel":
-        wq, scale = quantize_weight_per_channel(weight)
-    else:
-        wq, scale = quantize_weight_per_tensor(weight)
-    layer.weight.copy_(wq)
-    layer.weight_scale_param.copy_(scale.reshape(layer.weight_scale_param.shape))
-
-
-def fuse_fp8_rows(linears: list[Fp8Linear]) -> tuple[Fp8Weight | None, torch.Tensor | None]:
-    """One Fp8Weight for linears reading the same input (q/k/v, gate/up): weights and per-row scales
-    concatenated by output rows, each linear re-pointed at its rows (no second copy). (None, None) where
-    the scales cannot be joined: block scales whose row blocks do not end at every part's last row, or
-    different static input scales (each keeps its own GEMM)."""
-    first = linears[0].qweight
-    if first.block_size is not None and any(lin.weight.shape[0] % first.block_size[0] for lin in linears[:-1]):
-        return None, None
-    if first.input_scale is not None and any(not torch.equal(lin.qweight.input_scale, first.input_scale)
-                                             for lin in linears):
-        return None, None
-    weight = torch.cat([lin.weight.data for lin in linears], dim=0)                 # [sum(out), in] fp8
-    scale = torch.cat([lin.weight_scale_param.data for lin in linears], dim=0)
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.data for lin in linears], dim=0) if has_bias else None
-    row = scale_row = 0
-    for lin in linears:
-        n, s = lin.weight.shape[0], lin.weight_scale_param.shape[0]
-        lin.weight.data = weight[row:row + n]
-        lin.weight_scale_param.data = scale[scale_row:scale_row + s]
-        if has_bias:
-            lin.bias.data = bias[row:row + n]
-        lin.finalize()
-        row, scale_row = row + n, scale_row + s
-    return Fp8Weight(weight, scale, first.block_size, first.input_scale), bias
-
-
-def make_linear(in_features: int, out_features: int, bias: bool, dtype, device, scheme: Fp8Scheme | None,
-                name: str, start: int = 0, size: int | None = None, row: bool = False, tp_size: int = 1
-                ) -> torch.nn.Module:
-    """The linear layer `name` (its checkpoint name) is: Fp8Linear where scheme quantizes it, else parallel.py's
-    ColumnLinear (row=False: output rows [start, start + size) here) or RowLinear (input columns)."""
-    if scheme is not None and scheme.quantizes(name):
-        return Fp8Linear(in_features, out_features, bias, dtype, device, scheme, name, start, size, row, tp_size)
-    if row:
-        return RowLinear(in_features, out_features, bias, dtype, device, start, size, tp_size)
-    return ColumnLinear(in_features, out_features, bias, dtype, device, start, size)
-
-
-def fuse_projection(linears) -> tuple[torch.Tensor | Fp8Weight | None, torch.Tensor | None]:
-    """fusion.fuse_rows for 16-bit linears, fuse_fp8_rows for FP8 ones; (None, None) for a mix (some
-    ignored by the checkpoint's quantization_config): each keeps its own GEMM."""
-    quantized = [isinstance(lin, Fp8Linear) for lin in linears]
-    if all(quantized):
-        return fuse_fp8_rows(linears)
-    if any(quantized):
-        return None, None
-    return fuse_rows(linears)
-
-
-def project(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias for a fused weight: an Fp8Weight through fp8_linear, a tensor through gemv.linear."""
-    if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias)
-    from kvfit.kernels.gemv import linear
-    return linear(x, weight, bias)
 
 
 def finalize_quantized(model: torch.nn.Module) -> None:
