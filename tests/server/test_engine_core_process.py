@@ -417,6 +417,7 @@ def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
     async def run():
         client = EngineCoreClient.__new__(EngineCoreClient)
         client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
+        client._head_applied = 0
         sent = []
         client.abort = sent.append
         good, bad = RequestStream("good"), RequestStream("bad")
@@ -431,4 +432,44 @@ def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
             await bad.next()
         assert info.value.status == 500 and sent == ["bad"]
         assert (await good.next()).outputs[0].text == "hi"
+    asyncio.run(run())
+
+
+def test_a_large_round_is_applied_in_chunks_in_order():
+    """A batch of 300 deltas goes to the streams DISPATCH_CHUNK at a time, one loop callback each (the loop runs
+    its other work between them), and work handed over after it (an end of everything) waits for all of it."""
+    import collections
+
+    from kvfit.server import core_process
+    from kvfit.server.async_engine import RequestStream
+    from kvfit.server.core_protocol import RequestDelta, SampleDelta
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        client = EngineCoreClient.__new__(EngineCoreClient)
+        client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
+        client._work, client._draining, client._head_applied, client._loop = collections.deque(), False, 0, loop
+        streams = {f"r{i}": RequestStream(f"r{i}") for i in range(300)}
+        for rid, stream in streams.items():
+            client._streams[rid] = (stream, OutputAccumulator(rid, [1]))
+        deltas = [RequestDelta(rid, False, [SampleDelta(0, 0, "w", [7], None, None, None, None)]) for rid in streams]
+        ticks = []
+
+        def tick():                       # another loop callback, queued behind each drain
+            ticks.append(sum(not s.queue.empty() for s in streams.values()))
+            if len(ticks) < 5:
+                loop.call_soon(tick)
+        client._call_on_loop(client._dispatch, OutputBatch([], deltas, [], {"running": 300}), 0.0)
+        client._call_on_loop(client._end_all, APIError(503, "gone", "service_unavailable"))
+        loop.call_soon(tick)
+        await asyncio.sleep(0)
+        while client._work or client._draining:
+            await asyncio.sleep(0)
+        chunk = core_process.DISPATCH_CHUNK
+        assert ticks[:3] == [0, chunk, 2 * chunk]        # the loop ran its other callbacks between chunks
+        assert client._stats == {"running": 300}
+        for stream in streams.values():   # every delta, then the end: no output lost to the later end
+            assert (await stream.next()).outputs[0].text == "w"
+            with pytest.raises(APIError):
+                await stream.next()
     asyncio.run(run())

@@ -25,6 +25,7 @@ serve` exits 1 (GracefulServer).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import functools
@@ -57,6 +58,7 @@ IDLE_POLL_MS = 500                # an idle core checks its parent is alive this
 # server exits 1 (a supervisor restarts it); far above any one step (a CPU prefill chunk, a graph capture)
 DEFAULT_STALL_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0             # after a stop, how long the core gets to exit before it is killed
+DISPATCH_CHUNK = 128              # core outputs applied per event-loop callback (then the loop's other work runs)
 TOKEN_TEXT_CACHE = 1 << 16        # token texts for logprobs kept decoded (a few MiB at most)
 _PR_SET_PDEATHSIG = 1
 
@@ -234,6 +236,10 @@ class EngineCoreClient(ServingEngine):
         self._last_message = time.monotonic()               # when the core last sent anything (reader)
         self._waiting_since = self._last_message            # when requests last began to wait on an idle core
         self._reader = threading.Thread(target=self._read, name="kvfit-core-reader", daemon=True)
+        # the reader's work waiting for the loop, in order (loop only): (function, args); see _drain
+        self._work: collections.deque[tuple] = collections.deque()
+        self._draining = False
+        self._head_applied = 0
 
     @classmethod
     def launch(cls, factory, *, tokenizer, generation_config, model_folder: str | None,
@@ -367,33 +373,54 @@ class EngineCoreClient(ServingEngine):
             self._call_on_loop(self._dispatch, message, time.monotonic())
 
     def _call_on_loop(self, fn, *args) -> None:
+        """Run fn(*args) on the event loop after everything the reader handed over before it (in order)."""
         if self._loop is None:       # never started: no request was taken
             return
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._enqueue, fn, args)
         except RuntimeError:         # the loop is closed: nobody is left to tell
             pass
 
-    def _dispatch(self, batch: OutputBatch, now: float) -> None:
-        for result in batch.added:
-            self._settle_add(result)
-        for delta in batch.deltas:
-            entry = self._streams.get(delta.request_id)
-            if entry is None:          # aborted meanwhile
-                continue
-            stream, accumulator = entry
-            if delta.finished:
-                del self._streams[delta.request_id]
-            try:
-                output = accumulator.apply(delta)
-            except Exception:          # a bug folding one delta: that request fails, the batch's others go on
-                logger.exception("request %s: its output could not be rebuilt", delta.request_id)
-                self._streams.pop(delta.request_id, None)
-                self.abort(delta.request_id)
-                stream.queue.put_nowait(APIError(500, "internal error while building this request's output; see "
-                                                      "the server log", "server_error"))
-                continue
-            stream.queue.put_nowait((output, now))
+    def _enqueue(self, fn, args: tuple) -> None:
+        self._work.append((fn, args))
+        if not self._draining:
+            self._draining = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """The reader's work in order, DISPATCH_CHUNK deltas at a time: between chunks the loop runs its other
+        callbacks (the streams woken so far, /health), so a round of 2,000 outputs does not hold it for one
+        long callback."""
+        budget = DISPATCH_CHUNK
+        while self._work and budget > 0:
+            fn, args = self._work[0]
+            if fn == self._dispatch:
+                done, budget = self._dispatch(*args, budget=budget)
+                if not done:
+                    break
+            else:
+                fn(*args)
+            self._work.popleft()
+        if self._work:
+            self._loop.call_soon(self._drain)
+        else:
+            self._draining = False
+
+    def _dispatch(self, batch: OutputBatch, now: float, budget: int = 1 << 62) -> tuple[bool, int]:
+        """Apply up to `budget` more of the batch's deltas (its adds first, its errors and stats last); whether
+        the batch is done, and the budget left. Only the batch at the head of the work can be part-applied:
+        self._head_applied counts its deltas applied so far."""
+        start = self._head_applied
+        if start == 0:
+            for result in batch.added:
+                self._settle_add(result)
+        end = min(len(batch.deltas), start + budget)
+        for delta in batch.deltas[start:end]:
+            self._apply_delta(delta, now)
+        if end < len(batch.deltas):
+            self._head_applied = end
+            return False, 0
+        self._head_applied = 0
         for request_id, info in batch.errors:
             entry = self._streams.pop(request_id, None)
             if entry is not None:
@@ -401,6 +428,25 @@ class EngineCoreClient(ServingEngine):
         self._stats = batch.stats
         if batch.dead_reason is not None:
             self._fail_everything(batch.dead_reason)
+        return True, budget - (end - start)
+
+    def _apply_delta(self, delta, now: float) -> None:
+        entry = self._streams.get(delta.request_id)
+        if entry is None:          # aborted meanwhile
+            return
+        stream, accumulator = entry
+        if delta.finished:
+            del self._streams[delta.request_id]
+        try:
+            output = accumulator.apply(delta)
+        except Exception:          # a bug folding one delta: that request fails, the batch's others go on
+            logger.exception("request %s: its output could not be rebuilt", delta.request_id)
+            self._streams.pop(delta.request_id, None)
+            self.abort(delta.request_id)
+            stream.queue.put_nowait(APIError(500, "internal error while building this request's output; see "
+                                                  "the server log", "server_error"))
+            return
+        stream.queue.put_nowait((output, now))
 
     def _settle_add(self, result: AddResult) -> None:
         command = self._pending.pop(result.request_id, None)
