@@ -2,6 +2,7 @@
 
 python benchmarks/profile_kernels.py --model qwen3-0.6b --num-requests 256
 python benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1
+python benchmarks/profile_kernels.py --model llama-3.1-8b --quantization fp8
 
 Runs the throughput workload (or one request) with one device step per scheduling round, profiles
 one prefill (mixed) step, a few consecutive steady-state decode steps (graph replay) and eager decode,
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--decode-warm", type=int, default=60, help="decode steps before profiling")
+    ap.add_argument("--quantization", default=None, help="fp8: the linears in FP8 (per channel, per-token "
+                                                          "activations), as `kvfit serve -q fp8`")
     args = ap.parse_args()
     if not gpu_only("profile_kernels"):
         return 0
@@ -215,7 +218,7 @@ def main() -> int:
         prompts, outs = [prompts[0][:128]], [400]
     # one device step per round: multi-step rounds would fold several decode steps into one profile
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
-              enable_prefix_caching=False, num_scheduler_steps=1)
+              enable_prefix_caching=False, num_scheduler_steps=1, quantization=args.quantization)
     engine = llm.engine
     for p, n in zip(prompts, outs):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
