@@ -52,7 +52,6 @@ class LLMEngine:
         self.readings, self.plan = started.readings, started.plan
         self.num_scheduler_steps = started.num_scheduler_steps
         self.async_scheduling = started.async_scheduling
-        self.last_round_steps = 0   # decode steps of the round the last step() applied
         self._inflight = None       # (delta, its token reader): launched, not yet applied (async scheduling)
         self._shut_down = False
         self.pool = BlockPool(self.plan.num_blocks, config.cache.enable_prefix_caching)
@@ -212,11 +211,9 @@ class LLMEngine:
         return True
 
     # the loop -----------------------------------------------------------------------------------
-    def step(self, stream: bool = True, max_round_steps: int | None = None) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """Schedule, execute, apply; return an output for every request that got tokens
         (stream=False: for the requests that finished only, so no text is built for callers early).
-        max_round_steps: at most this many decode steps in a round scheduled now (a server's RoundPacer;
-        None: --num-scheduler-steps).
 
         A multi-step delta (--num-scheduler-steps) returns several tokens per request; they are
         applied one at a time, in order, so stops and stop strings end a request at the same
@@ -226,8 +223,7 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         self._release_prepared(outputs)
         try:
-            ran = self._launch_and_read(self.num_scheduler_steps if max_round_steps is None
-                                        else max(1, min(max_round_steps, self.num_scheduler_steps)))
+            ran = self._launch_and_read()
         except BaseException:
             # the step did not run to its tokens: the blocks scheduled for it hold no K/V
             self.scheduler.forget_unrun_commits()
@@ -237,7 +233,6 @@ class LLMEngine:
                 self._wait_for_preparation()
             return self._fold_samples(outputs, stream)
         delta, tokens = ran
-        self.last_round_steps = delta.max_num_steps
         for request_id, (first, entries) in tokens.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
             # a round read late (async scheduling) may name an id that ended and was re-added since
@@ -248,7 +243,7 @@ class LLMEngine:
         self.scheduler.admission_paused = self.headroom.after_step()
         return self._fold_samples(outputs, stream)
 
-    def _launch_and_read(self, num_steps: int) -> tuple[StepDelta, SampledTokens] | None:
+    def _launch_and_read(self) -> tuple[StepDelta, SampledTokens] | None:
         """The step to apply and its tokens (None: nothing to run). Async scheduling: the step is the one the
         previous call launched, and the next one is launched before this one's tokens are read."""
         inflight, self._inflight = self._inflight, None     # async scheduling: launched by the previous step
@@ -258,7 +253,7 @@ class LLMEngine:
         if inflight is not None:
             delta, pending = inflight
         else:
-            delta = self.scheduler.schedule(num_steps)
+            delta = self.scheduler.schedule(self.num_scheduler_steps)
             if delta.empty:
                 # with requests waiting, only possible when the head request cannot get blocks with
                 # nothing running, which admission rules out: fail loudly rather than spin
@@ -270,7 +265,7 @@ class LLMEngine:
         if self.async_scheduling:
             # the next step goes on the device before this one's tokens are read, so the device does
             # not wait while the host applies them
-            after = self.scheduler.schedule_continuation(delta, num_steps)
+            after = self.scheduler.schedule_continuation(delta, self.num_scheduler_steps)
             if after is not None:
                 self._inflight = (after, self._launch(after))
         return delta, pending()

@@ -13,11 +13,9 @@ frees its blocks at once and `abort_all` ends every request a client still waits
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from kvfit.engine.output import RequestOutput
-from kvfit.engine.round_pacer import RoundPacer
 from kvfit.errors import EngineDeadError
 from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.sampling_params import SamplingParams
@@ -115,9 +113,6 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.stats = dict(engine.stats())
         self._room = Room.of(self.stats, self.max_num_seqs)
-        # multi-step rounds shorten while requests arrive (their time to first token waits on the round)
-        max_steps = getattr(engine, "num_scheduler_steps", 1)
-        self.pacer = RoundPacer(max_steps) if isinstance(max_steps, int) and max_steps > 1 else None
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool = True,
             cache_salt: str | None = None) -> int:
@@ -139,8 +134,6 @@ class EngineCore:
         engine.add_request(prompt_ids, params, request_id, strict_context=max_tokens_given, cache_salt=cache_salt)
         self._room.take(num_prompt_tokens, n)
         self.held.add(request_id)
-        if self.pacer is not None:
-            self.pacer.arrived(time.monotonic())
         return num_prompt_tokens
 
     def abort(self, request_id: str) -> None:
@@ -157,7 +150,7 @@ class EngineCore:
         if self.check_ranks() is not None:
             return [], engine_dead_error(self.dead_reason)
         try:
-            outputs = self._step_engine()
+            outputs = self.engine.step()
         except Exception as exc:
             # the engine cannot say which request broke the step: fail the batch, keep serving,
             # unless the executor cannot run another step (then the engine is dead)
@@ -173,14 +166,6 @@ class EngineCore:
             if out.finished:
                 self.held.discard(out.request_id)
         return held, None
-
-    def _step_engine(self) -> list[RequestOutput]:
-        if self.pacer is None:
-            return self.engine.step()
-        start = time.monotonic()
-        outputs = self.engine.step(max_round_steps=self.pacer.steps(start, self._room.num_free_slots > 0))
-        self.pacer.round_ran(time.monotonic() - start, self.engine.last_round_steps)
-        return outputs
 
     def check_ranks(self) -> str | None:
         """The dead reason, after asking the engine whether its executor can still step (a tensor-parallel
