@@ -164,7 +164,26 @@ DOWN_BLOCK_N_KEY = "BLOCK_SIZE_N_DOWN"
 # takes the entry whose M is nearest. Paste the dict `benchmarks/bench_fused_moe.py --fp8 block` prints here.
 # BLOCK_SIZE_N is per half in the gate/up launch (as fused_moe's), BLOCK_SIZE_N_DOWN the down launch's;
 # with block scales BLOCK_SIZE_K is the block's columns. I is the per-rank intermediate size.
-TUNED_FP8_CONFIGS: dict[tuple[int, int, int, int, str], dict[int, dict[str, int]]] = {}
+# swept on an NVIDIA H100 80GB HBM3, 2026-12-06 (bash benchmarks/run_gpu_steps.sh fused-moe-fp8;
+# benchmarks/results/2026-12-06-h100-fused-moe-fp8-sweep.log)
+TUNED_FP8_CONFIGS: dict[tuple[int, int, int, int, str], dict[int, dict[str, int]]] = {
+    (128, 2048, 768, 8, 'fp8_block128x128'): {
+        1: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 4},
+        2: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 32, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3, 'BLOCK_SIZE_N_DOWN': 128},
+        4: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 4},
+        8: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3},
+        16: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 32, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 4, 'BLOCK_SIZE_N_DOWN': 64},
+        32: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 32, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3, 'BLOCK_SIZE_N_DOWN': 128},
+        64: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3},
+        128: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3},
+        256: {'BLOCK_SIZE_M': 16, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 1, 'num_warps': 4, 'num_stages': 3, 'BLOCK_SIZE_N_DOWN': 128},
+        512: {'BLOCK_SIZE_M': 64, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 8, 'num_warps': 8, 'num_stages': 3, 'BLOCK_SIZE_N_DOWN': 128},
+        1024: {'BLOCK_SIZE_M': 64, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 8, 'num_warps': 4, 'num_stages': 3},
+        2048: {'BLOCK_SIZE_M': 64, 'BLOCK_SIZE_N': 64, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 8, 'num_warps': 4, 'num_stages': 4, 'BLOCK_SIZE_N_DOWN': 128},
+        4096: {'BLOCK_SIZE_M': 64, 'BLOCK_SIZE_N': 128, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 8, 'num_warps': 8, 'num_stages': 4},
+        8192: {'BLOCK_SIZE_M': 64, 'BLOCK_SIZE_N': 128, 'BLOCK_SIZE_K': 128, 'GROUP_SIZE_M': 8, 'num_warps': 8, 'num_stages': 3},
+    },
+}
 
 
 def fp8_scales_name(block_size: tuple[int, int] | None) -> str:

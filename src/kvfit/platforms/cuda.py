@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -100,6 +101,9 @@ class CudaPlatform(Platform):
             _expandable_segments()
         torch.cuda.set_device(self.device)
         torch.cuda.init()
+        # an earlier engine of this process that is garbage but not yet collected would be counted in use at
+        # start and then freed while the weights load, shrinking the weights measured (its memory given twice)
+        gc.collect()
         torch.cuda.empty_cache()
         used, total = self._used_bytes()
         # Everything in use on the device before this engine: the CUDA context, other processes, and this
