@@ -14,6 +14,8 @@ equal: one GEMM quantizes its input once).
 
 from __future__ import annotations
 
+import logging
+
 from typing import Sequence
 
 import torch
@@ -27,6 +29,8 @@ from kvfit.models.parallel import (OutputPart, ParamPart, Shard, all_reduce, che
 from kvfit.quant_scheme import Fp8Scheme
 
 SAFETENSORS_FP8 = ("F8_E4M3",)
+
+logger = logging.getLogger("kvfit")
 
 
 def is_fp8_source(source) -> bool:
@@ -187,8 +191,8 @@ class Fp8Linear(torch.nn.Module):
         target.copy_(scale.reshape(target.shape))
 
     def finalize(self) -> None:
-        """The Fp8Weight the GEMM reads: per-tensor scales widened to one per row (same values); static input
-        scales that differ among the parts are a ConfigError naming the layer (one GEMM, one input scale)."""
+        """The Fp8Weight the GEMM reads: per-tensor scales widened to one per row (same values); one static input
+        scale, the largest of the parts' (one GEMM reads one quantized input)."""
         scale = self.weight_scale_param
         if self.scheme.weight_strategy == "tensor" and scale.dim() == 1:
             sizes = torch.tensor([part.size for part in self.parts], device=scale.device)
@@ -196,12 +200,13 @@ class Fp8Linear(torch.nn.Module):
         input_scale = None
         if self.input_scale is not None:
             values = self.input_scale.data                                                 # [parts]
+            # one GEMM reads one quantized input: the largest of the parts' static scales (vLLM's choice), so no
+            # part's input saturates; where they differ the others lose a little precision, and the log says so
+            input_scale = values.max().reshape(1)
             if not bool((values == values[0]).all()):
                 names = ", ".join(part.name.rsplit(".", 1)[-1] for part in self.parts)
-                raise ConfigError(f"{self.name}: the checkpoint's static input_scale differs among {names} "
-                                  f"({values.tolist()}); kvfit runs them as one GEMM with one input scale and will "
-                                  "not load them otherwise: re-quantize with one input scale for the layer's input")
-            input_scale = values[:1]
+                logger.info("%s: the checkpoint's static input_scale differs among %s (%s); the fused GEMM quantizes "
+                            "its input with the largest", self.name, names, values.tolist())
         self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size, input_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
