@@ -394,12 +394,16 @@ class EngineCoreClient(ServingEngine):
         budget = DISPATCH_CHUNK
         while self._work and budget > 0:
             fn, args = self._work[0]
-            if fn == self._dispatch:
-                done, budget = self._dispatch(*args, budget=budget)
-                if not done:
-                    break
-            else:
-                fn(*args)
+            try:
+                if fn == self._dispatch:
+                    done, budget = self._dispatch(*args, budget=budget)
+                    if not done:
+                        break
+                else:
+                    fn(*args)
+            except Exception:      # a bug: that piece is dropped, the work behind it still runs (and drains)
+                logger.exception("applying the engine core's output failed")
+                self._head_applied = 0
             self._work.popleft()
         if self._work:
             self._loop.call_soon(self._drain)
