@@ -47,7 +47,8 @@ class SwiGLU(torch.nn.Module):
         super().__init__()
         start, size = split_evenly(intermediate_size, tp_rank, tp_size, "MLP channels (intermediate_size)")
         parts = [OutputPart(f"{prefix}.{name}", intermediate_size, start, size) for name in ("gate_proj", "up_proj")]
-        self.gate_up_proj = make_column(hidden_size, parts, bias, dtype, device, scheme, f"{prefix}.gate_up_proj")
+        self.gate_up_proj = make_column(hidden_size, parts, bias, dtype, device, scheme, f"{prefix}.gate_up_proj",
+                                        tp_size)
         self.down_proj = make_row(intermediate_size, hidden_size, bias, dtype, device, scheme, f"{prefix}.down_proj",
                                   start, size, tp_size)
 

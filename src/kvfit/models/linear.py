@@ -46,16 +46,16 @@ def _scales_join(parts: Sequence[OutputPart], scheme: Fp8Scheme) -> bool:
 
 
 def make_column(in_features: int, parts: Sequence[OutputPart], bias: bool, dtype, device, scheme: Fp8Scheme | None,
-                name: str) -> torch.nn.Module:
+                name: str, tp_size: int = 1) -> torch.nn.Module:
     """The column-parallel layer of `parts` (checkpoint linears reading the same input), named `name` (its module
     name, for errors): MergedColumnLinear when all are 16-bit, a fused Fp8Linear when all are FP8 with scales
-    that join, else a SplitColumnLinear of one such layer per part."""
+    that join, else a SplitColumnLinear of one such layer per part. tp_size: the ranks it is split over (for errors)."""
     quantized = [scheme is not None and scheme.quantizes(part.name) for part in parts]
     if not any(quantized):
         return MergedColumnLinear(in_features, parts, bias, dtype, device)
     if all(quantized) and _scales_join(parts, scheme):
-        return Fp8Linear(in_features, parts, bias, dtype, device, scheme, name)
-    return SplitColumnLinear([make_column(in_features, [part], bias, dtype, device, scheme, part.name)
+        return Fp8Linear(in_features, parts, bias, dtype, device, scheme, name, tp_size=tp_size)
+    return SplitColumnLinear([make_column(in_features, [part], bias, dtype, device, scheme, part.name, tp_size)
                               for part in parts])
 
 

@@ -92,7 +92,7 @@ class Attention(torch.nn.Module):
         parts = [OutputPart(f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.num_heads * d),
                  OutputPart(f"{prefix}.k_proj", cfg.num_kv_heads * d, kv_start * d, self.num_kv_heads * d),
                  OutputPart(f"{prefix}.v_proj", cfg.num_kv_heads * d, kv_start * d, self.num_kv_heads * d)]
-        self.qkv_proj = make_column(h, parts, cfg.qkv_bias, dtype, device, scheme, f"{prefix}.qkv_proj")
+        self.qkv_proj = make_column(h, parts, cfg.qkv_bias, dtype, device, scheme, f"{prefix}.qkv_proj", tp_size)
         self.o_proj = make_row(cfg.num_heads * d, h, cfg.o_bias, dtype, device, scheme, f"{prefix}.o_proj",
                                q_start * d, self.num_heads * d, tp_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
