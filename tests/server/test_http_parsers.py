@@ -90,11 +90,11 @@ def test_an_unknown_or_missing_parser_is_refused():
             http_protocol("httptools")
 
 
-@pytest.mark.skipif(HttpToolsProtocol is None, reason="needs httptools")
-def test_a_large_head_pipelined_behind_a_request_is_a_431_with_httptools():
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_large_head_pipelined_behind_a_request_is_a_431(parser):
     """The head is counted as the parser reads it, not per socket read: 40 KB of head in the same write as a small
     request before it is refused (a per-read count starts at the first request and misses it)."""
-    with _server("httptools") as address:
+    with _server(parser) as address:
         with socket.create_connection(address, timeout=5) as conn:
             conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
                          b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40_000 + b"\r\n\r\n")

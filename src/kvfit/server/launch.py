@@ -279,6 +279,15 @@ class _HeadGuard:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head its parser refused: a 431 where the guard refused it for its size."""
+        if getattr(self, "_head_too_large", False):
+            self._cancel_head_timer()
+            self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
+            self.transport.close()
+            return
+        super().send_400_response(msg)
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self._awaiting_head() and not self.transport.is_closing():
@@ -292,6 +301,21 @@ class _H11HeadGuard(_HeadGuard, H11Protocol):
 
     def _awaiting_head(self) -> bool:
         return self.conn.their_state is h11.IDLE
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # each parsed request's head measured as h11 hands it over, whatever reads it came in (a head pipelined
+        # behind another request in one read escapes the per-read count)
+        parse = self.conn.next_event
+
+        def next_event():
+            event = parse()
+            if isinstance(event, h11.Request) and (
+                    len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEADER_BYTES):
+                self._head_too_large = True
+                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            return event
+        self.conn.next_event = next_event
 
 
 if HttpToolsProtocol is not None:
@@ -315,8 +339,7 @@ if HttpToolsProtocol is not None:
             super().on_message_complete()
             self._head_pending = True       # the next bytes begin the next request's head
 
-        # The head's size as the parser sees it, whatever reads it came in: a head pipelined behind another
-        # request in one read escapes the per-read count above (HeadSizeCounter starts at a read's start).
+        # the head's size as the parser sees it, whatever reads it came in (as _H11HeadGuard.connection_made)
         def on_message_begin(self) -> None:
             self._parsed_head_bytes = 0
             super().on_message_begin()
@@ -335,13 +358,6 @@ if HttpToolsProtocol is not None:
                 self._head_too_large = True
                 raise _HeadTooLarge()       # the parser stops; uvicorn answers its error (send_400_response)
 
-        def send_400_response(self, msg: str) -> None:
-            if getattr(self, "_head_too_large", False):
-                self._cancel_head_timer()
-                self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
-                self.transport.close()
-                return
-            super().send_400_response(msg)
 
 
 class _HeadTooLarge(Exception):
