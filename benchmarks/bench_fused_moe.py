@@ -192,7 +192,9 @@ def fp8_candidates(m: int, num_experts: int, top_k: int, hidden: int, inter: int
                    block_size: tuple[int, int] | None) -> list[dict[str, int]]:
     """FP8 configs worth timing at m tokens: the fallback (today's rule) first, then tiles by tokens per expert;
     the K step is the weight block's columns, gate/up tiles stay within MAX_BLOCKWISE_TILE (larger ones spill
-    on sm_90) and the pipeline within shared memory; the down launch's BLOCK_N is swept beside gate/up's."""
+    on sm_90) and the pipeline within shared memory; the down launch's BLOCK_N is swept beside gate/up's, and
+    with block scales a gate/up BLOCK_N of the blocks' columns also with the activation quantized in its
+    epilogue (QUANT_IN_GATE_UP)."""
     from kvfit.kernels import fp8_fused_experts as fe
     from kvfit.kernels.fused_moe import SMEM_BYTES, make_config
     block_k = block_size[1] if block_size else 128
@@ -216,8 +218,11 @@ def fp8_candidates(m: int, num_experts: int, top_k: int, hidden: int, inter: int
         cfg = make_config(bm, bn, block_k, group, w, st)
         if down_n != bn:
             cfg[fe.DOWN_BLOCK_N_KEY] = down_n
-        if cfg not in configs:
-            configs.append(cfg)
+        # a gate/up tile row that is one activation group may also write act in fp8 (no quantize launch)
+        fused = [{**cfg, fe.QUANT_IN_GATE_UP_KEY: 1}] if block_size is not None and bn == block_size[1] else []
+        for candidate in [cfg] + fused:
+            if candidate not in configs:
+                configs.append(candidate)
     return configs
 
 

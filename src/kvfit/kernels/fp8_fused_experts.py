@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import fused_moe as fm
-from kvfit.kernels.fp8 import Fp8Weight, quantize_activations
+from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, quantize_activations
 from kvfit.kernels.moe_align import moe_align
 from kvfit.platforms.gate import on_gpu, triton_applies
+from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 
 try:
     import triton
@@ -35,6 +36,9 @@ def fused_experts_applies(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # act's dtype inside the gate/up kernel when it writes fp8 (QUANT_OUT): the values are rounded to it first
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
     @triton.jit
     def _scaled_dot(a_ptrs, w_ptrs, a_scale_ptrs, w_scale_ptrs, acc, row_mask, offs_k, n_mask, k_left, kb,
                     BLOCKWISE: tl.constexpr, WHOLE_K: tl.constexpr, WHOLE_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -71,16 +75,19 @@ if triton is not None:
         return expert, pairs, pairs < num_pairs, first_n, offs_n, offs_n < N
 
     @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
-    def _gate_up_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_pair_ids_ptr, block_experts_ptr,
-                            num_pairs, num_m_blocks, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
-                            stride_wsn, stride_ap,
+    def _gate_up_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, act_scale_ptr, sorted_pair_ids_ptr,
+                            block_experts_ptr, num_pairs, num_m_blocks, stride_xt, stride_xst, stride_we, stride_wn,
+                            stride_wse, stride_wsn, stride_ap, stride_asp,
                             HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
                             NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
-                            DOT_FP32: tl.constexpr):
+                            DOT_FP32: tl.constexpr, QUANT_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                            FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
         # act[pair, n] = silu(xq[token] . w13[e, n]) * (xq[token] . w13[e, I + n]), scales applied;
         # GROUP_N 0: per-channel scales (w_scale [E, 2I, 1], x_scale [T, 1]), else [bn, BLOCK_K] blocks
-        # (INTER a multiple of bn: the up half starts a row block)
+        # (INTER a multiple of bn: the up half starts a row block). QUANT_OUT (block scales, BLOCK_N the down
+        # launch's K step): the tile is one quantization group per row, so act is written as the down launch
+        # reads it, fp8 plus a scale per (pair, group), with quantize_groups' numbers (rounded to ACT_DTYPE first)
         expert, pairs, row_mask, first_n, offs_n, n_mask = _pair_tile(
             sorted_pair_ids_ptr, block_experts_ptr, num_pairs, num_m_blocks, INTER, BLOCK_M, BLOCK_N, GROUP_M)
         if expert >= NUM_EXPERTS:       # past the last group: nothing to compute
@@ -118,7 +125,16 @@ if triton is not None:
             acc_u *= x_s * tl.load(us_ptrs, mask=n_mask, other=0.0)[None, :]
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                            # SiLU(gate) * up in fp32
         out_ptrs = act_ptr + pairs[:, None] * stride_ap + offs_n[None, :]
-        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+        out_mask = row_mask[:, None] & n_mask[None, :]
+        if QUANT_OUT:
+            act = tl.where(out_mask, act.to(ACT_DTYPE).to(tl.float32), 0.0)     # the values quantize_groups sees
+            amax = tl.max(tl.abs(act), axis=1)                                              # [BM]
+            scale = tl.div_rn(tl.maximum(amax, MIN_AMAX_C), FP8_MAX_C)
+            q = tl.minimum(tl.maximum(tl.div_rn(act, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(out_ptrs, q.to(act_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(act_scale_ptr + pairs * stride_asp + first_n // BLOCK_N, scale, mask=row_mask)
+        else:
+            tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _down_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, weights_ptr, sorted_pair_ids_ptr,
@@ -159,6 +175,10 @@ MAX_BLOCKWISE_TILE = 64 * 128
 # an FP8 config may add this key: the down launch's output columns (its tile holds one accumulator where the
 # gate/up launch's holds two); absent, the down launch takes BLOCK_SIZE_N as fused_moe's does
 DOWN_BLOCK_N_KEY = "BLOCK_SIZE_N_DOWN"
+# and this one, 1 with block scales and BLOCK_SIZE_N the blocks' columns: the gate/up launch writes its output in
+# fp8 with its per-group scales (one group per tile row), so no quantize launch and no 16-bit round trip of
+# act run between the two GEMMs; absent or 0, act is written in x's dtype and quantized by quantize_activations
+QUANT_IN_GATE_UP_KEY = "QUANT_IN_GATE_UP"
 
 # Tuned configs: (E, H, I, top_k, fp8_scales_name(block_size)) -> {M (tokens in the step): config}; fp8_config
 # takes the entry whose M is nearest. Paste the dict `benchmarks/bench_fused_moe.py --fp8 block` prints here.
@@ -214,13 +234,18 @@ def fallback_fp8_config(num_tokens: int, num_experts: int, hidden: int, inter: i
 
 def check_fp8_config(config: dict[str, int], block_size: tuple[int, int] | None) -> None:
     """fused_moe's config rules, DOWN_BLOCK_N_KEY optional; with block scales a K step is one block's columns."""
-    fm.check_config({k: v for k, v in config.items() if k != DOWN_BLOCK_N_KEY})
+    fm.check_config({k: v for k, v in config.items() if k not in (DOWN_BLOCK_N_KEY, QUANT_IN_GATE_UP_KEY)})
     down_n = config.get(DOWN_BLOCK_N_KEY, 16)
     if down_n < 16 or down_n & (down_n - 1):
         raise ValueError(f"config {DOWN_BLOCK_N_KEY}={down_n} must be a power of two >= 16")
     if block_size is not None and config["BLOCK_SIZE_K"] != block_size[1]:
         raise ValueError(f"config BLOCK_SIZE_K={config['BLOCK_SIZE_K']} must equal the weight blocks' "
                          f"{block_size[1]} columns (one scale per K step)")
+    if config.get(QUANT_IN_GATE_UP_KEY, 0) not in (0, 1):
+        raise ValueError(f"config {QUANT_IN_GATE_UP_KEY}={config[QUANT_IN_GATE_UP_KEY]} must be 0 or 1")
+    if config.get(QUANT_IN_GATE_UP_KEY) and (block_size is None or config["BLOCK_SIZE_N"] != block_size[1]):
+        raise ValueError(f"config {QUANT_IN_GATE_UP_KEY}=1 needs block scales and BLOCK_SIZE_N equal to their "
+                         "columns (one quantization group per tile row)")
 
 
 def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -246,16 +271,23 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     xq, x_scale = quantize_activations(x, probe)                                   # [T, H] fp8, [T, 1 or G]
     sorted_pair_ids, block_experts = moe_align(topk_ids, num_experts, block_m)
     num_m_blocks = block_experts.numel()
-    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)           # [T*k, I]
+    quant_out = bool(config.get(QUANT_IN_GATE_UP_KEY, 0))
+    if quant_out:     # act in fp8 straight from the gate/up launch, one scale per (pair, group of block_k)
+        act = torch.empty((num_pairs, inter), dtype=FP8_DTYPE, device=x.device)                      # [T*k, I]
+        act_scale = torch.empty((num_pairs, triton.cdiv(inter, block_k)), dtype=torch.float32, device=x.device)
+    else:
+        act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)                        # [T*k, I]
+        act_scale = act        # unused
     launch = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_K=block_k,
                   GROUP_M=config["GROUP_SIZE_M"], GROUP_N=group_n, DOT_FP32=not on_gpu(x),
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     xq = xq.contiguous()
     _gate_up_fp8_kernel[(num_m_blocks * triton.cdiv(inter, block_n),)](
-        xq, x_scale, w13, w13_scale, act, sorted_pair_ids, block_experts, num_pairs, num_m_blocks,
+        xq, x_scale, w13, w13_scale, act, act_scale, sorted_pair_ids, block_experts, num_pairs, num_m_blocks,
         xq.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), TOP_K=top_k, BLOCK_N=block_n, **launch)
-    aq, a_scale = quantize_activations(act, probe)                                 # [T*k, I] fp8
+        act.stride(0), act_scale.stride(0), TOP_K=top_k, BLOCK_N=block_n, QUANT_OUT=quant_out,
+        ACT_DTYPE=_TL_DTYPES[x.dtype], FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, **launch)
+    aq, a_scale = (act, act_scale) if quant_out else quantize_activations(act, probe)       # [T*k, I] fp8
     aq = aq.contiguous()
     pairs_out = out.view(num_pairs, hidden)
     _down_fp8_kernel[(num_m_blocks * triton.cdiv(hidden, down_n),)](
