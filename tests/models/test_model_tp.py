@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (2 ranks over gloo): the sharded model gives transformers' logits.
 
 Covers KV heads split across ranks, one KV head replicated on both (MQA), q/k/v bias (Qwen2), an
-o_proj bias added once after the all-reduce (Llama attention_bias), and a vocab-parallel embedding
-and lm_head over a vocabulary 2 does not divide, tied (Qwen3 with q/k norm). Every rank must end
+o_proj bias added once after the all-reduce (Llama attention_bias), a vocab-parallel embedding
+and lm_head over a vocabulary 2 does not divide, tied (Qwen3 with q/k norm), Mistral, and experts
+(Mixtral; Qwen2-MoE with its shared expert). Every rank must end
 with the same full logits. In-process: the loader reads only each rank's slice of each tensor.
 """
 
@@ -28,7 +29,10 @@ def test_two_ranks_match_transformers(tmp_path, tiny_llama, tiny_qwen2):
     from transformers import AutoModelForCausalLM
     mqa_bias = make_tiny_model(tmp_path, arch="llama", num_kv_heads=1, attention_bias=True, seed=4)
     tied_odd_vocab = make_tiny_model(tmp_path, arch="qwen3", vocab_size=321, tie_word_embeddings=True, seed=5)
-    folders = [tiny_llama, tiny_qwen2, mqa_bias, tied_odd_vocab]
+    # the fused q/k/v and gate/up of every family, experts and a shared expert split over ranks too
+    others = [make_tiny_model(tmp_path, arch=arch, seed=6 + i, name=f"tp-{arch}")
+              for i, arch in enumerate(("mistral", "mixtral", "qwen2_moe"))]
+    folders = [tiny_llama, tiny_qwen2, mqa_bias, tied_odd_vocab, *others]
     tokens = random_tokens(load_model_facts(tiny_llama).vocab_size, 14, seed=3)
     out_file = str(tmp_path / "logits.pt")
     mp.spawn(rank_main, args=(2, str(tmp_path / "init"), folders, tokens, 10, out_file), nprocs=2, join=True)
