@@ -35,13 +35,14 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 sys.path.insert(0, HERE)
 
 
-def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str, loop: str) -> None:
+def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str, loop: str, gc_tuned: bool) -> None:
     """The server process: the front-end in front of a stand-in engine core; writes its port, serves until killed."""
     sys.path[:0] = [TESTS, os.path.join(TESTS, "server")]
     from fake_engine import FakeEngine
     from server_testing import running_server
 
     from kvfit.server.core_process import EngineCoreClient
+    from kvfit.server.gc_tuning import tune_gc_after_startup
     from kvfit.server.launch import ConnectionLimits
     from kvfit.text.tokenizer import load_tokenizer
     factory = functools.partial(FakeEngine, max_model_len=4096, max_running=streams, step_seconds=step_ms / 1e3)
@@ -50,6 +51,8 @@ def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str
     try:
         limits = ConnectionLimits(max_connections=None, http_parser=parser, event_loop=loop)
         with running_server(client, model_name="bench", limits=limits) as (url, _):
+            if gc_tuned:                # as kvfit serve does once it serves
+                tune_gc_after_startup("HTTP front-end")
             with open(port_file, "w") as f:
                 f.write(url.rsplit(":", 1)[1])
             while True:
@@ -96,10 +99,12 @@ def main() -> int:
     ap.add_argument("--py-spy", action="store_true")
     ap.add_argument("--http-parser", default="auto", choices=["auto", "httptools", "h11"])
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
+    ap.add_argument("--default-gc", action="store_true", help="leave the front-end's garbage collector at "
+                                                               "CPython's defaults (kvfit serve tunes it)")
     ap.add_argument("--serve", nargs=2, metavar=("FOLDER", "PORT_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(*args.serve, args.streams, args.step_ms, args.http_parser, args.event_loop)
+        serve(*args.serve, args.streams, args.step_ms, args.http_parser, args.event_loop, not args.default_gc)
         return 0
     from bench_serve import make_folder, make_requests, median_spread, process_cpu, run_load
     root = tempfile.mkdtemp(prefix="kvfit-frontend-")
@@ -108,7 +113,8 @@ def main() -> int:
     port_file = os.path.join(root, "port")
     server = subprocess.Popen([sys.executable, __file__, "--streams", str(args.streams), "--step-ms",
                                str(args.step_ms), "--http-parser", args.http_parser, "--event-loop", args.event_loop,
-                               "--serve", folder, port_file], start_new_session=True)
+                               *(["--default-gc"] if args.default_gc else []), "--serve", folder, port_file],
+                              start_new_session=True)
     try:
         while not os.path.exists(port_file) or not open(port_file).read():
             if server.poll() is not None:

@@ -88,6 +88,7 @@ def run(args) -> int:
     from kvfit.text.tokenizer import load_tokenizer
     from kvfit.server.app import create_app
     from kvfit.server.core_process import EngineCoreClient
+    from kvfit.server.gc_tuning import tune_gc_after_startup
     from kvfit.server.launch import (ConnectionLimits, GuardOptions, bind_socket, install_guards, resolve_api_key,
                                      serve, startup_warnings, url_of)
     settings = engine_kwargs(args)
@@ -120,6 +121,7 @@ def run(args) -> int:
                 logging.getLogger("kvfit").warning(line.removeprefix("warning: "))    # the log's one format
             # the capacity line is the engine core's, in the log (once); stdout: the URL, then "stopped"
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)
+            tune_gc_after_startup("HTTP front-end")
             serve(app, sock, engine.begin_shutdown, log_level=args.uvicorn_log_level or args.log_level,
                   limits=limits, dead_reason=engine.check_dead)     # a dead engine ends the server: exit 1
             dead_reason = engine.check_dead()

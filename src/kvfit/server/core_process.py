@@ -48,6 +48,7 @@ from kvfit.server.core_protocol import (COMMAND_DECODER, ENCODER, REPLY_DECODER,
                                         AddResult, CloseCommand, DeltaTracker, ErrorInfo, FrontEndText, OutputAccumulator,
                                         OutputBatch, Ready, StartFailed, StopCommand)
 from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
+from kvfit.server.gc_tuning import tune_gc_after_startup
 from kvfit.server.prepare import as_api_error
 from kvfit.server.protocol import APIError
 
@@ -107,6 +108,7 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
             send(Ready(engine.max_model_len, engine.max_logprobs, core.max_num_seqs,
                        dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
                        core.stats, list(engine.eos_token_ids)))
+            tune_gc_after_startup("engine core")
             _CoreLoop(core, commands, send, parent_pid).run()
         finally:
             engine.shutdown()
