@@ -110,3 +110,27 @@ def test_cuda_measure_names_co_tenants_and_refuses_saying_who(monkeypatch):
     dev.others = 79 * GiB
     with pytest.raises(CapacityError, match=r"held by other processes \(pid 4242 python holds 12.00 GiB\)"):
         platform.measure(fake_steps(dev, GiB, GiB, 0, 0), CacheConfig())
+
+
+def test_memory_nvml_names_nobody_for_is_still_costed(monkeypatch):
+    """A PID namespace (another container) hides the process holding 12 GiB: NVML lists nothing, so the reading
+    names what no listed process accounts for (in use outside this process's torch memory, less its own CUDA
+    context), and the plan costs it in blocks; a few hundred MiB beyond the context is no co-tenant."""
+    from test_platforms import FakeCuda, fake_steps
+    from kvfit.config import CacheConfig
+    from kvfit.kv.plan import UNLISTED_PID
+    from kvfit.platforms import cuda as cuda_platform
+    from kvfit.platforms.estimate import CUDA_CONTEXT_BYTES
+    from kvfit.platforms.nvml import UNLISTED_NAME
+    dev = FakeCuda(total=80 * GiB, others=12 * GiB + CUDA_CONTEXT_BYTES)
+    monkeypatch.setattr(cuda_platform.torch, "cuda", dev.module())
+    platform = cuda_platform.CudaPlatform.__new__(cuda_platform.CudaPlatform)
+    platform.device, platform.device_index = "cuda:0", 0
+    platform.nvml = FakeNvml({"GPU-0": []})
+    reading = platform.measure(fake_steps(dev, GiB, GiB, 0, 0), CacheConfig())
+    assert reading.co_tenants == ((UNLISTED_PID, UNLISTED_NAME, 12 * GiB),)
+    plan = plan_kv_cache(reading, spec(), PlanLimits(max_model_len=1024))
+    assert plan.co_tenants and plan.co_tenants[0].startswith(f"{UNLISTED_NAME} holds 12.00 GiB of the device: ")
+    assert "pid 0" not in plan.log_line() and UNLISTED_NAME in reading.explain()
+    dev.others = CUDA_CONTEXT_BYTES + 300 * 2**20
+    assert platform.measure(fake_steps(dev, GiB, GiB, 0, 0), CacheConfig()).co_tenants == ()

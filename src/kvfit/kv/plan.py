@@ -67,7 +67,7 @@ class MemoryReading:
         return self.budget_bytes - self.non_torch_bytes - (self.in_use_at_start_bytes - self.own_torch_at_start_bytes)
 
     def explain(self) -> str:
-        others = "".join(f"; pid {pid} {name} holds {gib(used)}" for pid, name, used in self.co_tenants)
+        others = "".join(f"; {tenant_label(pid, name)} holds {gib(used)}" for pid, name, used in self.co_tenants)
         return (f"budget {gib(self.budget_bytes)} - weights {gib(self.weights_bytes)} - activation peak "
                 f"{gib(self.activation_peak_bytes)} - non-torch {gib(self.non_torch_bytes)} - CUDA graphs "
                 f"{gib(self.cuda_graph_bytes)} - in use at start (context, other processes, own tensors) "
@@ -241,6 +241,14 @@ def assess_kv_cache(reading: MemoryReading | Sequence[MemoryReading], spec: KVSp
         max_model_len_cap=limits.max_model_len if limits.max_model_len_auto else None)
 
 
+UNLISTED_PID = 0     # a co-tenant entry for memory held outside this process that NVML attributes to no listed process
+
+
+def tenant_label(pid: int, name: str) -> str:
+    """'pid 4242 python', or the name alone for memory no listed process accounts for (UNLISTED_PID)."""
+    return name if pid == UNLISTED_PID else f"pid {pid} {name}"
+
+
 def co_tenant_costs(reading: MemoryReading, spec: KVSpec, num_blocks: int, other_limits) -> list[str]:
     """One line per other process whose memory costs the plan blocks: the blocks the plan would have without
     it (the same limits, its bytes back in the budget) less those it has. other_limits: (name, blocks or None)."""
@@ -253,7 +261,7 @@ def co_tenant_costs(reading: MemoryReading, spec: KVSpec, num_blocks: int, other
                                  "co_tenants": ()})
         fewer = min([memory_limit_blocks(freed, spec), *caps]) - num_blocks
         if fewer > 0:
-            lines.append(f"pid {pid} {name} holds {gib(used)} of the device: {fewer:,} blocks fewer")
+            lines.append(f"{tenant_label(pid, name)} holds {gib(used)} of the device: {fewer:,} blocks fewer")
     return lines
 
 

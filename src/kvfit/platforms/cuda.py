@@ -11,7 +11,8 @@ from kvfit.config import CacheConfig
 from kvfit.errors import CapacityError
 from kvfit.kv.plan import MemoryReading, device_budget_bytes, over_budget
 from kvfit.platforms.base import Platform, StartupSteps
-from kvfit.platforms.nvml import co_tenant_note, co_tenants
+from kvfit.platforms.estimate import CUDA_CONTEXT_BYTES
+from kvfit.platforms.nvml import co_tenant_note, co_tenants, unlisted_tenant
 
 
 def _expandable_segments() -> None:
@@ -112,7 +113,8 @@ class CudaPlatform(Platform):
         # Non-torch growth is measured from the outside-torch part alone.
         in_use_at_start = used
         outside_torch_at_start = used - torch.cuda.memory_reserved(self.device)
-        tenants = self.co_tenants()             # who else holds part of in_use_at_start (NVML)
+        # who else holds part of in_use_at_start (NVML); where it names nobody, what no listed process accounts for
+        tenants = self.co_tenants() or unlisted_tenant(outside_torch_at_start, CUDA_CONTEXT_BYTES)
         budget = device_budget_bytes(total, cache.gpu_memory_utilization)
         who = f" ({co_tenant_note(tenants)})" if tenants else ""
         problem = None if cache.kv_cache_memory is not None else over_budget(

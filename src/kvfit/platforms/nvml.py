@@ -11,7 +11,21 @@ from __future__ import annotations
 
 import os
 
-from kvfit.units import gib
+from kvfit.kv.plan import UNLISTED_PID, tenant_label
+from kvfit.units import GiB, gib
+
+# memory in use at start outside this process's torch memory, past its own CUDA context, that NVML lists no
+# process for (a PID namespace hides other containers' processes, or no permission) is named as one entry at
+# least this large (below it: the context's own size varies by device and driver)
+UNLISTED_MIN_BYTES = 1 * GiB
+UNLISTED_NAME = "memory no listed process accounts for (another container, or NVML without permission)"
+
+
+def unlisted_tenant(outside_torch_bytes: int, own_context_bytes: int) -> tuple[tuple[int, str, int], ...]:
+    """Where NVML names nobody: one (UNLISTED_PID, UNLISTED_NAME, bytes) entry for what is in use outside this
+    process's torch memory and its context, when that is at least UNLISTED_MIN_BYTES; else ()."""
+    unlisted = outside_torch_bytes - own_context_bytes
+    return ((UNLISTED_PID, UNLISTED_NAME, unlisted),) if unlisted >= UNLISTED_MIN_BYTES else ()
 
 
 def _binding():
@@ -71,5 +85,5 @@ def co_tenant_note(tenants, bytes_per_block: int | None = None) -> str:
     parts = []
     for pid, name, used in tenants:
         blocks = f": {used // bytes_per_block:,} blocks fewer" if bytes_per_block else ""
-        parts.append(f"pid {pid} {name} holds {gib(used)}{blocks}")
+        parts.append(f"{tenant_label(pid, name)} holds {gib(used)}{blocks}")
     return "; ".join(parts)
