@@ -11,8 +11,10 @@ Rates: `inf` (every request at once) or a Poisson rate in requests/s; --max-conc
 in flight. While requests run, /health is probed every 50 ms (its latency is reported).
 
 Reports per engine and row: request throughput, output tok/s, TTFT, TPOT and ITL p50/p90/p99, errors,
-/health p99, and CPU microseconds per output token of the server process (HTTP, tokenizing, detokenizing,
-SSE) and of its children (the engine core): 1e6 / the front-end's figure is what one front-end process could
+/health p99, the mean of each engine phase of a request from the server's own vllm:request_{queue,prefill,
+decode,inference}_time_seconds histograms (TTFT less queue + prefill is what the HTTP side and the IPC add), and
+CPU microseconds per output token of the server process (HTTP, tokenizing, detokenizing, SSE) and of its
+children (the engine core): 1e6 / the front-end's figure is what one front-end process could
 carry; medians over --runs (spread = (max - min) / median) and the kvfit / vllm ratio.
 
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --num-requests 512 --rates inf --runs 2
@@ -220,6 +222,43 @@ def summarize(results: list[dict], duration: float, health: list) -> dict:
     return out
 
 
+PHASES = ("queue", "prefill", "decode", "inference")
+
+
+def phase_sums(port: int) -> dict[str, float]:
+    """{'queue_sum': s, 'queue_count': n, ...} from the server's vllm:request_*_time_seconds histograms (both
+    servers expose them: the engine's own stage times of each finished request); {} where it has none."""
+    try:
+        text = asyncio.run(_get_text(port, "/metrics"))
+    except OSError:
+        return {}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        for phase in PHASES:
+            for part in ("sum", "count"):
+                if line.startswith(f"vllm:request_{phase}_time_seconds_{part}"):
+                    key = f"{phase}_{part}"
+                    sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+async def _get_text(port: int, path: str) -> str:
+    """The body of GET path ('' unless 200)."""
+    status, pieces = await _http(port, "GET", path, None)
+    body = b"".join([piece async for piece in pieces])
+    return body.decode() if status == 200 else ""
+
+
+def phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms of each engine phase over the requests that finished between two scrapes."""
+    means = {}
+    for phase in PHASES:
+        count = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0)
+        if count > 0:
+            means[f"{phase}_mean_ms"] = (after[f"{phase}_sum"] - before.get(f"{phase}_sum", 0.0)) / count * 1e3
+    return means
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process (Linux /proc; its threads, not its children)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -396,8 +435,10 @@ def main() -> None:
             for rate in rates:
                 runs = []
                 for run in range(args.runs):
-                    cpu_before = process_cpu(proc.pid)
+                    cpu_before, phases_before = process_cpu(proc.pid), phase_sums(port)
                     summary = asyncio.run(run_load(port, requests, rate, args.max_concurrency, seed=run))
+                    # where each request's time went inside the engine (queue, prefill, decode), both servers
+                    summary.update(phase_means_ms(phases_before, phase_sums(port)))
                     # CPU per output token of the HTTP process and of the engine core: the front-end's share
                     # says how many tokens a second one front-end process can carry
                     tokens = summary["out_tok_s"] * summary["duration_s"]
@@ -414,7 +455,8 @@ def main() -> None:
     for (engine, rate), runs in results.items():
         row = {}
         for key in ("out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
-                    "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token"):
+                    "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token",
+                    *(f"{phase}_mean_ms" for phase in PHASES)):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 row[key] = median_spread(values)

@@ -83,6 +83,20 @@ def test_deltas_rebuild_every_cumulative_output_through_msgpack():
     assert tracker._sent == {}            # a finished request leaves nothing behind
 
 
+def test_a_finished_request_s_phases_cross_the_process_boundary():
+    """RequestOutput.metrics (the engine's stage times) reach the front-end with the finished delta only."""
+    from kvfit.engine.output import RequestMetrics
+    tracker, accumulator = DeltaTracker(), OutputAccumulator("r", [1, 2])
+    running = _output("a", [7], False)
+    done = _output("ab", [7, 8], True, "length")
+    done.metrics = RequestMetrics(10.0, 10.25, 10.75, 12.0)
+    assert accumulator.apply(_roundtrip(tracker.delta(running))).metrics is None
+    rebuilt = accumulator.apply(_roundtrip(tracker.delta(done)))
+    assert rebuilt.metrics == done.metrics
+    assert rebuilt.metrics.phases() == {"queue": 0.25, "prefill": 0.5, "decode": 1.25, "inference": 1.75}
+    assert RequestMetrics(1.0, None, None, 2.0).phases() is None          # never scheduled (aborted waiting)
+
+
 def test_finished_samples_of_n_are_sent_once():
     tracker = DeltaTracker()
     a_done = CompletionOutput(0, "x", [1], finish_reason="length")

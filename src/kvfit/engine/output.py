@@ -40,6 +40,27 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When the engine saw the request's stages, in its process's time.monotonic() seconds (vLLM's
+    RequestOutput.metrics): arrival, first admission into a step, first output token applied, end."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def phases(self) -> dict[str, float] | None:
+        """vLLM's per-request phases in seconds (queue, prefill, decode, inference); None before the end or
+        without a first token."""
+        if None in (self.first_scheduled_time, self.first_token_time, self.finished_time):
+            return None
+        return {"queue": self.first_scheduled_time - self.arrival_time,
+                "prefill": self.first_token_time - self.first_scheduled_time,
+                "decode": self.finished_time - self.first_token_time,
+                "inference": self.finished_time - self.first_scheduled_time}
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -48,3 +69,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None      # set on a finished request's output

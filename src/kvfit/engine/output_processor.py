@@ -10,7 +10,9 @@ with their decoded text (vLLM's: the token decoded alone, special tokens kept).
 
 from __future__ import annotations
 
-from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+import time
+
+from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvfit.engine.request import Request
 from kvfit.step import TokenLogprobs
 from kvfit.text.detokenizer import IncrementalDetokenizer
@@ -137,6 +139,8 @@ class OutputProcessor:
         prompt = state.prompt if state else None
         prompt_logprobs = list(state.prompt_logprobs) if state and state.prompt_logprobs is not None else None
         sample = self.sample(req, finished)
+        metrics = (RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, time.monotonic())
+                   if finished else None)
         return RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_token_ids,
                              prompt_logprobs=prompt_logprobs, outputs=[sample], finished=finished,
-                             num_cached_tokens=req.num_cached_prompt_tokens)
+                             num_cached_tokens=req.num_cached_prompt_tokens, metrics=metrics)

@@ -26,6 +26,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 0            # min(prompt + max_tokens, max_model_len), set at admission
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None    # monotonic s: first admitted into a step (queue time ends)
+    first_token_time: float | None = None        # monotonic s: its first output token applied (prefill ends)
     num_computed_tokens: int = 0         # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0    # prefix-cache hit at the first admission
     num_preemptions: int = 0
@@ -68,6 +70,8 @@ class Request:
         return self.token_ids
 
     def append_output(self, token: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.token_ids.append(token)
 
     @property

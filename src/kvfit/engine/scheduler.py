@@ -17,6 +17,7 @@ engine's output processor decides and calls finish().
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 
@@ -261,6 +262,8 @@ class Scheduler:
                 self.num_prefix_hits += num_hit
                 req.num_cached_prompt_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:       # a preempted request keeps its first admission
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled.append(_Scheduled(req, num_new, [], is_new=True))
             budget -= num_new

@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import msgspec
 
-from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvfit.engine.output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvfit.sampling_params import SamplingParams
 from kvfit.server.protocol import APIError
 from kvfit.text.detokenizer import IncrementalDetokenizer
@@ -119,6 +119,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt: str | None = None
     # sent once, with the first delta that has them
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # the finished delta: the engine's RequestMetrics times (the core's time.monotonic(); only their differences
+    # are read): arrival, first scheduled, first token, finished
+    metrics: tuple[float, float | None, float | None, float | None] | None = None
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -165,8 +168,10 @@ class DeltaTracker:
             self._sent.pop(output.request_id, None)
         else:
             self._sent[output.request_id] = (sent, prompt_sent)
+        m = output.metrics
+        metrics = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
         return RequestDelta(output.request_id, output.finished, samples, output.num_cached_tokens, output.prompt,
-                            prompt_logprobs)
+                            prompt_logprobs, metrics)
 
     def drop(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -265,7 +270,8 @@ class OutputAccumulator:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              prompt_logprobs=self.prompt_logprobs,
                              outputs=[self.samples[i] for i in sorted(self.samples)], finished=delta.finished,
-                             num_cached_tokens=delta.num_cached_tokens)
+                             num_cached_tokens=delta.num_cached_tokens,
+                             metrics=None if delta.metrics is None else RequestMetrics(*delta.metrics))
 
 
 ENCODER = msgspec.msgpack.Encoder()

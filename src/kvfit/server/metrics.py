@@ -156,6 +156,15 @@ class ServerMetrics:
                               "time_per_output_token_seconds per request.", buckets=VLLM_ITL_BUCKETS)
         self.vllm_e2e = vllm(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency "
                              "in seconds.", buckets=VLLM_LATENCY_BUCKETS)
+        # the engine's own phases of a finished request (RequestOutput.metrics), as vLLM's: waiting before its
+        # first step, first step to first token, first token to the end, first step to the end
+        self.vllm_phases = {phase: vllm(Histogram, f"vllm:request_{phase}_time_seconds", documentation,
+                                        buckets=VLLM_LATENCY_BUCKETS)
+                            for phase, documentation in (
+                                ("queue", "Histogram of time spent in WAITING phase for request."),
+                                ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                                ("decode", "Histogram of time spent in DECODE phase for request."),
+                                ("inference", "Histogram of time spent in RUNNING phase for request."))}
         token_buckets = one_two_five_buckets(max_model_len)
         self.vllm_request_prompt_tokens = vllm(Histogram, "vllm:request_prompt_tokens", "Number of prefill "
                                                "tokens processed.", buckets=token_buckets)
@@ -185,6 +194,10 @@ class ServerMetrics:
 
     def observe(self, stream, num_output_tokens: int, reason: str, end_time: float | None = None) -> None:
         """Record one ended request (stream: an async_engine.RequestStream)."""
+        metrics = getattr(stream.output, "metrics", None) if stream.output is not None else None
+        phases = metrics.phases() if metrics is not None else None
+        for phase, seconds in (phases or {}).items():
+            self.vllm_phases[phase].observe(seconds)
         self.finished.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(stream.num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
