@@ -48,6 +48,7 @@ for s in "$@"; do case $s in
   decode-long) step decode-long 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 16 --kv-heads 8 --sweep ;;
   cudnn-probe) step cudnn-probe 240 bash -c "python3 benchmarks/probe_cudnn_attention.py && python3 benchmarks/probe_cudnn_attention.py --q-heads 32" ;;
   prefill-attn) step prefill-attn 300 bash -c "python3 benchmarks/bench_prefill_attention.py --sweep && python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32" ;;
+  sanitizer) step sanitizer 580 bash -c "compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py && compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py --kv-cache-dtype fp8" ;;
   fp8-gpu) step fp8-gpu 330 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -q -s -p no:cacheprovider ;;
   capacity-new) step capacity-new 300 python3 -m pytest tests/gpu/test_co_tenants_gpu.py tests/gpu/test_sampler_reserve_gpu.py tests/gpu/test_headroom_gpu.py -q -s -p no:cacheprovider ;;
   *) echo "unknown step $s" ;;
