@@ -13,16 +13,31 @@ from kvfit.model_facts import DTYPE_ALIASES, ModelFacts
 from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 
 
+# A step's sequence lengths and query offsets are int32 on the device (runner/batch.py): no request is longer.
+MAX_SEQUENCE_TOKENS = 2**31 - 1
+
+
 def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int:
-    """The requested context length, or the model's; longer than the model's is an error. For "auto"
-    the model's too: the upper bound that sizing (block-table rows, graphs) may use; the plan lowers it
-    to what one request can hold (KVPlan.max_model_len)."""
-    if requested is None or requested == AUTO_MAX_MODEL_LEN:
+    """The requested context length, or the model's; longer than the model's is an error, and so is a model
+    length past MAX_SEQUENCE_TOKENS taken by default. For "auto" the model's too (at most MAX_SEQUENCE_TOKENS):
+    the upper bound that sizing (block-table rows, graphs) may use; the plan lowers it to what one request can
+    hold (KVPlan.max_model_len)."""
+    if requested == AUTO_MAX_MODEL_LEN:
+        return min(facts.max_position_embeddings, MAX_SEQUENCE_TOKENS)
+    if requested is None:
+        if facts.max_position_embeddings > MAX_SEQUENCE_TOKENS:
+            raise ConfigError(
+                f"the model's max_position_embeddings {facts.max_position_embeddings} is longer than the "
+                f"{MAX_SEQUENCE_TOKENS:,} tokens a sequence can have here (int32 sequence lengths); pass "
+                "--max-model-len (or --max-model-len auto)")
         return facts.max_position_embeddings
     if requested > facts.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len {requested} is longer than the model's max_position_embeddings "
             f"{facts.max_position_embeddings}; use at most {facts.max_position_embeddings}")
+    if requested > MAX_SEQUENCE_TOKENS:
+        raise ConfigError(f"--max-model-len {requested} is longer than the {MAX_SEQUENCE_TOKENS:,} tokens a sequence "
+                          f"can have here (int32 sequence lengths); use at most {MAX_SEQUENCE_TOKENS}")
     return requested
 
 
