@@ -423,6 +423,12 @@ def test_a_sigterm_during_start_up_ends_the_core_and_removes_its_socket_folder(t
     assert list(tmp_path.glob("kvfit-core-*")) == []
 
 
+def apply_batch(client, batch) -> None:
+    """What the loop does with one core batch, all at once."""
+    for _, piece in client._batch_pieces(batch, 0.0):
+        piece()
+
+
 def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
     """One broken delta in a batch: its request gets a 500 and is aborted; the batch's other requests go on."""
     from kvfit.server.async_engine import RequestStream
@@ -431,7 +437,6 @@ def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
     async def run():
         client = EngineCoreClient.__new__(EngineCoreClient)
         client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
-        client._head_applied = 0
         sent = []
         client.abort = sent.append
         good, bad = RequestStream("good"), RequestStream("bad")
@@ -439,9 +444,9 @@ def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
         client._streams["bad"] = (bad, OutputAccumulator("bad", [1]))
         broken = SampleDelta(0, 5, "x", [2], None, None, None, None)      # keeps 5 chars of an empty text
         client._streams["bad"][1].apply = lambda delta: (_ for _ in ()).throw(ValueError("broken"))
-        client._dispatch(OutputBatch([], [RequestDelta("bad", False, [broken]),
-                                          RequestDelta("good", True, [SampleDelta(0, 0, "hi", [7], None, None,
-                                                                                  "length", None)])], [], {}), 0.0)
+        apply_batch(client, OutputBatch([], [RequestDelta("bad", False, [broken]),
+                                             RequestDelta("good", True, [SampleDelta(0, 0, "hi", [7], None, None,
+                                                                                     "length", None)])], [], {}))
         with pytest.raises(APIError) as info:
             await bad.next()
         assert info.value.status == 500 and sent == ["bad"]
@@ -462,7 +467,7 @@ def test_a_large_round_is_applied_in_chunks_in_order():
         loop = asyncio.get_running_loop()
         client = EngineCoreClient.__new__(EngineCoreClient)
         client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
-        client._work, client._draining, client._head_applied, client._loop = collections.deque(), False, 0, loop
+        client._work, client._draining, client._loop = collections.deque(), False, loop
         streams = {f"r{i}": RequestStream(f"r{i}") for i in range(300)}
         for rid, stream in streams.items():
             client._streams[rid] = (stream, OutputAccumulator(rid, [1]))
@@ -473,7 +478,7 @@ def test_a_large_round_is_applied_in_chunks_in_order():
             ticks.append(sum(not s.queue.empty() for s in streams.values()))
             if len(ticks) < 5:
                 loop.call_soon(tick)
-        client._call_on_loop(client._dispatch, OutputBatch([], deltas, [], {"running": 300}), 0.0)
+        client._hand_over(client._batch_pieces(OutputBatch([], deltas, [], {"running": 300}), 0.0))
         client._call_on_loop(client._end_all, APIError(503, "gone", "service_unavailable"))
         loop.call_soon(tick)
         await asyncio.sleep(0)

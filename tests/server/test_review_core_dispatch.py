@@ -17,7 +17,7 @@ def test_work_after_a_failing_piece_is_still_applied():
         loop = asyncio.get_running_loop()
         client = EngineCoreClient.__new__(EngineCoreClient)
         client._streams, client._pending, client._stats, client.dead_reason = {}, {}, {}, None
-        client._work, client._draining, client._head_applied, client._loop = collections.deque(), False, 0, loop
+        client._work, client._draining, client._loop = collections.deque(), False, loop
         stream = RequestStream("r")
         client._streams["r"] = (stream, OutputAccumulator("r", [1]))
 
@@ -25,7 +25,7 @@ def test_work_after_a_failing_piece_is_still_applied():
             raise RuntimeError("a bug on the loop side")
         client._call_on_loop(broken)
         delta = RequestDelta("r", True, [SampleDelta(0, 0, "hi", [7], None, None, "length", None)])
-        client._call_on_loop(client._dispatch, OutputBatch([], [delta], [], {"running": 0}), 0.0)
+        client._hand_over(client._batch_pieces(OutputBatch([], [delta], [], {"running": 0}), 0.0))
         output = await asyncio.wait_for(stream.next(), 2)
         assert output.outputs[0].text == "hi" and client._stats == {"running": 0}
         for _ in range(3):

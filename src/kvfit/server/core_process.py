@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import zmq
 
@@ -238,10 +239,9 @@ class EngineCoreClient(ServingEngine):
         self._last_message = time.monotonic()               # when the core last sent anything (reader)
         self._waiting_since = self._last_message            # when requests last began to wait on an idle core
         self._reader = threading.Thread(target=self._read, name="kvfit-core-reader", daemon=True)
-        # the reader's work waiting for the loop, in order (loop only): (function, args); see _drain
+        # the reader's work waiting for the loop, in order (loop only): (number of deltas, work); see _drain
         self._work: collections.deque[tuple] = collections.deque()
         self._draining = False
-        self._head_applied = 0
 
     @classmethod
     def launch(cls, factory, *, tokenizer, generation_config, model_folder: str | None,
@@ -372,61 +372,63 @@ class EngineCoreClient(ServingEngine):
                 self._last_message = time.monotonic()
             except zmq.ZMQError:           # closed by stop()
                 return
-            self._call_on_loop(self._dispatch, message, time.monotonic())
+            self._hand_over(self._batch_pieces(message, time.monotonic()))
 
     def _call_on_loop(self, fn, *args) -> None:
         """Run fn(*args) on the event loop after everything the reader handed over before it (in order)."""
+        self._hand_over([(0, functools.partial(fn, *args))])
+
+    def _hand_over(self, pieces: list[tuple[int, Callable[[], None]]]) -> None:
+        """Queue (number of deltas, work) pieces for the loop, in order, from any thread."""
         if self._loop is None:       # never started: no request was taken
             return
         try:
-            self._loop.call_soon_threadsafe(self._enqueue, fn, args)
+            self._loop.call_soon_threadsafe(self._enqueue, pieces)
         except RuntimeError:         # the loop is closed: nobody is left to tell
             pass
 
-    def _enqueue(self, fn, args: tuple) -> None:
-        self._work.append((fn, args))
+    def _enqueue(self, pieces: list[tuple[int, Callable[[], None]]]) -> None:
+        self._work.extend(pieces)
         if not self._draining:
             self._draining = True
             self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
-        """The reader's work in order, DISPATCH_CHUNK deltas at a time: between chunks the loop runs its other
-        callbacks (the streams woken so far, /health), so a round of 2,000 outputs does not hold it for one
+        """The reader's work in order, about DISPATCH_CHUNK deltas per callback: between callbacks the loop runs
+        its other work (the streams woken so far, /health), so a round of 2,000 outputs does not hold it for one
         long callback."""
         budget = DISPATCH_CHUNK
         while self._work and budget > 0:
-            fn, args = self._work[0]
+            num_deltas, piece = self._work.popleft()
+            budget -= num_deltas
             try:
-                if fn == self._dispatch:
-                    done, budget = self._dispatch(*args, budget=budget)
-                    if not done:
-                        break
-                else:
-                    fn(*args)
+                piece()
             except Exception:      # a bug: that piece is dropped, the work behind it still runs (and drains)
                 logger.exception("applying the engine core's output failed")
-                self._head_applied = 0
-            self._work.popleft()
         if self._work:
             self._loop.call_soon(self._drain)
         else:
             self._draining = False
 
-    def _dispatch(self, batch: OutputBatch, now: float, budget: int = 1 << 62) -> tuple[bool, int]:
-        """Apply up to `budget` more of the batch's deltas (its adds first, its errors and stats last); whether
-        the batch is done, and the budget left. Only the batch at the head of the work can be part-applied:
-        self._head_applied counts its deltas applied so far."""
-        start = self._head_applied
-        if start == 0:
-            for result in batch.added:
-                self._settle_add(result)
-        end = min(len(batch.deltas), start + budget)
-        for delta in batch.deltas[start:end]:
+    def _batch_pieces(self, batch: OutputBatch, now: float) -> list[tuple[int, Callable[[], None]]]:
+        """One core batch as loop work, in order: its adds, its deltas DISPATCH_CHUNK at a time, then its errors,
+        stats and (once) the engine's death."""
+        pieces = [(0, functools.partial(self._settle_adds, batch.added))]
+        for start in range(0, len(batch.deltas), DISPATCH_CHUNK):
+            chunk = batch.deltas[start:start + DISPATCH_CHUNK]
+            pieces.append((len(chunk), functools.partial(self._apply_deltas, chunk, now)))
+        pieces.append((0, functools.partial(self._end_batch, batch)))
+        return pieces
+
+    def _settle_adds(self, results: list[AddResult]) -> None:
+        for result in results:
+            self._settle_add(result)
+
+    def _apply_deltas(self, deltas: list, now: float) -> None:
+        for delta in deltas:
             self._apply_delta(delta, now)
-        if end < len(batch.deltas):
-            self._head_applied = end
-            return False, 0
-        self._head_applied = 0
+
+    def _end_batch(self, batch: OutputBatch) -> None:
         for request_id, info in batch.errors:
             entry = self._streams.pop(request_id, None)
             if entry is not None:
@@ -434,7 +436,6 @@ class EngineCoreClient(ServingEngine):
         self._stats = batch.stats
         if batch.dead_reason is not None:
             self._fail_everything(batch.dead_reason)
-        return True, budget - (end - start)
 
     def _apply_delta(self, delta, now: float) -> None:
         entry = self._streams.get(delta.request_id)
