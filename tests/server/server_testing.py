@@ -129,3 +129,33 @@ def spawned_children(parent_pid: int) -> list[int]:
         if ppid == parent_pid and "spawn_main" in cmdline:
             pids.append(int(entry))
     return pids
+
+
+async def answer_lifespan(scope, receive, send) -> bool:
+    """A bare ASGI app's lifespan handling: True when scope was the lifespan (answered), else False."""
+    if scope["type"] != "lifespan":
+        return False
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+    return True
+
+
+@contextlib.contextmanager
+def bare_uvicorn(app, limits: ConnectionLimits = ConnectionLimits()):
+    """A bare ASGI app under kvfit's uvicorn settings (its HTTP protocol and head guard) on 127.0.0.1:<free port>,
+    in a thread; yields (host, port)."""
+    import uvicorn
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    host, port = url_of(sock).removeprefix("http://").rsplit(":", 1)
+    try:
+        yield host, int(port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

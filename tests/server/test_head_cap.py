@@ -4,21 +4,16 @@
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
-import uvicorn
+from server_testing import answer_lifespan, bare_uvicorn
 
 from kvfit.server.guards import HeadSizeCounter
-from kvfit.server.launch import bind_socket, url_of, uvicorn_config
 from kvfit.server.limits import MAX_HEADER_BYTES
 
 
 async def _app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+    if await answer_lifespan(scope, receive, send):
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
@@ -26,17 +21,8 @@ async def _app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def address():
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn_config(_app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        threading.Event().wait(0.02)
-    host, port = url_of(sock).removeprefix("http://").rsplit(":", 1)
-    yield host, int(port)
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with bare_uvicorn(_app) as address:
+        yield address
 
 
 def _send(address, pieces: list[bytes]) -> bytes:

@@ -5,26 +5,21 @@ longer than the head timeout and a keep-alive connection idle between requests a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
+from server_testing import answer_lifespan, bare_uvicorn
 
 from kvfit.errors import ConfigError
-from kvfit.server.launch import ConnectionLimits, HttpToolsProtocol, bind_socket, http_protocol, url_of, uvicorn_config
+from kvfit.server.launch import ConnectionLimits, HttpToolsProtocol, http_protocol
 
 HEAD_TIMEOUT_S = 0.5
 PARSERS = ["h11"] + (["httptools"] if HttpToolsProtocol is not None else [])
 
 
 async def _app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+    if await answer_lifespan(scope, receive, send):
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"transfer-encoding", b"chunked")]})
     if scope["path"] == "/slow":           # streams for 3 head timeouts
@@ -34,22 +29,8 @@ async def _app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok", "more_body": False})
 
 
-@contextlib.contextmanager
 def _server(parser: str):
-    sock = bind_socket("127.0.0.1", 0)
-    limits = ConnectionLimits(max_connections=16, header_timeout_s=HEAD_TIMEOUT_S, http_parser=parser)
-    server = uvicorn.Server(uvicorn_config(_app, limits, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    host, port = url_of(sock).removeprefix("http://").rsplit(":", 1)
-    try:
-        yield host, int(port)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    return bare_uvicorn(_app, ConnectionLimits(max_connections=16, header_timeout_s=HEAD_TIMEOUT_S, http_parser=parser))
 
 
 def _read_response(conn: socket.socket) -> bytes:
