@@ -194,7 +194,7 @@ class ServerMetrics:
 
     def observe(self, stream, num_output_tokens: int, reason: str, end_time: float | None = None) -> None:
         """Record one ended request (stream: an async_engine.RequestStream)."""
-        metrics = getattr(stream.output, "metrics", None) if stream.output is not None else None
+        metrics = getattr(stream.output, "metrics", None)       # None: no output, or a stand-in engine's
         phases = metrics.phases() if metrics is not None else None
         for phase, seconds in (phases or {}).items():
             self.vllm_phases[phase].observe(seconds)
