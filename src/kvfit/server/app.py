@@ -36,7 +36,8 @@ from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, DEFAULT_MAX_BODY_BYTES
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.params import NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, completion_inputs
-from kvfit.server.prepare import PrepareContext, Prepared, check_model, no_tokenizer_error, prepare_request
+from kvfit.server.prepare import (INLINE_BODY_BYTES, PrepareContext, Prepared, check_model, finish_request,
+                                  needs_finishing, no_tokenizer_error, parse_request, prepare_request)
 from kvfit.server.prepare_pool import LARGE_BODY_BYTES, PreparePool, default_num_processes
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, sse)
@@ -249,9 +250,16 @@ def _tokenizer(state: ServerState, what: str):
 
 async def _prepare(request: Request, state: ServerState, model_class) -> Prepared:
     """The validated body of a POST that names a model (a chat's prompt ids too): key checked, size
-    capped, prepared off the loop, in a worker process when the body is over large_body_bytes."""
+    capped, prepared off the loop, in a worker process when the body is over large_body_bytes; a small
+    completions body is parsed on the loop (prepare.py says why)."""
     _check_auth(request, state)
     raw = await _read_body(request, state.max_body_bytes)
+    if model_class is CompletionRequest and len(raw) <= INLINE_BODY_BYTES:
+        body = parse_request(raw, model_class, state.prepare_context)      # small: cheaper here than on a thread
+        if not needs_finishing(body):
+            return Prepared(body)
+        return await state.engine.prepare(finish_request, body, model_class, state.prepare_context,
+                                          state.engine.tokenizer, state.template_variables)
     if state.prepare_pool is not None and len(raw) > state.large_body_bytes:
         return await state.prepare_pool.prepare(raw, model_class)
     return await state.engine.prepare(prepare_request, raw, model_class, state.prepare_context,

@@ -60,7 +60,7 @@ IDLE_POLL_MS = 500                # an idle core checks its parent is alive this
 # server exits 1 (a supervisor restarts it); far above any one step (a CPU prefill chunk, a graph capture)
 DEFAULT_STALL_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0             # after a stop, how long the core gets to exit before it is killed
-DISPATCH_CHUNK = 128              # core outputs applied per event-loop callback (then the loop's other work runs)
+DISPATCH_CHUNK = 32              # core outputs applied per event-loop callback (then the loop's other work runs)
 TOKEN_TEXT_CACHE = 1 << 16        # token texts for logprobs kept decoded (a few MiB at most)
 _PR_SET_PDEATHSIG = 1
 

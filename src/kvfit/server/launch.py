@@ -42,6 +42,7 @@ from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFA
                                  DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES,
                                  RESERVED_FDS)
 from kvfit.server.logs import AccessLogMiddleware
+from kvfit.server.start_gate import StartGate
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
 # after the engine is found dead, how long in-flight responses get to write their 503/500 before
@@ -384,11 +385,12 @@ def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level
                    graceful_shutdown_s: int = GRACEFUL_SHUTDOWN_SECONDS) -> uvicorn.Config:
     """uvicorn's settings for kvfit: httptools (else h11) with a head timeout, uvloop (else asyncio),
     limit_concurrency as the connection cap (past it, requests get 503), the keep-alive timeout and
-    the head size cap. kvfit's access log (AccessLogMiddleware, outermost) replaces uvicorn's, and
+    the head size cap. Requests start a few per loop pass (StartGate: a burst does not hold the loop).
+    kvfit's access log (AccessLogMiddleware, outermost) replaces uvicorn's, and
     uvicorn's loggers are left unconfigured so they log in kvfit's format (logs.configure_logging)."""
     base = http_protocol(limits.http_parser)
     protocol = type("HeadTimeoutProtocol", (base,), {"head_timeout_s": limits.header_timeout_s})
-    return uvicorn.Config(AccessLogMiddleware(app), http=protocol, loop=event_loop_name(limits.event_loop), log_level=log_level,
+    return uvicorn.Config(AccessLogMiddleware(StartGate(app)), http=protocol, loop=event_loop_name(limits.event_loop), log_level=log_level,
                           log_config=None, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.connection_cap(),
                           timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)

@@ -2,10 +2,13 @@
 the JSON, check the model name, and for a chat build the message list, render the chat template and
 tokenize it.
 
-Everything here grows with the client's input, so it never runs on the event loop or the engine
-thread: prepare_request runs on the AsyncEngine's prepare threads, or, for a large body, in a
-prepare worker process (prepare_pool.py), with the same code, so both give the same result and the
-same APIError. What it returns is small and cheap to hand back from a process: the validated body
+Everything here grows with the client's input, so it never runs on the engine core and, past a small
+bound, never on the event loop: prepare_request runs on the AsyncEngine's prepare threads, or, for a
+large body, in a prepare worker process (prepare_pool.py), with the same code, so both give the same
+result and the same APIError. The exception is a completions body of at most INLINE_BODY_BYTES: it is
+parsed on the event loop (parse_request: tens of microseconds, at most a few hundred), which costs less
+than the hop to a thread; what is left of it runs on the threads when it can cost more (needs_finishing:
+a grammar or tools to compile), else on the loop too (it then only checks). What it returns is small and cheap to hand back from a process: the validated body
 with a chat's message list emptied (25,000 pydantic messages would cost the server as much to
 unpickle as to validate), the chat's prompt token ids and its last message (chat echo reads it).
 """
@@ -46,14 +49,34 @@ class Prepared:
     last_message: dict | None = None
 
 
+INLINE_BODY_BYTES = 16 * 1024      # a completions body up to this is parsed on the event loop (see above)
+
+
 def prepare_request(raw: bytes, model_class, context: PrepareContext, tokenizer,
                     template_variables: dict) -> Prepared:
     """Raw body bytes -> Prepared, or an APIError (400/404) in the order the handlers check.
 
     tokenizer: the model's (None: no tokenizer); template_variables: a cache, template text -> the
     variables it reads (the caller's, shared across requests)."""
+    return finish_request(parse_request(raw, model_class, context), model_class, context, tokenizer,
+                          template_variables)
+
+
+def parse_request(raw: bytes, model_class, context: PrepareContext):
+    """The validated body with its model name checked: prepare_request's first part."""
     body = parse_body(raw, model_class)
     check_model(body.model, context.model_names)
+    return body
+
+
+def needs_finishing(body) -> bool:
+    """Whether finish_request can cost more than a few checks: a grammar or tools to compile, messages to render."""
+    return any(getattr(body, name, None) is not None for name in ("structured_outputs", "response_format", "tools",
+                                                                    "messages"))
+
+
+def finish_request(body, model_class, context: PrepareContext, tokenizer, template_variables: dict) -> Prepared:
+    """prepare_request's second part, on a parsed body: grammar and tools checked, a chat rendered and tokenized."""
     if model_class is TokenizeRequest:
         _check_tokenize_request(body, tokenizer)
     _check_grammar(body)
