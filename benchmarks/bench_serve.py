@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -304,6 +306,46 @@ def process_cpu(pid: int) -> tuple[float, float]:
     return cpu_seconds(pid), sum(cpu_seconds(child) for child in children(pid))
 
 
+def start_spy(folder: str, pid: int, name: str) -> tuple[subprocess.Popen, str]:
+    """py-spy sampling the server and its children (the engine core) for 8 s from 1 s into the run."""
+    os.makedirs(folder, exist_ok=True)
+    raw = os.path.join(folder, f"{name}.txt")
+    command = f"sleep 1; exec py-spy record -p {pid} --subprocesses -d 8 -r 100 -f raw -o {raw} --nonblocking"
+    return subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw
+
+
+def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
+    """Per process (py-spy's process frames name it): its share of samples, its hottest functions (self time) and
+    kvfit's functions with the most samples under them."""
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+    if not os.path.exists(raw):
+        print(f"py-spy wrote nothing ({raw}): is it installed, and may it attach (ptrace)?")
+        return
+    per_process: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in open(raw):
+        stack, _, count = line.rstrip().rpartition(" ")
+        if stack and count.isdigit():
+            frames = stack.split(";")
+            # with --subprocesses a child's stacks sit under its parent's process frame, then its own
+            process = [f for f in frames if f.startswith("process ")][-1:] or ["?"]
+            per_process[process[0][:100]][frames[-1][:110]] += int(count)
+            for function in {re.sub(r":\d+\)$", ")", frame) for frame in frames if "kvfit/" in frame}:
+                inclusive[process[0][:100]][function[:110]] += int(count)
+    total = sum(sum(c.values()) for c in per_process.values()) or 1
+    for process, counts in sorted(per_process.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(counts.values())
+        print(f"py-spy {process}: {n / total:.0%} of samples; self time:")
+        for frame, k in counts.most_common(top):
+            print(f"    {k / n:6.1%}  {frame}")
+        print("  kvfit functions, inclusive:")
+        for frame, k in inclusive[process].most_common(2 * top):
+            print(f"    {k / n:6.1%}  {frame}")
+
+
 # offline ------------------------------------------------------------------------------------------
 def offline_child(folder: str, requests_path: str, args) -> None:
     """In a child process: LLM.generate over the requests (after a warm-up), --runs times, with the engine flags
@@ -417,6 +459,9 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the JSON results here")
     p.add_argument("--kvfit-args", default="", help="more `kvfit serve` flags (e.g. '--device cpu')")
+    p.add_argument("--py-spy", default=None, metavar="DIR",
+                   help="sample each server and its children (py-spy, installed) for 8 s of each rate's last run; "
+                        "raw stacks to DIR, the hottest functions of each process printed")
     p.add_argument("--offline-child", nargs=2, metavar=("FOLDER", "REQUESTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.offline_child:
@@ -456,7 +501,11 @@ def main() -> None:
                 runs = []
                 for run in range(args.runs):
                     cpu_before, phases_before = process_cpu(proc.pid), phase_sums(port)
+                    spy = start_spy(args.py_spy, proc.pid, f"{engine}-{os.path.basename(args.model.rstrip('/'))}-{args.dataset}-{rate:g}") \
+                        if args.py_spy and run == args.runs - 1 else None
                     summary = asyncio.run(run_load(port, requests, rate, args.max_concurrency, seed=run))
+                    if spy is not None:
+                        print_spy(*spy)
                     # where each request's time went inside the engine (queue, prefill, decode), both servers
                     summary.update(phase_means_ms(phases_before, phase_sums(port)))
                     # CPU per output token of the HTTP process and of the engine core: the front-end's share
