@@ -51,5 +51,8 @@ for s in "$@"; do case $s in
   sanitizer) step sanitizer 580 bash -c "compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py && compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py --kv-cache-dtype fp8" ;;
   fp8-gpu) step fp8-gpu 330 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -q -s -p no:cacheprovider ;;
   capacity-new) step capacity-new 300 python3 -m pytest tests/gpu/test_co_tenants_gpu.py tests/gpu/test_sampler_reserve_gpu.py tests/gpu/test_headroom_gpu.py -q -s -p no:cacheprovider ;;
+  serve-small) TAIL=${TAIL:-40} step serve-small 470 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf,30 --runs 2 --out "$OUT/serve-small.json" --py-spy "$OUT/spy" ;;
+  serve-2000) step serve-2000 300 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --out "$OUT/serve-2000.json" ;;
+  serve-1step) TAIL=${TAIL:-60} step serve-1step 150 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 256 --rates 30 --runs 1 --kvfit-args "--num-scheduler-steps 1" --py-spy "$OUT/spy-1step" ;;
   *) echo "unknown step $s" ;;
 esac; done
