@@ -386,6 +386,14 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
 
 async def _merged(streams: list[RequestStream]):
     """(prompt index, output or APIError) as any stream moves, until every one finished or one failed."""
+    if len(streams) == 1:            # the common case: read it directly (no pump task, no second queue)
+        stream = streams[0]
+        try:
+            while not stream.finished:
+                yield 0, await stream.next()
+        except APIError as exc:
+            yield 0, exc
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:

@@ -81,7 +81,10 @@ class RequestStream:
         Outputs are cumulative, so when several wait (the event loop fell behind the engine) only the newest is
         returned: one SSE event for all of them, which is when the front-end most needs fewer events. An error
         queued behind them is raised at the next call."""
-        item = self._error_next or await asyncio.wait_for(self.queue.get(), timeout)
+        item = self._error_next
+        if item is None:
+            # wait_for costs a timeout scope per call on Python 3.12 even without a timeout: only with one
+            item = await (self.queue.get() if timeout is None else asyncio.wait_for(self.queue.get(), timeout))
         self._error_next = None
         if not isinstance(item, APIError):
             self._account(*item)
