@@ -254,14 +254,14 @@ async def _prepare(request: Request, state: ServerState, model_class) -> Prepare
     completions body is parsed on the loop (prepare.py says why)."""
     _check_auth(request, state)
     raw = await _read_body(request, state.max_body_bytes)
+    if state.prepare_pool is not None and len(raw) > state.large_body_bytes:
+        return await state.prepare_pool.prepare(raw, model_class)
     if model_class is CompletionRequest and len(raw) <= INLINE_BODY_BYTES:
         body = parse_request(raw, model_class, state.prepare_context)      # small: cheaper here than on a thread
         if not needs_finishing(body):
             return Prepared(body)
         return await state.engine.prepare(finish_request, body, model_class, state.prepare_context,
                                           state.engine.tokenizer, state.template_variables)
-    if state.prepare_pool is not None and len(raw) > state.large_body_bytes:
-        return await state.prepare_pool.prepare(raw, model_class)
     return await state.engine.prepare(prepare_request, raw, model_class, state.prepare_context,
                                       state.engine.tokenizer, state.template_variables)
 

@@ -4,8 +4,8 @@ An event loop runs, each pass, every callback that was ready when the pass began
 arrive at once, uvicorn makes 2,000 tasks in one pass, and the next pass runs the first step of each:
 the middleware, routing, reading and parsing the body, submitting to the engine core; hundreds of
 milliseconds in which nothing else is answered, /health included (measured with profile_frontend.py's
-stand-in core: /health took 500-800 ms during a burst of 2,000). StartGate lets at most `per_pass`
-requests begin per pass and queues the rest in arrival order; each following pass starts the next ones.
+stand-in core: /health took 500-800 ms during a burst of 2,000). StartGate queues every request in arrival
+order and lets at most `per_pass` of them begin per pass.
 The work is the same and done in the same order; between the starts, the loop reads sockets and answers
 what is cheap (/health, /ping, /metrics and /version skip the gate: they never queue behind a burst).
 """
@@ -27,7 +27,6 @@ class StartGate:
             raise ValueError(f"per_pass must be at least 1, got {per_pass}")
         self.app, self.per_pass = app, per_pass
         self._waiting: deque[asyncio.Future] = deque()
-        self._started = 0            # requests started in this pass
         self._pass_scheduled = False
 
     async def __call__(self, scope, receive, send):
@@ -36,14 +35,13 @@ class StartGate:
         await self.app(scope, receive, send)
 
     async def _turn(self) -> None:
+        """Queue, and wait for a pass that starts this request: even an idle gate lets a request through only
+        at the next pass (microseconds), so no pass starts more than per_pass and none overtakes a waiter."""
         loop = asyncio.get_running_loop()
-        self._schedule_next_pass(loop)
-        if self._started < self.per_pass and not self._waiting:
-            self._started += 1
-            return
         turn = loop.create_future()
         self._waiting.append(turn)
-        await turn                  # cancelled (the server stopping): _next_pass skips it
+        self._schedule_next_pass(loop)
+        await turn                  # cancelled (the client or the server going away): _next_pass skips it
 
     def _schedule_next_pass(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._pass_scheduled:
@@ -51,16 +49,16 @@ class StartGate:
             loop.call_soon(self._next_pass, loop)
 
     def _next_pass(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs once in each pass while requests start: the next `per_pass` waiting ones go."""
+        """Runs at most once a pass while requests wait: the next `per_pass` of them go (their tasks run in the
+        pass after this one, where nothing else can start one)."""
         self._pass_scheduled = False
-        self._started = 0
-        waiting = self._waiting
-        while waiting and self._started < self.per_pass:
+        waiting, released = self._waiting, 0
+        while waiting and released < self.per_pass:
             turn = waiting.popleft()
             if not turn.done():
                 turn.set_result(None)
-                self._started += 1
-        if waiting or self._started:
+                released += 1
+        if waiting:
             self._schedule_next_pass(loop)
 
     @property
