@@ -48,10 +48,10 @@ for s in "$@"; do case $s in
   decode-long) step decode-long 300 python3 benchmarks/bench_decode_attention.py --batch 32 256 --context 8192 736 --q-heads 16 --kv-heads 8 --sweep ;;
   cudnn-probe) step cudnn-probe 240 bash -c "python3 benchmarks/probe_cudnn_attention.py && python3 benchmarks/probe_cudnn_attention.py --q-heads 32" ;;
   prefill-attn) step prefill-attn 300 bash -c "python3 benchmarks/bench_prefill_attention.py --sweep && python3 benchmarks/bench_prefill_attention.py --sweep --q-heads 32" ;;
-  sanitizer) step sanitizer 580 bash -c "compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py && compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py --kv-cache-dtype fp8" ;;
+  sanitizer) step sanitizer-bf16 280 compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py; step sanitizer-fp8 280 compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/test_kernel_safety.py --kv-cache-dtype fp8 ;;
   fp8-gpu) step fp8-gpu 330 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -q -s -p no:cacheprovider ;;
   capacity-new) step capacity-new 300 python3 -m pytest tests/gpu/test_co_tenants_gpu.py tests/gpu/test_sampler_reserve_gpu.py tests/gpu/test_headroom_gpu.py -q -s -p no:cacheprovider ;;
-  serve-small) TAIL=${TAIL:-40} step serve-small 470 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf,30 --runs 2 --out "$OUT/serve-small.json" --py-spy "$OUT/spy" ;;
+  serve-small) TAIL=${TAIL:-40} step serve-small 400 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf --runs 2 --out "$OUT/serve-small.json" --py-spy "$OUT/spy" ;;
   serve-2000) step serve-2000 300 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --out "$OUT/serve-2000.json" ;;
   serve-1step) TAIL=${TAIL:-60} step serve-1step 150 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 256 --rates 30 --runs 1 --kvfit-args "--num-scheduler-steps 1" --py-spy "$OUT/spy-1step" ;;
   *) echo "unknown step $s" ;;
