@@ -125,7 +125,8 @@ class EngineCore:
         scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
         # requests run at once; engines without a scheduler config (stand-ins) get no free-slot credit
         self.max_num_seqs: int = scheduler.max_num_seqs if scheduler is not None else 0
-        if scheduler is not None and scheduler.num_scheduler_steps is None:
+        # the default steps: multi-step rounds only for larger batches (engines' stand-ins have no scheduler)
+        if getattr(scheduler, "num_scheduler_steps", 0) is None and hasattr(engine, "scheduler"):
             engine.scheduler.min_multi_step_seqs = serving_multi_step_min(self.max_num_seqs)
         self.held: set[str] = set()
         self.dead_reason: str | None = None
