@@ -3,6 +3,7 @@
 python benchmarks/profile_kernels.py --model qwen3-0.6b --num-requests 256
 python benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1
 python benchmarks/profile_kernels.py --model llama-3.1-8b --quantization fp8
+python benchmarks/profile_kernels.py --model qwen3-30b-a3b --fp8-checkpoint block
 
 Runs the throughput workload (or one request) with one device step per scheduling round, profiles
 one prefill (mixed) step, a few consecutive steady-state decode steps (graph replay) and eager decode,
@@ -203,7 +204,11 @@ def main() -> int:
     ap.add_argument("--decode-warm", type=int, default=60, help="decode steps before profiling")
     ap.add_argument("--quantization", default=None, help="fp8: the linears in FP8 (per channel, per-token "
                                                           "activations), as `kvfit serve -q fp8`")
+    ap.add_argument("--fp8-checkpoint", choices=("channel", "block"), default=None,
+                    help="the model's FP8 checkpoint shape (dummy FP8 weights), as bench_vs_vllm.py's KVFIT_BENCH_FP8")
     args = ap.parse_args()
+    if args.fp8_checkpoint and args.quantization:
+        ap.error("--fp8-checkpoint and --quantization are two ways to FP8 weights: give one")
     if not gpu_only("profile_kernels"):
         return 0
     from functools import partial
@@ -217,7 +222,14 @@ def main() -> int:
     if args.num_requests == 1:
         prompts, outs = [prompts[0][:128]], [400]
     # one device step per round: multi-step rounds would fold several decode steps into one profile
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
+    model = args.model
+    if args.fp8_checkpoint:
+        import os
+
+        from bench_vs_vllm import model_folder
+        os.environ["KVFIT_BENCH_FP8"] = args.fp8_checkpoint
+        model = model_folder(args.model, "kvfit")
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
               enable_prefix_caching=False, num_scheduler_steps=1, quantization=args.quantization)
     engine = llm.engine
     for p, n in zip(prompts, outs):

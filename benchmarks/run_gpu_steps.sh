@@ -26,6 +26,7 @@ for s in "$@"; do case $s in
   engine-gpu) step engine-gpu 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -p no:cacheprovider ;;
   kernels-small) step kernels-small 240 python3 benchmarks/profile_kernels.py --model qwen3-0.6b ;;
   kernels-8b-fp8) step kernels-8b-fp8 300 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --quantization fp8 ;;
+  kernels-30b-fp8) step kernels-30b-fp8 300 python3 benchmarks/profile_kernels.py --model qwen3-30b-a3b --fp8-checkpoint block --num-requests 64 ;;
   kernels-8b) step kernels-8b 240 python3 benchmarks/profile_kernels.py --model llama-3.1-8b --num-requests 1 ;;
   gemv) step gemv 240 python3 benchmarks/bench_gemv.py --model llama-3.1-8b ;;
   decode-shared) step decode-shared 200 bash -c "python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 && python3 benchmarks/bench_decode_attention.py --batch 256 --context 2448 --block-size 16 --q-heads 16 --kv-heads 8 --shared-prefix 2000 --cascade && python3 benchmarks/bench_decode_attention.py --batch 64 256 --context 2448 --block-size 16 --q-heads 32 --kv-heads 8 --shared-prefix 2000 --cascade" ;;
