@@ -113,6 +113,13 @@ def test_sliding_window_only_where_the_family_reads_it():
         facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window="4k"))
 
 
+def test_a_hidden_size_no_model_has_is_a_config_error():
+    # planning it would report millions of GiB of weights as if a bigger device could hold them (exit 1)
+    assert facts_from_config(tiny(hidden_size=2**20, num_attention_heads=2**10)).hidden_size == 2**20
+    with pytest.raises(ConfigError, match=r"'hidden_size' must be an integer from 1 to 1,048,576 .*got 1000000000000"):
+        facts_from_config(tiny(hidden_size=10**12))
+
+
 def test_catalog_names_are_normalised_and_unknown_names_list_the_catalog():
     assert load_model_facts("Llama_3.1-8B") == load_model_facts("llama-3.1-8b")
     with pytest.raises(ConfigError) as err:

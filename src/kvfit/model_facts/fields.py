@@ -42,9 +42,9 @@ _KINDS = {
 
 
 def read_field(cfg: dict, name: str, kind: str, source: str = "config.json", default=None, required: bool = False,
-               minimum=None, above=None):
+               minimum=None, above=None, maximum=None):
     """cfg[name] checked against kind (bool, int, number, str, object, list) and the bounds (value >= minimum,
-    value > above); absent or null gives default, as transformers does. Anything else is a one-line
+    value > above, value <= maximum); absent or null gives default, as transformers does. Anything else is a one-line
     ConfigError naming source, the field, the value and what is allowed. A "number" comes back as a float.
     """
     value = cfg.get(name)
@@ -53,13 +53,17 @@ def read_field(cfg: dict, name: str, kind: str, source: str = "config.json", def
             raise ConfigError(f"{source}: missing '{name}'; a Hugging Face config for this architecture needs it")
         return default
     check, allowed = _KINDS[kind]
-    in_range = check(value) and (minimum is None or value >= minimum) and (above is None or value > above)
+    in_range = check(value) and (minimum is None or value >= minimum) and (above is None or value > above) \
+        and (maximum is None or value <= maximum)
     if not in_range:
-        raise ConfigError(f"{source}: '{name}' must be {_allowed(kind, allowed, minimum, above)}, got {show(value)}")
+        raise ConfigError(f"{source}: '{name}' must be {_allowed(kind, allowed, minimum, above, maximum)}, "
+                          f"got {show(value)}")
     return float(value) if kind == "number" else value
 
 
-def _allowed(kind: str, allowed: str, minimum, above) -> str:
+def _allowed(kind: str, allowed: str, minimum, above, maximum=None) -> str:
+    if kind == "int" and minimum == 1 and above is None and maximum is not None:
+        return f"an integer from 1 to {maximum:,} (no model is wider; fix the file)"
     if kind == "int" and minimum == 1 and above is None:
         return "a positive integer"
     if kind == "number" and above == 0 and minimum is None:
@@ -67,9 +71,9 @@ def _allowed(kind: str, allowed: str, minimum, above) -> str:
     return allowed + "".join(f" {op} {bound}" for op, bound in ((">=", minimum), (">", above)) if bound is not None)
 
 
-def read_positive_int(cfg: dict, name: str, source: str = "config.json", default=None) -> int:
-    """cfg[name], a required integer >= 1 (default when absent, if given)."""
-    return read_field(cfg, name, "int", source, default=default, required=True, minimum=1)
+def read_positive_int(cfg: dict, name: str, source: str = "config.json", default=None, maximum=None) -> int:
+    """cfg[name], a required integer >= 1 (and <= maximum, if given; default when absent, if given)."""
+    return read_field(cfg, name, "int", source, default=default, required=True, minimum=1, maximum=maximum)
 
 
 def read_json_object(path: str) -> dict:

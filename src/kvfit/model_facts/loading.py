@@ -16,6 +16,10 @@ from kvfit.model_facts.fields import read_config_json, read_field, read_positive
 from kvfit.model_facts.rope import rope_config_from_raw
 from kvfit.quant_scheme import parse_quantization_config, resolve_scheme
 
+# the widest published models have hidden sizes of 16,384-25,600; a config past this is corrupt, and planning it
+# would report weights of millions of GiB as if a bigger device could hold them
+MAX_HIDDEN_SIZE = 2**20
+
 
 def _dtype(cfg: dict, source: str) -> str:
     name = read_field(cfg, "torch_dtype", "str", source) or read_field(cfg, "dtype", "str", source) or "bfloat16"
@@ -43,7 +47,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
     arch = architecture_of_config(cfg, source)
     layers = read_positive_int(cfg, "num_hidden_layers", source)
-    hidden = read_positive_int(cfg, "hidden_size", source)
+    hidden = read_positive_int(cfg, "hidden_size", source, maximum=MAX_HIDDEN_SIZE)
     heads = read_positive_int(cfg, "num_attention_heads", source)
     kv_heads = read_positive_int(cfg, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:
