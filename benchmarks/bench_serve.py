@@ -8,7 +8,8 @@ checks, SSE framing) do real work; a chat template for the chat dataset. The cli
 Datasets: `random` (token-id prompts to /v1/completions, lengths drawn from --input-len and
 --output-len, greedy, ignore_eos, usage included) and `chat` (word prompts to /v1/chat/completions).
 Rates: `inf` (every request at once) or a Poisson rate in requests/s; --max-concurrency caps requests
-in flight. While requests run, /health is probed every 50 ms from a process of its own (its latency is
+in flight. Every (rate, run) sends its own requests, the same for every engine (a repeat would find its prompts in
+the prefix cache). While requests run, /health is probed every 50 ms from a process of its own (its latency is
 reported; the load's client, busy with thousands of streams, adds nothing to it).
 
 Reports per engine and row: request throughput, output tok/s, TTFT, TPOT and ITL p50/p90/p99, errors,
@@ -357,12 +358,16 @@ def offline_child(folder: str, requests_path: str, args) -> None:
     serve_flags = server_command("kvfit", folder, 0, args)[5:]        # after `python -m kvfit.cli serve FOLDER`
     known, _ = flags.parse_known_args(serve_flags)
     with open(requests_path) as f:
-        requests = json.load(f)
+        sets = json.load(f)           # {"warmup": [...], "runs": [[...] per run]}
     llm = LLM(folder, **engine_kwargs(known))
-    prompts = [{"prompt_token_ids": r["body"]["prompt"]} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["num_out"], ignore_eos=True) for r in requests]
-    llm.generate(prompts[:16], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 16, use_tqdm=False)
-    for _ in range(args.runs):
+
+    def inputs(requests):
+        return ([{"prompt_token_ids": r["body"]["prompt"]} for r in requests],
+                [SamplingParams(temperature=0.0, max_tokens=r["num_out"], ignore_eos=True) for r in requests])
+
+    llm.generate(*inputs(sets["warmup"]), use_tqdm=False)
+    for requests in sets["runs"][:args.runs]:
+        prompts, params = inputs(requests)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - start
@@ -372,14 +377,14 @@ def offline_child(folder: str, requests_path: str, args) -> None:
     llm.shutdown()
 
 
-def run_offline(folder: str, requests: list[dict], args, root: str) -> list[dict]:
-    """kvfit's LLM.generate on the same requests, in a child process (its GPU memory freed after)."""
+def run_offline(folder: str, warmup: list[dict], request_sets: list[list[dict]], args, root: str) -> list[dict]:
+    """kvfit's LLM.generate on the same requests (one set per run), in a child process (its GPU memory freed after)."""
     if args.dataset != "random":
         print("offline: only the random dataset (token ids) runs offline; skipped")
         return []
     path = os.path.join(root, "offline-requests.json")
     with open(path, "w") as f:
-        json.dump(requests, f)
+        json.dump({"warmup": warmup, "runs": request_sets}, f)
     command = [sys.executable, __file__, "--offline-child", folder, path, "--runs", str(args.runs),
                "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), f"--kvfit-args={args.kvfit_args}"]
@@ -474,13 +479,21 @@ def main() -> None:
     vocab_size = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
     in_range = tuple(int(x) for x in args.input_len.split(","))
     out_range = tuple(int(x) for x in args.output_len.split(","))
-    requests = make_requests(args.dataset, args.num_requests, vocab_size, in_range, out_range, seed=0)
     warmup = make_requests(args.dataset, 16, vocab_size, (32, 64), (8, 16), seed=1)
     rates = [float(r) for r in args.rates.split(",")]
+
+    def request_set(rate_index: int, run: int) -> list[dict]:
+        """Each (rate, run) its own requests, the same for every engine: both servers cache prefixes, so a run
+        repeating an earlier run's prompts would find them cached (faster prefills than a first run)."""
+        return make_requests(args.dataset, args.num_requests, vocab_size, in_range, out_range,
+                             seed=1000 * rate_index + run + 2)
+
     results = {}
     for engine in args.engines.split(","):
         if engine == "offline":
-            runs = run_offline(folder, requests, args, root)
+            # the rate-inf row's request sets (the first rate's where inf is not asked for), run by run
+            inf_index = rates.index(float("inf")) if float("inf") in rates else 0
+            runs = run_offline(folder, warmup, [request_set(inf_index, run) for run in range(args.runs)], args, root)
             for i, run in enumerate(runs):
                 print(f"offline {args.model} run {i}: " + json.dumps({k: round(v, 2) if isinstance(v, float) else v
                                                                      for k, v in run.items()}), flush=True)
@@ -497,9 +510,10 @@ def main() -> None:
         try:
             print(f"{engine}: up in {startup:.0f} s", flush=True)
             asyncio.run(run_load(port, warmup, float("inf"), None, 0))
-            for rate in rates:
+            for rate_index, rate in enumerate(rates):
                 runs = []
                 for run in range(args.runs):
+                    requests = request_set(rate_index, run)
                     cpu_before, phases_before = process_cpu(proc.pid), phase_sums(port)
                     spy = start_spy(args.py_spy, proc.pid, f"{engine}-{os.path.basename(args.model.rstrip('/'))}-{args.dataset}-{rate:g}") \
                         if args.py_spy and run == args.runs - 1 else None
