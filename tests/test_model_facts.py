@@ -120,6 +120,12 @@ def test_a_hidden_size_no_model_has_is_a_config_error():
         facts_from_config(tiny(hidden_size=10**12))
 
 
+@pytest.mark.parametrize("name", ["intermediate_size", "vocab_size", "num_hidden_layers"])
+def test_other_dimensions_no_model_has_are_config_errors(name):
+    with pytest.raises(ConfigError, match=rf"'{name}' must be an integer from 1 to [0-9,]+ \(far past any published"):
+        facts_from_config(tiny(**{name: 10**12}))
+
+
 def test_catalog_names_are_normalised_and_unknown_names_list_the_catalog():
     assert load_model_facts("Llama_3.1-8B") == load_model_facts("llama-3.1-8b")
     with pytest.raises(ConfigError) as err:

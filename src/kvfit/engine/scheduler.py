@@ -161,7 +161,8 @@ class Scheduler:
         waiting request could be admitted instead, or when the blocks are not all free (no request
         is preempted to make room for tokens that may never be needed), and with fewer than
         min_multi_step_seqs requests in it."""
-        if len(scheduled) < self.min_multi_step_seqs or (self.waiting and len(self.running) < self.max_num_seqs):
+        if not scheduled or len(scheduled) < self.min_multi_step_seqs \
+                or (self.waiting and len(self.running) < self.max_num_seqs):
             return
         if any(s.num_tokens != 1 or s.num_computed + 1 != s.num_known for s in scheduled):
             return

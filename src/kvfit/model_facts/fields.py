@@ -63,12 +63,13 @@ def read_field(cfg: dict, name: str, kind: str, source: str = "config.json", def
 
 def _allowed(kind: str, allowed: str, minimum, above, maximum=None) -> str:
     if kind == "int" and minimum == 1 and above is None and maximum is not None:
-        return f"an integer from 1 to {maximum:,} (no model is wider; fix the file)"
+        return f"an integer from 1 to {maximum:,} (far past any published model; fix the file)"
     if kind == "int" and minimum == 1 and above is None:
         return "a positive integer"
-    if kind == "number" and above == 0 and minimum is None:
+    if kind == "number" and above == 0 and minimum is None and maximum is None:
         return "a positive finite number"
-    return allowed + "".join(f" {op} {bound}" for op, bound in ((">=", minimum), (">", above)) if bound is not None)
+    return allowed + "".join(f" {op} {bound}" for op, bound in ((">=", minimum), (">", above), ("<=", maximum))
+                             if bound is not None)
 
 
 def read_positive_int(cfg: dict, name: str, source: str = "config.json", default=None, maximum=None) -> int:

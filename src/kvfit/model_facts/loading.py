@@ -16,9 +16,13 @@ from kvfit.model_facts.fields import read_config_json, read_field, read_positive
 from kvfit.model_facts.rope import rope_config_from_raw
 from kvfit.quant_scheme import parse_quantization_config, resolve_scheme
 
-# the widest published models have hidden sizes of 16,384-25,600; a config past this is corrupt, and planning it
-# would report weights of millions of GiB as if a bigger device could hold them
+# Bounds far past any published model (widest hidden size about 25,600, intermediate about 53,248, vocabularies about
+# 1M, depth about 200): a config past one is corrupt, and planning it would report millions of GiB of weights as if
+# more devices could hold them
 MAX_HIDDEN_SIZE = 2**20
+MAX_INTERMEDIATE_SIZE = 2**22
+MAX_VOCAB_SIZE = 2**26
+MAX_NUM_LAYERS = 2**14
 
 
 def _dtype(cfg: dict, source: str) -> str:
@@ -46,7 +50,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
     arch = architecture_of_config(cfg, source)
-    layers = read_positive_int(cfg, "num_hidden_layers", source)
+    layers = read_positive_int(cfg, "num_hidden_layers", source, maximum=MAX_NUM_LAYERS)
     hidden = read_positive_int(cfg, "hidden_size", source, maximum=MAX_HIDDEN_SIZE)
     heads = read_positive_int(cfg, "num_attention_heads", source)
     kv_heads = read_positive_int(cfg, "num_key_value_heads", source, default=heads)
@@ -57,9 +61,9 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
         head_dim = hidden // heads
-    vocab = read_positive_int(cfg, "vocab_size", source)
+    vocab = read_positive_int(cfg, "vocab_size", source, maximum=MAX_VOCAB_SIZE)
     max_pos = read_positive_int(cfg, "max_position_embeddings", source, default=2048)
-    inter = read_positive_int(cfg, "intermediate_size", source)
+    inter = read_positive_int(cfg, "intermediate_size", source, maximum=MAX_INTERMEDIATE_SIZE)
     tie = read_field(cfg, "tie_word_embeddings", "bool", source, default=False)
     # the models read these from raw; checked here so every command (plan included) rejects them
     read_field(cfg, "rms_norm_eps", "number", source, above=0)
