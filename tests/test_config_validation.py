@@ -139,12 +139,20 @@ def test_corrupt_model_folder_is_one_line_error(base_model, tmp_path, capsys, ca
     assert all(word in line for word in words), line
 
 
-@pytest.mark.parametrize("hidden_size", [2**40, 2**70], ids=["too-big-for-memory", "past-int64"])
-def test_hidden_size_too_big_for_memory_is_weights_do_not_fit(base_model, tmp_path, capsys, hidden_size):
-    folder = corrupt(base_model, tmp_path, edit=_set(hidden_size=hidden_size, head_dim=16))
+def test_hidden_size_too_big_for_memory_is_weights_do_not_fit(base_model, tmp_path, capsys):
+    # the largest sizes allowed: about 2.6e13 parameters, past any machine's memory
+    folder = corrupt(base_model, tmp_path, edit=_set(hidden_size=2**20, intermediate_size=2**22, head_dim=16))
     line = one_line_error(capsys, ["generate", folder, *GENERATE])
     assert "the weights do not fit" in line and "cpu" in line, line
     assert "weights" in one_line_error(capsys, ["plan", folder], status=1)
+
+
+@pytest.mark.parametrize("hidden_size", [2**40, 2**70], ids=["past-any-model", "past-int64"])
+def test_hidden_size_past_any_model_is_a_config_error(base_model, tmp_path, capsys, hidden_size):
+    folder = corrupt(base_model, tmp_path, edit=_set(hidden_size=hidden_size, head_dim=16))
+    for argv in (["generate", folder, *GENERATE], ["plan", folder]):
+        line = one_line_error(capsys, argv)
+        assert "'hidden_size' must be an integer from 1 to 1,048,576" in line and str(hidden_size) in line, line
 
 
 @pytest.mark.parametrize("argv,words", [
