@@ -126,6 +126,13 @@ def test_other_dimensions_no_model_has_are_config_errors(name):
         facts_from_config(tiny(**{name: 10**12}))
 
 
+def test_a_config_of_more_parameters_than_any_model_is_a_config_error():
+    # every size within its own bound, together past any model: experts of a MoE, say, or depth times width
+    cfg = tiny(hidden_size=2**16, intermediate_size=2**20, num_hidden_layers=2**10, head_dim=16)
+    with pytest.raises(ConfigError, match=r"describes 2\.\d+e\+14 parameters, far more than any published model"):
+        facts_from_config(cfg)
+
+
 def test_catalog_names_are_normalised_and_unknown_names_list_the_catalog():
     assert load_model_facts("Llama_3.1-8B") == load_model_facts("llama-3.1-8b")
     with pytest.raises(ConfigError) as err:

@@ -23,6 +23,7 @@ MAX_HIDDEN_SIZE = 2**20
 MAX_INTERMEDIATE_SIZE = 2**22
 MAX_VOCAB_SIZE = 2**26
 MAX_NUM_LAYERS = 2**14
+MAX_NUM_PARAMS = 10**14        # 50x the largest published model (about 2e12): any field, experts included, past reason
 
 
 def _dtype(cfg: dict, source: str) -> str:
@@ -83,7 +84,12 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
         kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme, raw=dict(cfg),
         **_structure(arch.rules, cfg, source))
-    return replace(facts, num_params=count_parameters(facts, cfg, source))
+    num_params = count_parameters(facts, cfg, source)
+    if num_params > MAX_NUM_PARAMS:
+        raise ConfigError(f"{source} describes {num_params:.3g} parameters, far more than any published model (about "
+                          f"2e12 at most); check its sizes (hidden_size, intermediate_size, num_hidden_layers, "
+                          "vocab_size, the expert counts and widths)")
+    return replace(facts, num_params=num_params)
 
 
 def with_quantization(facts: ModelFacts, quantization: str | None) -> ModelFacts:
