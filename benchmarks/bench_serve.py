@@ -162,16 +162,14 @@ async def one_request(port: int, request: dict) -> dict:
     return result
 
 
-def _health_once(port: int) -> int:
-    """One GET /health on a fresh connection, read to the end: its status (0: no answer)."""
+async def health_status(port: int) -> int:
+    """One GET /health, read to the end: its status (0: no answer)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        return int(data.split(b" ", 2)[1])
-    except (OSError, ValueError, IndexError):
+        status, pieces = await _http(port, "GET", "/health", None)
+        async for _ in pieces:
+            pass
+        return status
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
         return 0
 
 
@@ -179,13 +177,16 @@ def probe_health(port: int, stop, out) -> None:
     """A process of its own: /health every 50 ms until `stop` is set, then (latency s, status) pairs sent to
     `out`. Apart from the load's client, so its event loop (parsing thousands of streams) adds nothing to the
     figure: what is measured is how long the server takes to answer."""
-    latencies = []
-    while not stop.is_set():
-        start = time.perf_counter()
-        status = _health_once(port)
-        latencies.append((time.perf_counter() - start, status))
-        stop.wait(0.05)
-    out.send(latencies)
+    async def probes() -> list[tuple[float, int]]:
+        latencies = []
+        while not stop.is_set():
+            start = time.perf_counter()
+            status = await health_status(port)
+            latencies.append((time.perf_counter() - start, status))
+            await asyncio.sleep(0.05)
+        return latencies
+
+    out.send(asyncio.run(probes()))
     out.close()
 
 
@@ -315,6 +316,15 @@ def start_spy(folder: str, pid: int, name: str) -> tuple[subprocess.Popen, str]:
     return subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw
 
 
+def spy_stacks(raw: str):
+    """py-spy's raw (collapsed) output: (frames, root first; sample count) per line."""
+    with open(raw) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if stack and count.isdigit():
+                yield stack.split(";"), int(count)
+
+
 def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
     """Per process (py-spy's process frames name it): its share of samples, its hottest functions (self time) and
     kvfit's functions with the most samples under them."""
@@ -327,15 +337,12 @@ def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
         return
     per_process: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for line in open(raw):
-        stack, _, count = line.rstrip().rpartition(" ")
-        if stack and count.isdigit():
-            frames = stack.split(";")
-            # with --subprocesses a child's stacks sit under its parent's process frame, then its own
-            process = [f for f in frames if f.startswith("process ")][-1:] or ["?"]
-            per_process[process[0][:100]][frames[-1][:110]] += int(count)
-            for function in {re.sub(r":\d+\)$", ")", frame) for frame in frames if "kvfit/" in frame}:
-                inclusive[process[0][:100]][function[:110]] += int(count)
+    for frames, count in spy_stacks(raw):
+        # with --subprocesses a child's stacks sit under its parent's process frame, then its own
+        process = [f for f in frames if f.startswith("process ")][-1:] or ["?"]
+        per_process[process[0][:100]][frames[-1][:110]] += count
+        for function in {re.sub(r":\d+\)$", ")", frame) for frame in frames if "kvfit/" in frame}:
+            inclusive[process[0][:100]][function[:110]] += count
     total = sum(sum(c.values()) for c in per_process.values()) or 1
     for process, counts in sorted(per_process.items(), key=lambda kv: -sum(kv[1].values())):
         n = sum(counts.values())
@@ -422,12 +429,8 @@ def start_server(engine: str, folder: str, args, log_path: str):
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{engine} server exited with {proc.returncode}; see {log_path}")
-        try:
-            status, pieces = asyncio.run(_http(port, "GET", "/health", None))
-            if status == 200:
-                return proc, port, time.time() - (deadline - args.start_timeout)
-        except OSError:
-            pass
+        if asyncio.run(health_status(port)) == 200:
+            return proc, port, time.time() - (deadline - args.start_timeout)
         time.sleep(1)
     stop_server(proc)
     raise RuntimeError(f"{engine} server did not answer /health within {args.start_timeout} s; see {log_path}")

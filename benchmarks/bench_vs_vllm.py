@@ -74,10 +74,11 @@ FP8_CONFIGS = {
 }
 
 
-def model_folder(model: str, engine: str) -> str:
-    """A folder holding the catalog model's config.json (with KVFIT_BENCH_FP8's quantization_config, if set)."""
+def model_folder(model: str, engine: str, fp8: str | None = None) -> str:
+    """A folder holding the catalog model's config.json (with the quantization_config of fp8, a FP8_CONFIGS
+    name; by default KVFIT_BENCH_FP8's, if set)."""
     from kvfit.catalog import model_config
-    fp8 = os.environ.get("KVFIT_BENCH_FP8")
+    fp8 = fp8 or os.environ.get("KVFIT_BENCH_FP8")
     folder = f"/tmp/{engine}-cfg/{model}{'-fp8-' + fp8 if fp8 else ''}"
     os.makedirs(folder, exist_ok=True)
     config = {"torch_dtype": "bfloat16", **model_config(model)}

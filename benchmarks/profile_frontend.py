@@ -64,6 +64,7 @@ def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str
 def hottest(raw_path: str, top: int = 15) -> list[str]:
     """py-spy's raw (collapsed) stacks -> lines: the functions with the most self samples, then the share of
     samples under a few entry points of the front-end."""
+    from bench_serve import spy_stacks
     self_samples, total = collections.Counter(), 0
     under = collections.Counter()
     # py-spy names a frame "Class.function (path:line)"
@@ -72,18 +73,12 @@ def hottest(raw_path: str, top: int = 15) -> list[str]:
              "SSE framing": "sse (kvfit/server/protocol.py", "uvicorn and h11": "h11",
              "socket writes": "SocketTransport.write",
              "reading the core (EngineCoreClient._read)": "EngineCoreClient._read", "json": "json/"}
-    with open(raw_path) as f:
-        for line in f:
-            stack, _, count = line.rstrip().rpartition(" ")
-            if not stack or not count.isdigit():
-                continue
-            n = int(count)
-            total += n
-            frames = stack.split(";")
-            self_samples[frames[-1]] += n
-            for name, needle in marks.items():
-                if any(needle in frame for frame in frames):
-                    under[name] += n
+    for frames, n in spy_stacks(raw_path):
+        total += n
+        self_samples[frames[-1]] += n
+        for name, needle in marks.items():
+            if any(needle in frame for frame in frames):
+                under[name] += n
     lines = [f"{n / total:6.1%}  {frame}" for frame, n in self_samples.most_common(top)]
     lines.append("under: " + ", ".join(f"{name} {n / total:.1%}" for name, n in under.most_common()))
     return lines

@@ -224,11 +224,8 @@ def main() -> int:
     # one device step per round: multi-step rounds would fold several decode steps into one profile
     model = args.model
     if args.fp8_checkpoint:
-        import os
-
         from bench_vs_vllm import model_folder
-        os.environ["KVFIT_BENCH_FP8"] = args.fp8_checkpoint
-        model = model_folder(args.model, "kvfit")
+        model = model_folder(args.model, "kvfit", args.fp8_checkpoint)
     llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
               enable_prefix_caching=False, num_scheduler_steps=1, quantization=args.quantization)
     engine = llm.engine

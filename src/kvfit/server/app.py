@@ -384,24 +384,27 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
     return streams
 
 
+async def _moves(stream: RequestStream):
+    """The stream's outputs until it finished, or its APIError last."""
+    try:
+        while not stream.finished:
+            yield await stream.next()
+    except APIError as exc:
+        yield exc
+
+
 async def _merged(streams: list[RequestStream]):
     """(prompt index, output or APIError) as any stream moves, until every one finished or one failed."""
     if len(streams) == 1:            # the common case: read it directly (no pump task, no second queue)
-        stream = streams[0]
-        try:
-            while not stream.finished:
-                yield 0, await stream.next()
-        except APIError as exc:
-            yield 0, exc
+        async with contextlib.aclosing(_moves(streams[0])) as moves:
+            async for item in moves:
+                yield 0, item
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            while not stream.finished:
-                queue.put_nowait((i, await stream.next()))
-        except APIError as exc:
-            queue.put_nowait((i, exc))
+        async for item in _moves(stream):
+            queue.put_nowait((i, item))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

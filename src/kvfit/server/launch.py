@@ -360,7 +360,6 @@ if HttpToolsProtocol is not None:
                 raise _HeadTooLarge()       # the parser stops; uvicorn answers its error (send_400_response)
 
 
-
 class _HeadTooLarge(Exception):
     """Raised inside httptools' parser callbacks to stop a head past MAX_HEADER_BYTES."""
 
@@ -390,8 +389,8 @@ def uvicorn_config(app, limits: ConnectionLimits = ConnectionLimits(), log_level
     uvicorn's loggers are left unconfigured so they log in kvfit's format (logs.configure_logging)."""
     base = http_protocol(limits.http_parser)
     protocol = type("HeadTimeoutProtocol", (base,), {"head_timeout_s": limits.header_timeout_s})
-    return uvicorn.Config(AccessLogMiddleware(StartGate(app)), http=protocol, loop=event_loop_name(limits.event_loop), log_level=log_level,
-                          log_config=None, access_log=False, lifespan="on",
+    return uvicorn.Config(AccessLogMiddleware(StartGate(app)), http=protocol, loop=event_loop_name(limits.event_loop),
+                          log_level=log_level, log_config=None, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=graceful_shutdown_s, limit_concurrency=limits.connection_cap(),
                           timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 

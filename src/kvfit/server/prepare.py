@@ -69,10 +69,18 @@ def parse_request(raw: bytes, model_class, context: PrepareContext):
     return body
 
 
+# the fields that give finish_request work: a grammar (_check_grammar), tools to compile, messages to render
+_GRAMMAR_FIELDS = ("structured_outputs", "response_format")
+_FINISHING_FIELDS = (*_GRAMMAR_FIELDS, "tools", "messages")
+
+
+def _has_any(body, names: tuple[str, ...]) -> bool:
+    return any(getattr(body, name, None) is not None for name in names)
+
+
 def needs_finishing(body) -> bool:
     """Whether finish_request can cost more than a few checks: a grammar or tools to compile, messages to render."""
-    return any(getattr(body, name, None) is not None for name in ("structured_outputs", "response_format", "tools",
-                                                                    "messages"))
+    return _has_any(body, _FINISHING_FIELDS)
 
 
 def finish_request(body, model_class, context: PrepareContext, tokenizer, template_variables: dict) -> Prepared:
@@ -99,7 +107,7 @@ def finish_request(body, model_class, context: PrepareContext, tokenizer, templa
 def _check_grammar(body) -> None:
     """A 400 for a structured-outputs spec past kvfit's limits or that llguidance refuses, found here (a large
     one in a child process with a timeout: structured/validate.py) so the engine only compiles valid ones."""
-    if getattr(body, "structured_outputs", None) is None and getattr(body, "response_format", None) is None:
+    if not _has_any(body, _GRAMMAR_FIELDS):
         return
     spec = structured_outputs_params(body)
     if spec is not None:
