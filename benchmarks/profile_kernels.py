@@ -152,6 +152,36 @@ def profile_eager(engine, profile, reps: int) -> None:
     finish_step(engine, delta, engine.workers.execute(without_changes(delta)))
 
 
+def routing_stats(engine) -> None:
+    """How evenly the router spreads one decode step's tokens over the experts, layer by layer (MoE models):
+    dummy weights route as they route, and a grouped GEMM's speed depends on it. One eager forward with
+    kvfit.models.moe.select_experts wrapped (it syncs the host: run after the timed sections)."""
+    from kvfit.models import moe
+    runner = engine.workers.runner
+    loads = []
+    original = moe.select_experts
+
+    def recording(logits, top_k, renormalize):
+        weights, ids = original(logits, top_k, renormalize)
+        counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1]).float()
+        loads.append((int((counts > 0).sum()), float(counts.max() / counts.mean()), ids.shape[0]))
+        return weights, ids
+    delta = next_decode(engine)
+    runner.batch.apply(delta)
+    moe.select_experts = recording
+    try:
+        inputs = build_inputs(runner.batch, delta, runner.spec.block_size)
+        runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+    finally:
+        moe.select_experts = original
+    finish_step(engine, delta, engine.workers.execute(without_changes(delta)))
+    if not loads:
+        print("== routing: not a MoE model")
+        return
+    print(f"== routing of one decode step ({loads[0][2]} tokens), per layer: experts used / max load over mean")
+    print("  " + " ".join(f"{n}/{r:.1f}" for n, r, _ in loads))
+
+
 def host_phases(engine, reps: int) -> dict[str, float]:
     """Seconds per decode step of each phase, synchronised: the parts on one step's inputs, then whole steps."""
     timings = defaultdict(float)
@@ -237,6 +267,7 @@ def main() -> int:
         warm_up(engine, device_profile, prefill_index=1 if len(prompts) > 1 else 0, decode_warm=args.decode_warm)
         profile_decode(engine, device_profile, steps=5)
         profile_eager(engine, device_profile, reps=5)
+        routing_stats(engine)
         timings = host_phases(engine, reps=20)
     for name, t in timings.items():
         print(f"  {name:28s} {t * 1e3:8.3f} ms")
