@@ -37,6 +37,7 @@ import collections
 import json
 import multiprocessing
 import os
+import shutil
 import random
 import re
 import signal
@@ -312,8 +313,12 @@ def start_spy(folder: str, pid: int, name: str) -> tuple[subprocess.Popen, str]:
     """py-spy sampling the server and its children (the engine core) for 8 s from 1 s into the run."""
     os.makedirs(folder, exist_ok=True)
     raw = os.path.join(folder, f"{name}.txt")
-    command = f"sleep 1; exec py-spy record -p {pid} --subprocesses -d 8 -r 100 -f raw -o {raw} --nonblocking"
-    return subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--py-spy: no py-spy on PATH (pip install py-spy; a --target install puts it in TARGET/bin)")
+    command = f"sleep 1; exec {spy} record -p {pid} --subprocesses -d 8 -r 100 -f raw -o {raw} --nonblocking"
+    with open(f"{raw}.err", "w") as err:    # why py-spy wrote nothing, if it does not
+        return subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=err), raw
 
 
 def spy_stacks(raw: str):
@@ -333,7 +338,8 @@ def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
     except subprocess.TimeoutExpired:
         spy.kill()
     if not os.path.exists(raw):
-        print(f"py-spy wrote nothing ({raw}): is it installed, and may it attach (ptrace)?")
+        err = open(f"{raw}.err").read().strip().splitlines() if os.path.exists(f"{raw}.err") else []
+        print(f"py-spy wrote nothing ({raw}): {err[-1] if err else 'no message'}")
         return
     per_process: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
