@@ -6,8 +6,11 @@ to FP8 at load (`--quantization fp8`):
   8-bit float weights per tensor (`weight_scale` [1] or []), per channel (`weight_scale` [N, 1]) or per
   [128, 128] block (`strategy: "block"`, `weight_scale` [ceil(N/128), ceil(K/128)]); activations dynamic per
   token (or per token and 128-column group with block weights) or static per tensor (`input_scale`); an
-  `ignore` list of module names and `re:` patterns left in 16 bits.
-- `quant_method: "fp8"` (transformers' FineGrainedFP8Config, DeepSeek-V3, Qwen3-*-FP8): `weight_block_size`
+  `ignore` list of module names and `re:` patterns left in 16 bits. A `transform_config` whose rotations are all
+  fused into the weights (`weight_input` / `weight_output`) needs nothing at run time; one applied to activations
+  at run time (QuIP's `input`, SpinQuant's R3/R4) is refused.
+- `quant_method: "fp8"` (transformers' FineGrainedFP8Config, DeepSeek-V3, Qwen3-*-FP8; `fmt` "e4m3" or
+  "float8_e4m3fn"): `weight_block_size`
   [128, 128] with `weight_scale_inv` [ceil(N/128), ceil(K/128)] (a multiplier, despite the name) and dynamic
   activations per token and 128-column group; without a block size, per-tensor `weight_scale` (and
   `input_scale` when `activation_scheme` is static). `modules_to_not_convert` / `ignored_layers` stay in 16 bits.
@@ -30,6 +33,8 @@ QUANTIZATION_METHODS = ("fp8",)              # --quantization values (vLLM's nam
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("token", "group", "static")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")       # the fp8 method's `fmt` (MiniMax-M2 writes the torch dtype's name)
+FUSED_TRANSFORMS = ("weight_input", "weight_output")   # compressed-tensors transforms applied offline, into weights
 FP8_MAX = 448.0                              # largest finite float8_e4m3fn
 MIN_AMAX = 1e-10                             # an all-zero row still gets a finite scale (its values quantize to 0)
 # scratch of one quantized GEMM per element of its input, which the capacity estimate counts: dynamic
@@ -131,11 +136,30 @@ def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: config_groups mix {len(schemes)} different schemes; kvfit runs one FP8 "
                           "scheme for every quantized layer")
     strategy, block, activation = schemes.pop()
-    ignore = quant.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
-        raise ConfigError(f"{where}: 'ignore' must be a list of module names, got {_show(ignore)}")
+    _check_transforms(quant.get("transform_config"), where)
     return Fp8Scheme(method="compressed-tensors", weight_strategy=strategy, activation=activation, block_size=block,
-                     ignore=tuple(ignore), kv_cache_scheme=bool(quant.get("kv_cache_scheme")))
+                     ignore=_ignore_list(quant.get("ignore"), "ignore", where),
+                     kv_cache_scheme=bool(quant.get("kv_cache_scheme")))
+
+
+def _check_transforms(transforms, where: str) -> None:
+    """compressed-tensors' transform_config: rotations fused into the weights offline are already in them; one
+    applied to activations at run time would be missing, so the rotated weights would run on unrotated inputs."""
+    if not transforms:
+        return
+    groups = transforms.get("config_groups") if isinstance(transforms, dict) else None
+    if not isinstance(groups, dict):
+        raise ConfigError(f"{where}: transform_config must be a JSON object with 'config_groups', got "
+                          f"{_show(transforms)}")
+    for name, group in groups.items():
+        applied = group.get("apply", []) if isinstance(group, dict) else None
+        if not isinstance(applied, list) or not all(isinstance(args, dict) for args in applied):
+            raise ConfigError(f"{where}: transform_config group {name!r} needs an 'apply' list, got {_show(group)}")
+        online = [args.get("location") for args in applied if args.get("location") not in FUSED_TRANSFORMS]
+        if online:
+            raise ConfigError(f"{where}: transform_config group {name!r} applies a rotation at location "
+                              f"{_show(online[0])} at run time, which is not supported; kvfit runs only transforms "
+                              f"fused into the weights (locations {', '.join(FUSED_TRANSFORMS)})")
 
 
 def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None, str]:
@@ -182,23 +206,38 @@ def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None
 
 def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
     fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in E4M3_NAMES:
         raise ConfigError(f"{where}: fp8 fmt {_show(fmt)} is not supported; kvfit runs e4m3 (float8_e4m3fn)")
     scheme = quant.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ConfigError(f"{where}: activation_scheme {_show(scheme)} is not supported; use dynamic or static")
-    ignore = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
-    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
-        raise ConfigError(f"{where}: 'modules_to_not_convert' must be a list of module names, got {_show(ignore)}")
+    ignore = _ignore_list(quant.get("modules_to_not_convert") or quant.get("ignored_layers"),
+                          "modules_to_not_convert", where)
     block = quant.get("weight_block_size")
     if block is None:
         activation = "token" if scheme == "dynamic" else "static"
-        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=tuple(ignore))
+        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=ignore)
     block = _block_size(block, f"{where} weight_block_size")
     if scheme != "dynamic":
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
     return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
-                     scale_name="weight_scale_inv", ignore=tuple(ignore))
+                     scale_name="weight_scale_inv", ignore=ignore)
+
+
+def _ignore_list(value, key: str, where: str) -> tuple[str, ...]:
+    """Module names and "re:" patterns left in 16 bits; a pattern that does not compile is a ConfigError here,
+    not an re.error while the model is built."""
+    names = value or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"{where}: {key!r} must be a list of module names, got {_show(value)}")
+    for name in names:
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as exc:
+                raise ConfigError(f"{where}: {key} entry {name!r} is not a valid regular expression ({exc}); "
+                                  "fix the pattern after 're:'") from None
+    return tuple(names)
 
 
 def _block_size(value, where: str) -> tuple[int, int]:

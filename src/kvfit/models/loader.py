@@ -3,6 +3,11 @@ file or sharded) or at random ("dummy").
 
 With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
 so no rank ever holds a whole sharded tensor, let alone the whole model.
+
+kvfit reads quantization from config.json's quantization_config only. A checkpoint that fails to load while its
+quantization is declared elsewhere (older compressed-tensors' `compression_config`, AutoGPTQ's
+quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json) says so, not which tensor
+was missing; beside 16-bit weights such a file is ignored, as vLLM and transformers ignore it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ DUMMY_SEED = 0
 logger = logging.getLogger("kvfit")
 DUMMY_STD = 0.02
 DUMMY_INPUT_SCALE = 1.0 / 64     # static FP8 activations: |x| up to 7 before clipping
+QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 
 
 def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
@@ -41,7 +47,7 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         if files is None:
             init_dummy_weights(model)
         else:
-            model.load_weights(_iter_tensors(files))
+            _load_checkpoint(model, files, model_path, facts)
         finalize_quantized(model)
         if facts.quantization is not None:
             logger.info("weights: %s", facts.quantization.describe())
@@ -59,6 +65,48 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
             f"{facts.num_params:,} parameters); use a larger device, --tensor-parallel-size, a smaller --dtype or "
             "--quantization fp8") from None
     return model.eval()
+
+
+def _load_checkpoint(model: torch.nn.Module, files: list[str], model_path: str, facts: ModelFacts) -> None:
+    try:
+        model.load_weights(_iter_tensors(files))
+    except ConfigError:
+        declared = None
+        if facts.quantization is None or facts.quantization.online:
+            declared = quantization_declared_elsewhere(model_path, facts.raw)
+        if declared is None:
+            raise
+        raise ConfigError(declared) from None
+
+
+def quantization_declared_elsewhere(model_path: str, config: dict) -> str | None:
+    """The one-line reason a checkpoint is quantized where kvfit does not read it (config.json's
+    compression_config, or a quantization file beside it); None when nothing declares quantized weights."""
+    if config.get("compression_config"):
+        return (f"{os.path.join(model_path, 'config.json')}: 'compression_config' (older compressed-tensors' name for "
+                "quantization_config) is not read by kvfit; rename the key to quantization_config")
+    for name in QUANTIZATION_FILES:
+        path = os.path.join(model_path, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            declared = read_json_object(path)
+        except ConfigError:
+            declared = {}
+        modelopt = declared.get("quantization")
+        if isinstance(modelopt, dict):
+            if modelopt.get("quant_algo") is None:
+                continue                    # a KV-cache-only ModelOpt export: its weights are 16-bit
+            what = f"modelopt {modelopt['quant_algo']}"
+        elif declared.get("quant_method"):
+            what = f"quant_method {declared['quant_method']!r}"
+        else:
+            bits = declared.get("bits", declared.get("w_bit"))
+            what = f"{bits}-bit" if bits else "an unknown method"
+        return (f"{path} declares quantized weights ({what}), which kvfit does not run; kvfit runs FP8 checkpoints "
+                "declared in config.json's quantization_config (compressed-tensors float8, or fp8) and "
+                "--quantization fp8 on 16-bit ones")
+    return None
 
 
 # what torch says when a tensor cannot be had: CUDA and CPU allocators, and sizes past int64

@@ -102,7 +102,8 @@ class Fp8Experts(torch.nn.Module):
 
     def _load_scale(self, expert: int, part: str, source, name: str) -> None:
         shape, scheme = source_shape(source), self.scheme
-        value = (source if isinstance(source, torch.Tensor) else source[:]).float()
+        # [...] reads any rank; [:] fails on a 0-dim slice (AutoFP8's per-tensor scales)
+        value = (source if isinstance(source, torch.Tensor) else source[...]).float()
         target = self._scale_rows(expert, part)
         s, n, h = self.start, self.size, self.down_proj.shape[1]
         if scheme.weight_strategy == "tensor" and shape in ((), (1,)):

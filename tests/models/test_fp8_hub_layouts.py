@@ -1,0 +1,280 @@
+"""FP8 checkpoints as the Hub ships them, through kvfit's real loader: quantization_config blocks field for field
+as RedHatAI / neuralmagic (compressed-tensors), Qwen3-*-FP8 and DeepSeek-V3 (fp8 blocks), AutoFP8 (fp8 per tensor)
+and MiniMax-M2 write them; scales in bf16 or fp16, per-channel ones [N, 1] or [N], per-tensor ones [1] or 0-dim.
+Each loads like transformers on the dequantized weights (with kvfit's activation quantization); what kvfit cannot
+run (online transforms, quantization declared outside config.json) is a one-line ConfigError, never a silent or
+half-right load, and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from fp8_checkpoints import LINEAR, fake_quant_experts, fake_quant_hooks, write_fp8_copy
+from paged_batch import PagedCache, hf_logits, random_tokens
+from safetensors.torch import load_file, save_file
+
+from kvfit.attention.torch_ref import TorchReferenceBackend
+from kvfit.errors import ConfigError
+from kvfit.kernels.fp8 import dequantize_weight
+from kvfit.model_facts import load_model_facts
+from kvfit.models.loader import load_model
+from kvfit.quant_scheme import parse_quantization_config
+from tiny_models import make_tiny_model
+
+FLIP_ATOL = 3e-2       # one e4m3 rounding step of an activation moved by fp32 summation order (test_fp8.py)
+
+
+def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
+    """One compressed-tensors QuantizationArgs as llm-compressor serializes it (every field, nulls included)."""
+    args = {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": None, "num_bits": 8,
+            "observer": None if dynamic else "minmax", "observer_kwargs": {}, "strategy": strategy,
+            "symmetric": True, "type": "float"}
+    return dict(args, **extra)
+
+
+def _ct(weights: dict, acts: dict, **extra) -> dict:
+    group = {"input_activations": acts, "output_activations": None, "targets": ["Linear"], "weights": weights,
+             "format": "float-quantized"}
+    config = {"config_groups": {"group_0": group},
+              "format": "float-quantized", "global_compression_ratio": 1.24, "ignore": ["lm_head"],
+              "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+              "sparsity_config": {}, "transform_config": None}
+    return dict(config, **extra)
+
+
+# the Hub's quantization_config blocks -> (kvfit's reference layout in fp8_checkpoints, its activation hooks)
+HUB = {
+    # RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic: per channel, dynamic per token
+    "ct-fp8-dynamic": (_ct(_ct_args("channel", False), _ct_args("token", True)), "ct-channel"),
+    # neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8: per tensor, static per tensor
+    "ct-fp8-static": (_ct(_ct_args("tensor", False), _ct_args("tensor", False)), "ct-static"),
+    # llm-compressor's FP8_BLOCK preset
+    "ct-fp8-block": (_ct(_ct_args("block", False, block_structure=[128, 128]),
+                         _ct_args("group", True, group_size=128)), "block"),
+    # Qwen/Qwen3-*-FP8, deepseek-ai/DeepSeek-V3
+    "fp8-block": ({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                   "weight_block_size": [128, 128]}, "block"),
+    # MiniMaxAI/MiniMax-M2 (fmt spelled as the torch dtype)
+    "fp8-block-minimax": ({"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                           "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "lm_head"]}, "block"),
+    # AutoFP8 (neuralmagic/Meta-Llama-3-8B-Instruct-FP8): per tensor, 0-dim scales
+    "autofp8-static": ({"activation_scheme": "static", "ignored_layers": ["lm_head"], "quant_method": "fp8"},
+                       "ct-static"),
+    "autofp8-dynamic": ({"activation_scheme": "dynamic", "ignored_layers": ["lm_head"], "quant_method": "fp8"},
+                        "ct-tensor"),
+}
+SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
+
+
+def _hub_copy(src: str, dst, layout: str, scale_dtype=torch.bfloat16, flat: bool = False) -> tuple[str, str]:
+    """(FP8 folder in `layout`'s Hub form, fp32 folder dequantized from exactly the tensors written there)."""
+    quant, fmt = HUB[layout]
+    fp8, _ = write_fp8_copy(src, dst, fmt)
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(SCALE_NAMES)]:
+        scale = tensors.pop(name).to(scale_dtype)
+        if layout.startswith("autofp8"):
+            scale = scale.reshape(())                          # AutoFP8 saves per-tensor scales 0-dim
+        elif flat and scale.shape[-1:] == (1,):
+            scale = scale.reshape(-1)                          # per-channel [N] (some compressed-tensors versions)
+        if layout.startswith("ct-") and name.endswith("_inv"):
+            name = name.removesuffix("_inv")                   # compressed-tensors blocks: weight_scale
+        tensors[name] = scale.contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = os.path.join(fp8, "config.json")
+    config = json.load(open(config_path))
+    config["quantization_config"] = quant
+    json.dump(config, open(config_path, "w"), indent=1)
+    return fp8, _dequantized(fp8, str(dst / "deq"), tensors, (128, 128) if fmt == "block" else None)
+
+
+def _dequantized(fp8: str, folder: str, tensors: dict, block) -> str:
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(fp8, folder)
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith(SCALE_NAMES):
+            continue
+        prefix = name.removesuffix(".weight")
+        scale = tensors.get(f"{prefix}.weight_scale", tensors.get(f"{prefix}.weight_scale_inv"))
+        out[name] = value if scale is None else dequantize_weight(value, scale.float(), block)
+    save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(folder, "config.json")))
+    del config["quantization_config"]
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    return folder
+
+
+def _logits(folder: str, quantization: str | None = None):
+    facts = load_model_facts(folder, quantization)
+    model = load_model(folder, facts, torch.float32, "cpu", TorchReferenceBackend())
+    tokens = random_tokens(facts.vocab_size, 11, seed=0)
+    input_ids, positions, meta = PagedCache(facts).step([("s", 0, tokens)])
+    with torch.inference_mode():
+        return model.compute_logits(model(input_ids, positions, None, meta)), tokens
+
+
+def _reference(folder: str, tokens, layout: str, experts: bool = False) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    fmt = HUB[layout][1]
+    fake_quant_hooks(hf, fmt)
+    if experts:
+        assert fake_quant_experts(hf, fmt) > 0
+    return hf_logits(hf, tokens)
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
+    assert got[-1].argmax() == want[-1].argmax()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    return root, {"llama": make_tiny_model(root, arch="llama"), "qwen3": make_tiny_model(root, arch="qwen3"),
+                  "tied": make_tiny_model(root, arch="llama", tie_word_embeddings=True, name="tied")}
+
+
+@pytest.mark.parametrize("layout,arch,scale_dtype,flat", [
+    ("ct-fp8-dynamic", "llama", torch.bfloat16, False), ("ct-fp8-dynamic", "qwen3", torch.bfloat16, True),
+    ("ct-fp8-static", "llama", torch.bfloat16, False), ("ct-fp8-block", "qwen3", torch.bfloat16, False),
+    ("fp8-block", "qwen3", torch.float16, False), ("fp8-block", "tied", torch.bfloat16, False),
+    ("fp8-block-minimax", "llama", torch.float32, False), ("autofp8-static", "llama", torch.float32, False),
+    ("autofp8-dynamic", "tied", torch.float32, False)])
+def test_hub_layouts_load_like_the_dequantized_reference(tiny, layout, arch, scale_dtype, flat):
+    root, src = tiny
+    fp8, deq = _hub_copy(src[arch], root / f"{layout}-{arch}-{flat}", layout, scale_dtype, flat)
+    got, tokens = _logits(fp8)
+    _assert_matches(got, _reference(deq, tokens, layout))
+
+
+def test_per_tensor_expert_scales_stored_as_0_dim_tensors_load(tmp_path):
+    """AutoFP8's Mixtral (activation_scheme dynamic) saves every expert's weight_scale 0-dim: the experts read
+    it as the linears do (it crashed with an IndexError from a slice of a 0-dim tensor)."""
+    src = make_tiny_model(tmp_path, arch="mixtral")
+    fp8, deq = _hub_copy(src, tmp_path / "mixtral", "autofp8-dynamic")
+    assert load_file(os.path.join(fp8, "model.safetensors"))[
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale"].dim() == 0
+    got, tokens = _logits(fp8)
+    _assert_matches(got, _reference(deq, tokens, "autofp8-dynamic", experts=True))
+
+
+def test_fp8_fmt_is_read_in_both_spellings():
+    for fmt in ("e4m3", "float8_e4m3fn"):
+        scheme = parse_quantization_config(dict(HUB["fp8-block"][0], fmt=fmt))
+        assert (scheme.weight_strategy, scheme.block_size) == ("block", (128, 128))
+    for fmt in ("e5m2", "float8_e5m2"):
+        with pytest.raises(ConfigError, match=f"fp8 fmt '{fmt}' is not supported"):
+            parse_quantization_config(dict(HUB["fp8-block"][0], fmt=fmt))
+
+
+def _transform(*locations: str) -> dict:
+    """A compressed-tensors transform_config (QuIP / SpinQuant) applying one Hadamard at each location."""
+    apply = [{"targets": ["Linear"], "location": loc, "inverse": i % 2 == 1, "ignore": ["lm_head"]}
+             for i, loc in enumerate(locations)]
+    return {"config_groups": {"u": {"type": "hadamard", "apply": apply, "randomize": False, "requires_grad": False,
+                                    "head_dim": None}}}
+
+
+def test_online_transforms_are_refused_fused_ones_load():
+    """A transform applied to activations at run time (QuIP's "input") was dropped silently: the rotated weights
+    then ran on unrotated inputs. Transforms fused into the weights offline need nothing at run time."""
+    quant = HUB["ct-fp8-dynamic"][0]
+    for online in (_transform("input", "weight_input"), _transform("weight_output", "output"), _transform("q_attn")):
+        with pytest.raises(ConfigError, match=r"transform_config group 'u' applies a rotation at location "
+                                              r"'[a-z_]+' at run time, which is not supported") as info:
+            parse_quantization_config(dict(quant, transform_config=online))
+        assert "\n" not in str(info.value)
+    fused = parse_quantization_config(dict(quant, transform_config=_transform("weight_output", "weight_input")))
+    assert fused == parse_quantization_config(quant)
+    with pytest.raises(ConfigError, match=r"transform_config must be"):
+        parse_quantization_config(dict(quant, transform_config=["input"]))
+
+
+@pytest.mark.parametrize("quant", [dict(HUB["ct-fp8-dynamic"][0], ignore=["lm_head", "re:*.gate"]),
+                                   dict(HUB["fp8-block"][0], modules_to_not_convert=["re:(gate"])])
+def test_an_ignore_pattern_that_is_no_regex_is_a_config_error(quant):
+    """It raised re.error from deep inside the model's construction."""
+    with pytest.raises(ConfigError, match=r"is not a valid regular expression") as info:
+        parse_quantization_config(quant)
+    assert "\n" not in str(info.value)
+
+
+def _int4_tensors(folder: str, awq: bool) -> None:
+    """Replace every decoder linear's weight with AutoGPTQ's (or AutoAWQ's) packed int4 tensors."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if LINEAR.fullmatch(n)]:
+        rows, cols = tensors.pop(name).shape
+        prefix = name.removesuffix(".weight")
+        packed = (cols, rows // 8) if awq else (cols // 8, rows)
+        tensors[f"{prefix}.qweight"] = torch.zeros(packed, dtype=torch.int32)
+        tensors[f"{prefix}.qzeros"] = torch.zeros((1, rows // 8), dtype=torch.int32)
+        tensors[f"{prefix}.scales"] = torch.ones((1, rows), dtype=torch.float16)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _declared_elsewhere(tiny, name: str) -> str:
+    """A checkpoint whose quantization is declared outside config.json's quantization_config, as the Hub has them."""
+    root, src = tiny
+    if name == "compression_config":            # older llm-compressor releases wrote the scheme under this key
+        fp8, _ = _hub_copy(src["llama"], root / name, "ct-fp8-dynamic")
+        _edit_config(fp8, lambda config: config.update(compression_config=config.pop("quantization_config")))
+        return fp8
+    if name == "hf_quant_config.json":          # ModelOpt FP8: per-tensor FP8, config.json without quantization_config
+        fp8, _ = _hub_copy(src["llama"], root / name, "autofp8-static")
+        _edit_config(fp8, lambda config: config.pop("quantization_config"))
+        _write_json(fp8, name, {"producer": {"name": "modelopt", "version": "0.19.0"},
+                                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}})
+        return fp8
+    folder = str(root / name)
+    shutil.copytree(src["llama"], folder)
+    _int4_tensors(folder, awq=name == "quant_config.json")
+    _write_json(folder, name, {"bits": 4, "group_size": 128, "desc_act": False, "sym": True, "quant_method": "gptq"}
+                if name == "quantize_config.json" else {"zero_point": True, "q_group_size": 128, "w_bit": 4,
+                                                         "version": "GEMM"})
+    return folder
+
+
+def _write_json(folder: str, name: str, content: dict) -> None:
+    with open(os.path.join(folder, name), "w") as fh:
+        json.dump(content, fh)
+
+
+def _edit_config(folder: str, edit) -> None:
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    edit(config)
+    _write_json(folder, "config.json", config)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("quantize_config.json", r"quantize_config.json declares quantized weights \(quant_method 'gptq'\)"),
+    ("quant_config.json", r"quant_config.json declares quantized weights \(4-bit\)"),
+    ("hf_quant_config.json", r"hf_quant_config.json declares quantized weights \(modelopt FP8\)"),
+    ("compression_config", r"'compression_config' \(older compressed-tensors' name for quantization_config\)"),
+])
+def test_quantization_declared_outside_quantization_config_is_named(tiny, name, message):
+    """These failed as 'missing tensor ...q_proj.weight' or 'restore the checkpoint's config.json' (it is as
+    shipped); the error now names where the quantization is declared and what it is, with or without
+    --quantization fp8."""
+    folder = _declared_elsewhere(tiny, name)
+    for quantization in (None, "fp8"):
+        with pytest.raises(ConfigError, match=message) as info:
+            _logits(folder, quantization)
+        assert "\n" not in str(info.value)
+
+
+def test_a_stray_quantization_file_beside_16_bit_weights_is_not_an_error(tiny):
+    root, src = tiny
+    folder = str(root / "stray")
+    shutil.copytree(src["llama"], folder)
+    _write_json(folder, "quantize_config.json", {"bits": 4, "quant_method": "gptq"})
+    got, _ = _logits(folder)
+    assert torch.equal(got, _logits(src["llama"])[0])
