@@ -73,7 +73,8 @@ def test_scale_one_breaks_a_loud_model_and_calculated_scales_repair_it(loud_mode
 
 
 @pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),
-                                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale")])
+                                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                                   ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")])     # ModelOpt
 def test_checkpoint_scales_are_read_and_used_with_an_fp8_cache(loud_model, tmp_path, names):
     """An FP8 checkpoint (compressed-tensors, per channel) with kv_cache_scheme scales, as llm-compressor writes
     it: an fp8 cache with its scales is close to the same weights over an fp32 cache; scale 1.0 is not."""
@@ -95,6 +96,9 @@ def test_checkpoint_scale_names():
     assert kv_scale_targets("model.layers.0.self_attn.kv_scale") == [("model.layers.0.self_attn", "k_scale"),
                                                                      ("model.layers.0.self_attn", "v_scale")]
     assert kv_scale_targets("model.layers.0.self_attn.k_proj.weight_scale") == []
+    for name in ("k_proj.k_scale", "qkv_proj.k_scale", "attn.k_scale"):       # ModelOpt, fused qkv, an inner attn
+        assert kv_scale_targets(f"model.layers.2.self_attn.{name}") == [("model.layers.2.self_attn", "k_scale")]
+    assert kv_scale_targets("model.layers.2.self_attn.qkv_proj.v_scale") == [("model.layers.2.self_attn", "v_scale")]
 
 
 def test_a_scale_per_kv_head_is_split_over_ranks_and_bad_scales_are_refused():
@@ -115,3 +119,22 @@ def test_a_scale_per_kv_head_is_split_over_ranks_and_bad_scales_are_refused():
 def test_calculate_kv_scales_needs_an_fp8_cache(loud_model):
     with pytest.raises(ConfigError, match="--calculate-kv-scales .* --kv-cache-dtype fp8"):
         LLM(loud_model, device="cpu", calculate_kv_scales=True)
+
+
+def test_a_kv_cache_scheme_without_scale_tensors_is_said(loud_model, tmp_path, caplog):
+    """config.json declares kv_cache_scheme but no tensor carries a scale: the log says scale 1.0 and the fix,
+    not that scales were read."""
+    import logging
+
+    from fp8_checkpoints import write_fp8_copy
+    folder, _ = write_fp8_copy(loud_model, tmp_path, "ct-channel")
+    _with_scales(folder, 30.0, 30.0, ())                        # the scheme only
+    with caplog.at_level(logging.INFO, logger="kvfit"):
+        LLM(folder, device="cpu", kv_cache_dtype="fp8").shutdown()
+    assert "holds no k/v scale tensors" in caplog.text and "--calculate-kv-scales" in caplog.text
+    assert "read from the checkpoint" not in caplog.text
+    caplog.clear()
+    _with_scales(folder, 30.0, 30.0, ("self_attn.k_scale", "self_attn.v_scale"))
+    with caplog.at_level(logging.INFO, logger="kvfit"):
+        LLM(folder, device="cpu", kv_cache_dtype="fp8").shutdown()
+    assert "KV cache scales of 2 of 2 attention layers read from the checkpoint" in caplog.text

@@ -2,7 +2,7 @@
 
 Where they come from, as in vLLM: the checkpoint (compressed-tensors' kv_cache_scheme writes
 `self_attn.k_scale` and `v_scale`; older checkpoints `k_proj.output_scale` / `v_proj.output_scale`, or one
-`kv_scale` for both; a scale per layer or one per KV head), else the first batch (--calculate-kv-scales: the
+`kv_scale` for both; ModelOpt `k_proj.k_scale` / `v_proj.v_scale`; `qkv_proj.k_scale` and `attn.k_scale` too; a scale per layer or one per KV head), else the first batch (--calculate-kv-scales: the
 layer's amax / 200 for k and / 100 for v, vLLM's constants), else 1.0. A 16-bit cache holds k and v exactly,
 so with one the scales are read and not used.
 
@@ -24,7 +24,12 @@ from kvfit.errors import ConfigError
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0      # vLLM's Q/K and V scale constants
 MIN_SCALE = 1e-8                                       # an all-zero first batch must not give a zero scale
 # checkpoint name suffix -> the scales it sets (relative to the attention module)
+# (the longer suffixes first): ModelOpt writes them under k_proj / v_proj, llm-compressor's fused-qkv models under
+# qkv_proj, and some exports under an inner `attn` module
 CHECKPOINT_NAMES = ((".k_proj.output_scale", ("k_scale",)), (".v_proj.output_scale", ("v_scale",)),
+                    (".k_proj.k_scale", ("k_scale",)), (".v_proj.v_scale", ("v_scale",)),
+                    (".qkv_proj.k_scale", ("k_scale",)), (".qkv_proj.v_scale", ("v_scale",)),
+                    (".attn.k_scale", ("k_scale",)), (".attn.v_scale", ("v_scale",)),
                     (".kv_scale", ("k_scale", "v_scale")), (".k_scale", ("k_scale",)), (".v_scale", ("v_scale",)))
 
 
@@ -49,6 +54,7 @@ class KVScales(torch.nn.Module):
                              persistent=False)
         self.applies = False            # with an fp8 cache: scales other than 1.0 loaded, or a calculation set up
         self.calculate_next = False     # the next forward with a cache sets the scales from its k and v
+        self.loaded = False             # a checkpoint tensor set a scale of this layer
 
     @torch.no_grad()
     def load(self, which: str, name: str, source) -> None:
@@ -63,6 +69,7 @@ class KVScales(torch.nn.Module):
                               "the checkpoint is damaged (re-download it)")
         mine = value.expand(self.total_kv_heads)[self.first_kv_head:self.first_kv_head + self.num_kv_heads]
         getattr(self, which).copy_(mine)
+        self.loaded = True
         self.applies = self.applies or bool((value != 1).any())
 
     def enable_calculation(self) -> None:
