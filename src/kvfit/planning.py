@@ -73,12 +73,28 @@ SAMPLING_ROW_BYTES = 6 * 4 + 8      # temperature, top_p, top_k, three penalties
 BLOCK_ID_BYTES = 4                  # int32 block ids in the block table
 
 
+def token_history_applies(vocab_size: int, max_row_tokens: int | None) -> bool:
+    """Whether the penalties' per-row record is the token ids (runner/token_counts.TokenHistory: 4 bytes per
+    position, max_model_len + 1 of them, and two int64 lengths) rather than counts per token id (4 bytes per id):
+    whichever is smaller, so the reserve is the smaller of the two."""
+    return max_row_tokens is not None and 4 * (max_row_tokens + 1) + 16 < 4 * vocab_size
+
+
+def token_record_row_bytes(vocab_size: int, max_row_tokens: int | None) -> int:
+    """Device bytes per row of the penalties' record (token_history_applies says which)."""
+    if token_history_applies(vocab_size, max_row_tokens):
+        return 4 * (max_row_tokens + 1) + 16
+    return 4 * vocab_size
+
+
 def persistent_batch_bytes(max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int,
-                           with_sampling: bool = True) -> int:
+                           with_sampling: bool = True, max_row_tokens: int | None = None) -> int:
     """Device bytes of the persistent batch: a block-table row per sequence slot, and on the rank that
-    samples a sampling row each (parameters and int32 output-token counts per token id)."""
+    samples a sampling row each (parameters, and the penalties' record of its tokens: int32 counts per token
+    id, or its token ids when max_row_tokens, the model length, is given and that is smaller)."""
     table = max_num_seqs * max_blocks_per_seq * BLOCK_ID_BYTES
-    sampling = max_num_seqs * (SAMPLING_ROW_BYTES + 4 * vocab_size) if with_sampling else 0
+    sampling = (max_num_seqs * (SAMPLING_ROW_BYTES + token_record_row_bytes(vocab_size, max_row_tokens))
+                if with_sampling else 0)
     return table + sampling
 
 

@@ -178,10 +178,12 @@ def test_a_table_shorter_than_its_tokens_is_refused():
 
 
 @pytest.mark.parametrize("with_sampling", [True, False])
-def test_num_bytes_is_what_the_tensors_hold(with_sampling):
-    """planning.persistent_batch_bytes (what `kvfit plan` adds to its estimate) equals the allocation."""
-    batch = InputBatch(5, 7, vocab_size=33, device=CPU, with_sampling=with_sampling)
-    owners = [batch] + ([batch.sampling] if with_sampling else [])
+@pytest.mark.parametrize("max_model_len", [None, 12, 40])     # counts per id; token ids (12 < 33); counts again
+def test_num_bytes_is_what_the_tensors_hold(with_sampling, max_model_len):
+    """planning.persistent_batch_bytes (what `kvfit plan` adds to its estimate) equals the allocation, in
+    either form of the penalties' record (runner/token_counts.py)."""
+    batch = InputBatch(5, 7, vocab_size=33, device=CPU, with_sampling=with_sampling, max_model_len=max_model_len)
+    owners = [batch] + ([batch.sampling, batch.sampling.token_counts] if with_sampling else [])
     tensors = [t for owner in owners for t in vars(owner).values() if isinstance(t, torch.Tensor)]
     assert batch.num_bytes == sum(t.numel() * t.element_size() for t in tensors)
 

@@ -49,7 +49,7 @@ class InputBatch:
     """Rows for up to max_num_rows requests; block tables of up to max_blocks_per_row blocks each."""
 
     def __init__(self, max_num_rows: int, max_blocks_per_row: int, vocab_size: int, device: torch.device,
-                 with_sampling: bool = True):
+                 with_sampling: bool = True, max_model_len: int | None = None):
         self.device = device
         self.max_num_rows = max_num_rows
         self.max_blocks_per_row = max_blocks_per_row
@@ -57,7 +57,8 @@ class InputBatch:
         self.block_table = torch.zeros((max_num_rows, max_blocks_per_row), dtype=torch.int32,
                                        device=device)                                    # [R, W]
         # only the rank that samples keeps sampling rows (tensor parallelism: rank 0)
-        self.sampling = SamplingState(max_num_rows, vocab_size, device) if with_sampling else None
+        self.max_model_len = max_model_len
+        self.sampling = SamplingState(max_num_rows, vocab_size, device, max_model_len) if with_sampling else None
         self.requests: dict[str, CachedRequest] = {}
         self._free_rows = list(range(max_num_rows - 1, -1, -1))     # a stack: low rows first
 
@@ -65,7 +66,7 @@ class InputBatch:
     def num_bytes(self) -> int:
         """Device bytes this batch holds: planning.persistent_batch_bytes (tested equal to the tensors)."""
         return persistent_batch_bytes(self.max_num_rows, self.max_blocks_per_row, self.vocab_size,
-                                      self.sampling is not None)
+                                      self.sampling is not None, self.max_model_len)
 
     def apply(self, delta: StepDelta) -> None:
         """Drop ended requests, add new ones, append new block ids: the whole delta, in that order."""

@@ -103,7 +103,8 @@ class ModelRunner:
     def _new_batch(self) -> InputBatch:
         # rank 0 samples (every rank computes the logits: the lm_head all-gathers them)
         return InputBatch(self.config.scheduler.max_num_seqs, self.spec.num_blocks_for_tokens(self.max_model_len),
-                          self.facts.vocab_size, self.device, with_sampling=self.tp_rank == 0)
+                          self.facts.vocab_size, self.device, with_sampling=self.tp_rank == 0,
+                          max_model_len=self.max_model_len)
 
     @_pdl_as_configured
     def profile_run(self) -> int:

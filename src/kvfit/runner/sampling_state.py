@@ -20,9 +20,10 @@ Invariants:
 - a row's host mirrors (greedy / seeded / top-k / top-p) and its device parameters are written
   together, by set_rows and clear_rows only;
 - a free row (never set, or cleared) holds neutral parameters (greedy) and zero counts;
-- output_token_counts[row] & COUNT_MASK counts every token sample() returned for the row since set_rows,
+- token_counts.gather([row]) & COUNT_MASK counts every token sample() kept for the row since set_rows,
   plus the output_token_ids set_rows was given; PROMPT_BIT marks the prompt's tokens of a row with a
-  repetition penalty.
+  repetition penalty (runner/token_counts.py: counts per token id, or the row's token ids, whichever is
+  smaller for the model length).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from typing import Sequence
 
 import torch
 
-from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows
+from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows, token_history_applies
 from kvfit.platforms.gate import triton_applies
-from kvfit.runner.logits_processing import (PROMPT_BIT, RowEdits, RowExtras, StepEdits, apply_edits,
+from kvfit.runner.logits_processing import (RowEdits, RowExtras, StepEdits, apply_edits,
                                             apply_penalties, pack_logprobs, row_edits, top_logprobs)
+from kvfit.runner.token_counts import DenseCounts, TokenHistory
 from kvfit.sampling_params import SamplingParams
 
 # The token a row gets on the device when its logits are not finite (NaN or inf); the runner reports its
@@ -60,9 +62,9 @@ _UNIFORM_BITS = 23      # u = (j + 0.5) / 2^23: exact in fp32 and strictly insid
 MAX_TOPK_CANDIDATES = 4096
 
 
-def sampling_state_bytes(max_num_rows: int, vocab_size: int) -> int:
-    """Device bytes a SamplingState holds (the [R, vocab] int32 counts dominate), for capacity planning."""
-    return persistent_batch_bytes(max_num_rows, 0, vocab_size)
+def sampling_state_bytes(max_num_rows: int, vocab_size: int, max_row_tokens: int | None = None) -> int:
+    """Device bytes a SamplingState holds (the penalties' record of tokens dominates), for capacity planning."""
+    return persistent_batch_bytes(max_num_rows, 0, vocab_size, max_row_tokens=max_row_tokens)
 
 
 def _xorshift_right_(z: torch.Tensor, shift: int) -> torch.Tensor:
@@ -189,7 +191,10 @@ class SampleResult:
 class SamplingState:
     """Per-row sampling parameters kept on the device, rows indexed like the runner's persistent batch."""
 
-    def __init__(self, max_num_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_rows: int, vocab_size: int, device: torch.device,
+                 max_row_tokens: int | None = None) -> None:
+        """max_row_tokens: the most tokens a row's request holds (max_model_len); when given and smaller than the
+        vocabulary, the penalties read the rows' token ids rather than per-id counts (planning.token_history_applies)."""
         self.max_num_rows, self.vocab_size, self.device = max_num_rows, vocab_size, torch.device(device)
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -201,7 +206,9 @@ class SamplingState:
         self.presence_penalty = zeros(torch.float32)       # [R]; 0 = off
         self.frequency_penalty = zeros(torch.float32)      # [R]; 0 = off
         self.repetition_penalty = zeros(torch.float32).fill_(1.0)   # [R]; 1 = off
-        self.output_token_counts = zeros(torch.int32, vocab_size)   # [R, vocab]: count | PROMPT_BIT
+        self.token_counts = (TokenHistory(max_num_rows, vocab_size, max_row_tokens, self.device)
+                             if token_history_applies(vocab_size, max_row_tokens)
+                             else DenseCounts(max_num_rows, vocab_size, self.device))
         # host mirrors, so sample() decides which work to skip without reading the device
         self.greedy = [True] * max_num_rows
         self.seeded = [False] * max_num_rows
@@ -230,10 +237,10 @@ class SamplingState:
         penalties = self._to_device([[float(p.presence_penalty), float(p.frequency_penalty),
                                       float(p.repetition_penalty)] for p in params], torch.float32)   # [n, 3]
         self.presence_penalty[rows_d], self.frequency_penalty[rows_d], self.repetition_penalty[rows_d] = penalties.t()
-        self.output_token_counts.index_fill_(0, rows_d, 0)
-        self._add_counts(rows, output_token_ids)
-        self._mark_prompts([(row, e.prompt_token_ids) for row, p, e in zip(rows, params, extras)
-                            if p.repetition_penalty != 1])
+        assert all(0 <= t < self.vocab_size for ids in output_token_ids for t in ids), "token id out of vocab"
+        self.token_counts.reset(rows_d)
+        self.token_counts.set_rows(rows, [e.prompt_token_ids if p.repetition_penalty != 1 else ()
+                                          for p, e in zip(params, extras)], output_token_ids, self._to_device)
         for row, p, e in zip(rows, params, extras):
             self.greedy[row] = p.greedy
             self.seeded[row] = p.seed is not None and not p.greedy
@@ -246,6 +253,11 @@ class SamplingState:
             edits = row_edits(p, e, self.device)
             self.edits[row] = None if edits.empty else edits
 
+    @property
+    def output_token_counts(self) -> torch.Tensor:
+        """Every row's [R, vocab] int32 output counts | PROMPT_BIT, whichever form keeps them (tests, diagnostics)."""
+        return self.token_counts.dense()
+
     def clear_rows(self, rows: Sequence[int]) -> None:
         """Free rows (their requests finished or were preempted): neutral parameters, zero counts."""
         self._check_rows(rows)
@@ -254,8 +266,9 @@ class SamplingState:
         rows_d = self._to_device(rows, torch.int64)                                       # [n]
         for tensor, neutral in ((self.temperature, 0.0), (self.top_p, 1.0), (self.top_k, 0), (self.seed, 0),
                                 (self.presence_penalty, 0.0), (self.frequency_penalty, 0.0),
-                                (self.repetition_penalty, 1.0), (self.output_token_counts, 0)):
+                                (self.repetition_penalty, 1.0)):
             tensor.index_fill_(0, rows_d, neutral)
+        self.token_counts.reset(rows_d)
         for row in rows:
             self.greedy[row], self.seeded[row], self.uses_top_k[row], self.uses_top_p[row] = True, False, False, False
             self.top_k_host[row], self.min_p[row], self.penalized[row] = 0, 0.0, False
@@ -342,11 +355,10 @@ class SamplingState:
     def _count(self, tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
                counted: torch.Tensor | None, finite: torch.Tensor | None = None) -> torch.Tensor:
         # finite: [N] bool, whether every logit of the row is finite (computed here when None)
-        flat = rows * self.vocab_size + tokens                                             # [N]
         if finite is None:
             finite = torch.isfinite(logits).all(dim=-1)                                    # [N] bool
         kept = finite if counted is None else finite & counted
-        self.output_token_counts.view(-1).index_add_(0, flat, kept.to(torch.int32))
+        self.token_counts.add(tokens, rows, kept)
         # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
         return torch.where(finite, tokens, NONFINITE_TOKEN)
 
@@ -371,7 +383,7 @@ class SamplingState:
             p_idx = index["penalized"]
             p_rows = _take(rows, p_idx)                                                    # [P]
             penalised = apply_penalties(work if p_idx is None else work.index_select(0, p_idx),
-                                        self.output_token_counts.index_select(0, p_rows),
+                                        self.token_counts.gather(p_rows),
                                         self.presence_penalty[p_rows], self.frequency_penalty[p_rows],
                                         self.repetition_penalty[p_rows])                   # [P, V]
             if p_idx is None:
@@ -444,21 +456,6 @@ class SamplingState:
                                         self.vocab_size)                                   # [S, V]
             noise.index_copy_(0, seeded_idx, hashed)
         return noise
-
-    def _add_counts(self, rows: Sequence[int], output_token_ids: Sequence[Sequence[int]]) -> None:
-        flat = [row * self.vocab_size + t for row, ids in zip(rows, output_token_ids) for t in ids]
-        assert all(0 <= t < self.vocab_size for ids in output_token_ids for t in ids), "token id out of vocab"
-        if flat:
-            flat_d = self._to_device(flat, torch.int64)                                    # [sum of lengths]
-            self.output_token_counts.view(-1).index_add_(0, flat_d, torch.ones_like(flat_d, dtype=torch.int32))
-
-    def _mark_prompts(self, prompts: list[tuple[int, Sequence[int]]]) -> None:
-        """Set PROMPT_BIT on the prompt tokens of rows with a repetition penalty (each token once)."""
-        flat = sorted({row * self.vocab_size + t for row, ids in prompts for t in ids})
-        if flat:
-            flat_d = self._to_device(flat, torch.int64)
-            self.output_token_counts.view(-1).index_add_(0, flat_d, torch.full_like(flat_d, PROMPT_BIT,
-                                                                                    dtype=torch.int32))
 
     def _check_rows(self, rows: Sequence[int]) -> None:
         assert all(0 <= r < self.max_num_rows for r in rows), f"rows must be in [0, {self.max_num_rows})"
