@@ -105,7 +105,8 @@ def fake_quant_experts(hf_model, fmt: str, block=(128, 128)) -> int:
     import types
 
     from kvfit.kernels.fp8 import Fp8Weight, dequantize_activations, quantize_activations
-    probe = Fp8Weight(torch.empty(0), torch.empty(0), block if fmt == "block" else None)
+    probe = Fp8Weight(torch.empty(0), torch.empty(0), block if fmt == "block" else None,
+                      torch.tensor([STATIC_INPUT_SCALE]) if fmt == "ct-static" else None)
 
     def fq(x):
         xq, scale = quantize_activations(x, probe)

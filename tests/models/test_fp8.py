@@ -95,7 +95,8 @@ def test_per_tensor_scales_stored_as_0_dim_tensors_load(models):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "block"), ("mixtral", "ct-channel"), ("qwen2_moe", "ct-tensor")])
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "block"), ("mixtral", "ct-channel"), ("qwen2_moe", "ct-tensor"),
+                                      ("mixtral", "ct-static"), ("qwen3_moe", "ct-static")])
 def test_moe_fp8_checkpoint_matches_the_dequantized_reference(tmp_path, arch, fmt):
     moe = {"shared_expert_intermediate_size": 64} if arch == "qwen2_moe" else None
     src = make_tiny_model(tmp_path, arch=arch, moe=moe)
@@ -107,6 +108,25 @@ def test_moe_fp8_checkpoint_matches_the_dequantized_reference(tmp_path, arch, fm
     want = _reference(deq, tokens, fmt, block, experts=True)
     assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
     assert got[-1].argmax() == want[-1].argmax()
+
+
+def test_static_fp8_experts_take_the_largest_scale_and_a_missing_one_is_named(tmp_path):
+    """AutoFP8 / compressed-tensors static experts: one input scale per expert and projection; the layer's GEMMs
+    quantize with the largest (vLLM's rule), and an expert whose input_scale is absent is a one-line error."""
+    from safetensors.torch import load_file, save_file
+    src = make_tiny_model(tmp_path, arch="mixtral")
+    fp8, _ = write_fp8_copy(src, tmp_path, "ct-static")
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.block_sparse_moe.experts.1.w3.input_scale"] = torch.tensor([0.25])
+    save_file(tensors, path, metadata={"format": "pt"})
+    experts = _logits(fp8)[0].model.layers[0].mlp.experts
+    gate_up, down = experts.input_scales()
+    assert gate_up.tolist() == [0.25] and down.tolist() == [pytest.approx(1 / 32)]
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w2.input_scale"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"experts\.2\.w2\.input_scale"):
+        _logits(fp8)
 
 
 def test_ignored_layers_stay_in_the_model_dtype(models):

@@ -250,11 +250,14 @@ def check_fp8_config(config: dict[str, int], block_size: tuple[int, int] | None)
 
 def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, block_size: tuple[int, int] | None, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+                      topk_ids: torch.Tensor, config: dict[str, int] | None = None,
+                      input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """FP8 experts (Fp8Experts' stacked tensors) in two grouped-GEMM launches: x [T, H] -> [T, H] in x's dtype.
 
     w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with unit stride along K; scales per row ([E, rows, 1]) or
-    per block ([E, rows / bn, cols / bk]); topk_ids in [0, E) (not checked: that would sync the host)."""
+    per block ([E, rows / bn, cols / bk]); topk_ids in [0, E) (not checked: that would sync the host).
+    input_scales: static activation scales (fp32 [1] each) of the gate/up and the down GEMMs' inputs (per-row
+    weights only); None: activations quantized dynamically per token (per group with block weights)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -267,7 +270,10 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     out = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)   # [T, k, H]
     if num_pairs == 0:
         return out.sum(dim=1)
-    probe = Fp8Weight(w13, w13_scale, block_size)       # only its block size and (absent) input scale are read
+    if input_scales is not None and block_size is not None:
+        raise ValueError("static activation scales go with per-row FP8 weights, not block ones")
+    static_in, static_down = input_scales if input_scales is not None else (None, None)
+    probe = Fp8Weight(w13, w13_scale, block_size, static_in)    # only its block size and input scale are read
     xq, x_scale = quantize_activations(x, probe)                                   # [T, H] fp8, [T, 1 or G]
     sorted_pair_ids, block_experts = moe_align(topk_ids, num_experts, block_m)
     num_m_blocks = block_experts.numel()
@@ -287,7 +293,8 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
         xq.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), act_scale.stride(0), TOP_K=top_k, BLOCK_N=block_n, QUANT_OUT=quant_out,
         ACT_DTYPE=_TL_DTYPES[x.dtype], FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, **launch)
-    aq, a_scale = (act, act_scale) if quant_out else quantize_activations(act, probe)       # [T*k, I] fp8
+    aq, a_scale = (act, act_scale) if quant_out else quantize_activations(
+        act, Fp8Weight(w2, w2_scale, block_size, static_down))                             # [T*k, I] fp8
     aq = aq.contiguous()
     pairs_out = out.view(num_pairs, hidden)
     _down_fp8_kernel[(num_m_blocks * triton.cdiv(hidden, down_n),)](
@@ -298,7 +305,8 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
 
 
 def warm_up(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-            block_size: tuple[int, int] | None, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
+            block_size: tuple[int, int] | None, top_k: int, max_tokens: int, dtype: torch.dtype,
+            input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """Compile every launch config fp8_config picks for 1..max_tokens tokens (powers of two, max_tokens and the
     tuned table's sizes), one call on zero activations per distinct config, so no compile lands in a served
     step; how many ran."""
@@ -316,5 +324,5 @@ def warm_up(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_sca
         x = torch.zeros((m, hidden), dtype=dtype, device=w13.device)             # the model's activations
         ids = (torch.arange(m * top_k, device=w13.device) % num_experts).view(m, top_k)
         weights = torch.full((m, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
-        fused_fp8_experts(x, w13, w13_scale, w2, w2_scale, block_size, weights, ids, config)
+        fused_fp8_experts(x, w13, w13_scale, w2, w2_scale, block_size, weights, ids, config, input_scales)
     return len(seen)

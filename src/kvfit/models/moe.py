@@ -80,7 +80,7 @@ class SparseMoE(torch.nn.Module):
     @torch.no_grad()
     def load_expert(self, expert: int, part: str, source, kind: str = "weight", name: str = "") -> None:
         """One expert's gate/up ([I, H]) or down ([H, I]) checkpoint tensor: this rank's channels (kind
-        "scale": an FP8 expert's weight scale)."""
+        "scale": an FP8 expert's weight scale; "input_scale": its static activation scale)."""
         if isinstance(self.experts, Fp8Experts):
             self.experts.load(expert, part, kind, source, name)
             return
@@ -117,7 +117,9 @@ class SparseMoE(torch.nn.Module):
             param[:, n:].copy_(source[:, inter + s:inter + s + n])
 
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv)")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\."
+                     r"(weight|weight_scale|weight_scale_inv|input_scale)")
+_KIND_SUFFIX = {"weight": "", "scale": "_scale", "input_scale": "_input_scale"}  # stacked parameter of each kind
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
@@ -134,8 +136,9 @@ class MoECausalLM(CausalLM):
         self._pending: dict[str, set[tuple[int, str]]] = {}
         for layer in sorted(self.moe.sparse_layers):
             suffixes = ("",)
-            if isinstance(self.model.layers[layer].mlp.experts, Fp8Experts) and not self.scheme.online:
-                suffixes = ("", "_scale")
+            experts = self.model.layers[layer].mlp.experts
+            if isinstance(experts, Fp8Experts) and not self.scheme.online:
+                suffixes = ("", "_scale", "_input_scale") if experts.static else ("", "_scale")
             for suffix in suffixes:
                 for tensor, wanted in ((f"model.layers.{layer}.mlp.experts.gate_up_proj{suffix}", ("gate", "up")),
                                        (f"model.layers.{layer}.mlp.experts.down_proj{suffix}", ("down",))):
@@ -181,9 +184,9 @@ class MoECausalLM(CausalLM):
             if expert >= self.moe.num_experts:
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
                                   f"{self.moe.num_experts}; the weights do not match this config.json")
-            kind = "weight" if match.group(4) == "weight" else "scale"
+            kind = {"weight": "weight", "input_scale": "input_scale"}.get(match.group(4), "scale")
             block.load_expert(expert, part, source, kind, name)
-            return self._done(layer, {(expert, part)}, "" if kind == "weight" else "_scale")
+            return self._done(layer, {(expert, part)}, _KIND_SUFFIX[kind])
         match = _STACKED.fullmatch(name)
         if match is not None:
             layer, part = int(match.group(1)), match.group(2)
@@ -221,5 +224,6 @@ class MoECausalLM(CausalLM):
         expert, part = min(pending)
         proj = {v: k for k, v in self._expert_parts.items()}[part]
         layer = param_name.split(".")[2]
-        tensor = self.scheme.scale_name if param_name.endswith("_scale") else "weight"
+        tensor = ("input_scale" if param_name.endswith("_input_scale") else
+                  self.scheme.scale_name if param_name.endswith("_scale") else "weight")
         return f"model.layers.{layer}.{self.moe.block_name}.experts.{expert}.{proj}.{tensor}"

@@ -8,11 +8,16 @@ gate_proj.weight` + `weight_scale` / `weight_scale_inv`), or quantized per row f
 
 Compute: on CUDA with Triton, kernels/fp8_fused_experts.py's grouped GEMMs (FP8 tensor cores, no host sync: CUDA graphs
 capture them); elsewhere tokens grouped by expert (moe_reference's loop), each expert's two GEMMs through
-fp8_gemm.fp8_linear, with activations quantized per token (per group for blocks) at the same two points. Static
-activation scales for experts are not supported (a ConfigError at build).
+fp8_gemm.fp8_linear, with activations quantized per token (per group for blocks) at the same two points.
+Static activation scales (AutoFP8's Mixtral, compressed-tensors' static FP8): each expert's gate, up and down
+`input_scale` is read; as vLLM, every expert's gate/up input is quantized with the largest of the gate and up
+scales of the layer and every down input with the largest down scale (one GEMM launch reads one scale; where
+the experts' scales differ the log says so once per layer).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,8 @@ from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
 from kvfit.platforms.gate import on_gpu
 from kvfit.quant_scheme import Fp8Scheme
 
+logger = logging.getLogger("kvfit")
+
 
 class Fp8Experts(torch.nn.Module):
     """One layer's experts in FP8; this rank holds channels [start, start + size) of each expert."""
@@ -35,9 +42,6 @@ class Fp8Experts(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, start: int, size: int,
                  scheme: Fp8Scheme, device, name: str):
         super().__init__()
-        if scheme.activation == "static":
-            raise ConfigError(f"{name}: static FP8 activation scales for experts are not supported; kvfit runs "
-                              "FP8 experts with dynamic activations")
         self.scheme, self.start, self.size, self.inter, self.name = scheme, start, size, intermediate_size, name
         e, h, n = num_experts, hidden_size, size
         self.gate_up_proj = make_param((e, 2 * n, h), None, FP8_DTYPE, device)
@@ -55,9 +59,16 @@ class Fp8Experts(torch.nn.Module):
             gate_up_scale, down_scale = (e, 2 * n, 1), (e, h, 1)
         self.gate_up_proj_scale = make_param(gate_up_scale, None, torch.float32, device)
         self.down_proj_scale = make_param(down_scale, None, torch.float32, device)
-        for scale in (self.gate_up_proj_scale, self.down_proj_scale):
+        scales = [self.gate_up_proj_scale, self.down_proj_scale]
+        self.static = scheme.activation == "static"
+        if self.static:     # per expert: gate and up (one column each), down
+            self.gate_up_proj_input_scale = make_param((e, 2), None, torch.float32, device)
+            self.down_proj_input_scale = make_param((e, 1), None, torch.float32, device)
+            scales += [self.gate_up_proj_input_scale, self.down_proj_input_scale]
+        for scale in scales:
             scale.quant_scale = True
             scale.derived = scheme.online
+        self._input_scales = None      # the layer's two static scales, taken once the scales are in
 
     # loading ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -65,8 +76,26 @@ class Fp8Experts(torch.nn.Module):
         """One expert's gate/up/down checkpoint tensor: kind "weight" (FP8, or 16-bit online) or "scale"."""
         if kind == "weight":
             self._load_weight(expert, part, source, name)
+        elif kind == "input_scale":
+            self._load_input_scale(expert, part, source, name)
         else:
             self._load_scale(expert, part, source, name)
+
+    def _load_input_scale(self, expert: int, part: str, source, name: str) -> None:
+        if not self.static:
+            raise ConfigError(f"checkpoint tensor {name} is a static activation scale but config.json's "
+                              "quantization_config makes activations dynamic; the checkpoint does not match it")
+        if source_shape(source) not in ((), (1,)):
+            raise ConfigError(f"checkpoint tensor {name} has shape {list(source_shape(source))}; a static input "
+                              "scale is one number (per tensor)")
+        value = (source if isinstance(source, torch.Tensor) else source[...]).float().reshape(())
+        if not bool(torch.isfinite(value)) or float(value) <= 0:
+            raise ConfigError(f"checkpoint tensor {name} is not a positive number; the checkpoint is damaged")
+        if part == "down":
+            self.down_proj_input_scale[expert, 0] = value
+        else:
+            self.gate_up_proj_input_scale[expert, 0 if part == "gate" else 1] = value
+        self._input_scales = None
 
     def _rows(self, part: str) -> slice:
         n = self.size
@@ -141,24 +170,45 @@ class Fp8Experts(torch.nn.Module):
                 wq, s = quantize_weight_per_channel(drawn[e])
             weight[e].copy_(wq)
             scale[e].copy_(s)
+        if self.static:
+            from kvfit.models.loader import DUMMY_INPUT_SCALE
+            (self.down_proj_input_scale if part == "down" else self.gate_up_proj_input_scale).fill_(DUMMY_INPUT_SCALE)
+        self._input_scales = None
 
     # compute ------------------------------------------------------------------------------------
     def warm_up(self, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
         """Compile the fused kernels' configs for up to max_tokens tokens of activations in dtype now
         (start-up); how many ran."""
         return fp8_fused_experts.warm_up(self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                         self.down_proj_scale, self.scheme.block_size, top_k, max_tokens, dtype)
+                                         self.down_proj_scale, self.scheme.block_size, top_k, max_tokens, dtype,
+                                         self.input_scales())
+
+    @torch.no_grad()
+    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Static activations: (gate/up input scale, down input scale) of the layer, fp32 [1] each, the largest
+        of the experts' (vLLM's choice: no expert's input saturates); None for dynamic activations."""
+        if not self.static:
+            return None
+        if self._input_scales is None:
+            gate_up, down = self.gate_up_proj_input_scale, self.down_proj_input_scale
+            if not (bool((gate_up == gate_up.flatten()[0]).all()) and bool((down == down.flatten()[0]).all())):
+                logger.info("%s: the experts' static input scales differ; each GEMM quantizes its input with the "
+                            "largest (gate/up %.4g, down %.4g)", self.name, float(gate_up.max()), float(down.max()))
+            self._input_scales = (gate_up.max().reshape(1), down.max().reshape(1))
+        return self._input_scales
 
     def expert_weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:
         block = self.scheme.block_size
-        return (Fp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], block),
-                Fp8Weight(self.down_proj[expert], self.down_proj_scale[expert], block))
+        gate_up_in, down_in = self.input_scales() or (None, None)
+        return (Fp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], block, gate_up_in),
+                Fp8Weight(self.down_proj[expert], self.down_proj_scale[expert], block, down_in))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, j]."""
         if fused_experts_applies(x):
             return fused_fp8_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                     self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids)
+                                     self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids,
+                                     input_scales=self.input_scales())
         if on_gpu(x) and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
                                "16-bit experts); run with --enforce-eager")
