@@ -223,10 +223,6 @@ def _int4_tensors(folder: str, awq: bool) -> None:
 def _declared_elsewhere(tiny, name: str) -> str:
     """A checkpoint whose quantization is declared outside config.json's quantization_config, as the Hub has them."""
     root, src = tiny
-    if name == "compression_config":            # older llm-compressor releases wrote the scheme under this key
-        fp8, _ = _hub_copy(src["llama"], root / name, "ct-fp8-dynamic")
-        _edit_config(fp8, lambda config: config.update(compression_config=config.pop("quantization_config")))
-        return fp8
     if name == "hf_quant_config.json":          # ModelOpt FP8: per-tensor FP8, config.json without quantization_config
         fp8, _ = _hub_copy(src["llama"], root / name, "autofp8-static")
         _edit_config(fp8, lambda config: config.pop("quantization_config"))
@@ -258,7 +254,6 @@ def _edit_config(folder: str, edit) -> None:
     ("quantize_config.json", r"quantize_config.json declares quantized weights \(quant_method 'gptq'\)"),
     ("quant_config.json", r"quant_config.json declares quantized weights \(4-bit\)"),
     ("hf_quant_config.json", r"hf_quant_config.json declares quantized weights \(modelopt FP8\)"),
-    ("compression_config", r"'compression_config' \(older compressed-tensors' name for quantization_config\)"),
 ])
 def test_quantization_declared_outside_quantization_config_is_named(tiny, name, message):
     """These failed as 'missing tensor ...q_proj.weight' or 'restore the checkpoint's config.json' (it is as
@@ -269,6 +264,16 @@ def test_quantization_declared_outside_quantization_config_is_named(tiny, name, 
         with pytest.raises(ConfigError, match=message) as info:
             _logits(folder, quantization)
         assert "\n" not in str(info.value)
+
+
+def test_compression_config_is_read_as_the_quantization_config(tiny):
+    """Older llm-compressor releases wrote the scheme under compression_config; vLLM reads it when
+    quantization_config is absent, and so does kvfit: the same logits as the quantization_config copy."""
+    root, src = tiny
+    fp8, _ = _hub_copy(src["llama"], root / "ct-dynamic-renamed", "ct-fp8-dynamic")
+    want = _logits(fp8)[0]
+    _edit_config(fp8, lambda config: config.update(compression_config=config.pop("quantization_config")))
+    assert torch.equal(_logits(fp8)[0], want)
 
 
 def test_a_stray_quantization_file_beside_16_bit_weights_is_not_an_error(tiny):

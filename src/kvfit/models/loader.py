@@ -4,9 +4,9 @@ file or sharded) or at random ("dummy").
 With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
 so no rank ever holds a whole sharded tensor, let alone the whole model.
 
-kvfit reads quantization from config.json's quantization_config only. A checkpoint that fails to load while its
-quantization is declared elsewhere (older compressed-tensors' `compression_config`, AutoGPTQ's
-quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json) says so, not which tensor
+kvfit reads quantization from config.json's quantization_config (or, where that is absent, older compressed-tensors'
+`compression_config`, as vLLM). A checkpoint that fails to load while its quantization is declared elsewhere
+(AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json) says so, not which tensor
 was missing; beside 16-bit weights such a file is ignored, as vLLM and transformers ignore it.
 """
 
@@ -88,11 +88,8 @@ def _load_checkpoint(model: torch.nn.Module, files: list[str], model_path: str, 
 
 
 def quantization_declared_elsewhere(model_path: str, config: dict) -> str | None:
-    """The one-line reason a checkpoint is quantized where kvfit does not read it (config.json's
-    compression_config, or a quantization file beside it); None when nothing declares quantized weights."""
-    if config.get("compression_config"):
-        return (f"{os.path.join(model_path, 'config.json')}: 'compression_config' (older compressed-tensors' name for "
-                "quantization_config) is not read by kvfit; rename the key to quantization_config")
+    """The one-line reason a checkpoint is quantized where kvfit does not read it (a quantization file beside
+    config.json); None when nothing declares quantized weights."""
     for name in QUANTIZATION_FILES:
         path = os.path.join(model_path, name)
         if not os.path.isfile(path):
