@@ -16,8 +16,9 @@ to FP8 at load (`--quantization fp8`):
   `input_scale` when `activation_scheme` is static). `modules_to_not_convert` / `ignored_layers` stay in 16 bits.
 - online (`--quantization fp8` on a 16-bit checkpoint): per output channel (vLLM's online fp8 is per tensor;
   per channel loses less and costs one fp32 per row), activations dynamic per token.
-Activations quantized dynamically are quantized per token in every scheme without blocks (vLLM's "fp8" method
-quantizes them per tensor; per token is what the per-channel GEMM takes and is at least as accurate).
+Activations quantized dynamically are quantized per token in every scheme without blocks (vLLM's "fp8" method,
+and compressed-tensors' dynamic `strategy: tensor`, quantize them per tensor; per token is what the per-channel
+GEMM takes and is at least as accurate).
 Anything else (int4/int8, AWQ, GPTQ, e5m2, weight-only FP8, mixed groups) is a one-line ConfigError naming it:
 a checkpoint kvfit cannot run correctly is never loaded as if it were 16-bit.
 """
@@ -95,6 +96,7 @@ def parse_quantization_config(quant: dict, source: str = "config.json") -> Fp8Sc
     method = quant.get("quant_method")
     if not isinstance(method, str):
         raise ConfigError(f"{where}: 'quant_method' must be a string (e.g. \"fp8\"), got {_show(method)}")
+    method = method.lower()             # some exports write "FP8"
     if method == "compressed-tensors":
         return _compressed_tensors(quant, where)
     if method == "fp8":
@@ -191,7 +193,7 @@ def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None
     if not isinstance(acts, dict) or acts.get("num_bits") != 8 or acts.get("type") != "float":
         raise ConfigError(f"{where}: input_activations must be 8-bit float, got {_show(acts)}")
     act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
-    if dynamic and act_strategy == "token" and block is None:
+    if dynamic and act_strategy in ("token", "tensor") and block is None:   # per token: at least as accurate
         activation = "token"
     elif dynamic and act_strategy == "group" and block is not None and acts.get("group_size") == block[1]:
         activation = "group"

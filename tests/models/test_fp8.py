@@ -268,6 +268,11 @@ def test_hub_quantization_configs_parse():
     scheme = parse_quantization_config(block_ct)
     assert scheme.block_size == (128, 128) and scheme.scale_name == "weight_scale"
     assert not scheme.quantizes("model.layers.3.mlp.gate") and scheme.quantizes("model.layers.3.mlp.gate_proj")
+    # compressed-tensors' dynamic per-tensor activations run per token (finer: at least as accurate)
+    per_tensor = quantization_config("ct-tensor")
+    per_tensor["config_groups"]["group_0"]["input_activations"]["strategy"] = "tensor"
+    assert parse_quantization_config(per_tensor).activation == "token"
+    assert parse_quantization_config({**qwen3_fp8, "quant_method": "FP8"}).block_size == (128, 128)
 
 
 def test_plan_counts_fp8_weights(models):
