@@ -76,7 +76,9 @@ BLOCK_ID_BYTES = 4                  # int32 block ids in the block table
 def token_history_applies(vocab_size: int, max_row_tokens: int | None) -> bool:
     """Whether the penalties' per-row record is the token ids (runner/token_counts.TokenHistory: 4 bytes per
     position, max_model_len + 1 of them, and two int64 lengths) rather than counts per token id (4 bytes per id):
-    whichever is smaller, so the reserve is the smaller of the two."""
+    whichever is smaller, so the reserve is the smaller of the two. Building a step's counts from ids costs
+    temporaries per penalised row (about 21 bytes a position and 8 a token id) that stay under the sort's 36
+    bytes a logit the profile measures, so only the persistent bytes decide."""
     return max_row_tokens is not None and 4 * (max_row_tokens + 1) + 16 < 4 * vocab_size
 
 

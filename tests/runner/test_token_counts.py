@@ -104,7 +104,7 @@ def test_history_never_writes_past_the_model_length():
         state.add(torch.tensor([token]), torch.tensor([0]), torch.tensor([True]))
     assert state.length.tolist() == [3]
     assert state.gather(torch.tensor([0]))[0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
-    with pytest.raises(ValueError, match="more than max_model_len 3"):
+    with pytest.raises(AssertionError, match="past max_model_len"):
         state.set_rows([0], [[1, 2]], [[3, 4]], lambda values, dtype: torch.tensor(values, dtype=dtype))
 
 

@@ -282,7 +282,7 @@ class SamplingState:
     def sample_step(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: Sequence[int],
                     num_generated: torch.Tensor, counted: torch.Tensor | None = None,
                     num_generated_host: Sequence[int] | None = None, bitmask: torch.Tensor | None = None, masked: Sequence[int] = ()) -> SampleResult:
-        """One token per logits row, with no host synchronisation; counts them in output_token_counts.
+        """One token per logits row, with no host synchronisation; records the kept ones in token_counts.
 
         logits: [N, V] any float dtype (computed in fp32); rows: [N] int64, the persistent-batch row of each;
         rows_host: the same as a list; num_generated: [N] int64, tokens each request generated before

@@ -15,11 +15,13 @@ do not depend on the form. Neither synchronises with the host.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from kvfit.runner.logits_processing import PROMPT_BIT
+
+ToDevice = Callable[[list, torch.dtype], torch.Tensor]     # host values -> a device tensor (SamplingState._to_device)
 
 
 class DenseCounts:
@@ -30,10 +32,11 @@ class DenseCounts:
         self.counts = torch.zeros((max_num_rows, vocab_size), dtype=torch.int32, device=device)   # [R, V]
 
     def reset(self, rows_d: torch.Tensor) -> None:
+        """Rows [n] (device int64) hold nothing."""
         self.counts.index_fill_(0, rows_d, 0)
 
     def set_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                 outputs: Sequence[Sequence[int]], to_device) -> None:
+                 outputs: Sequence[Sequence[int]], to_device: ToDevice) -> None:
         """Rows just reset: their output tokens counted, their prompts (empty: none kept) marked."""
         v = self.vocab_size
         flat = [row * v + t for row, ids in zip(rows, outputs) for t in ids]
@@ -68,17 +71,19 @@ class TokenHistory:
         self.prompt_length = torch.zeros(max_num_rows, dtype=torch.int64, device=device)   # [R] of them prompt
 
     def reset(self, rows_d: torch.Tensor) -> None:
+        """Rows [n] (device int64) hold nothing: their ids past the lengths are never read."""
         self.length.index_fill_(0, rows_d, 0)
         self.prompt_length.index_fill_(0, rows_d, 0)
 
     def set_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                 outputs: Sequence[Sequence[int]], to_device) -> None:
+                 outputs: Sequence[Sequence[int]], to_device: ToDevice) -> None:
+        """Rows just reset: each row's ids are its prompt (empty: none kept) and then its outputs."""
         width = self.max_row_tokens
+        # the engine never gives a row more than max_model_len tokens (admission and the scheduler bound them)
+        assert all(len(p) + len(o) <= width for p, o in zip(prompts, outputs)), "a row past max_model_len"
         flat, lengths, prompt_lengths = [], [], []
         for row, prompt, out in zip(rows, prompts, outputs):
             ids = list(prompt) + list(out)
-            if len(ids) > width:
-                raise ValueError(f"row {row} holds {len(ids)} tokens, more than max_model_len {width}")
             flat.extend(row * (width + 1) + i for i in range(len(ids)))
             lengths.append(len(ids))
             prompt_lengths.append(len(prompt))
@@ -90,6 +95,7 @@ class TokenHistory:
             self.ids.view(-1)[to_device(flat, torch.int64)] = to_device(values, torch.int32)
 
     def add(self, tokens: torch.Tensor, rows: torch.Tensor, kept: torch.Tensor) -> None:
+        """As DenseCounts.add: a kept token is appended to its row (a full row's goes to the spare column)."""
         length = self.length.index_select(0, rows)                                         # [N]
         keep = kept & (length < self.max_row_tokens)
         column = torch.where(keep, length, self.max_row_tokens)                           # not kept: the spare column
@@ -97,6 +103,8 @@ class TokenHistory:
         self.length.index_add_(0, rows, keep.to(torch.int64))
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """As DenseCounts.gather, built from the rows' ids: temporaries of about 21 bytes per position and 8 per
+        token id of each row, below the sort's 36 bytes a logit that the start-up profile measures."""
         v, width = self.vocab_size, self.max_row_tokens
         ids = self.ids.index_select(0, rows)[:, :width].to(torch.int64)                   # [P, L]
         positions = torch.arange(width, device=ids.device)                                # [L]
@@ -113,4 +121,5 @@ class TokenHistory:
         return counts.view(-1).bitwise_or_(in_prompt[:spare]).view(rows.shape[0], v)
 
     def dense(self) -> torch.Tensor:
+        """Every row's counts [R, V], built (a copy: writing to it changes nothing)."""
         return self.gather(torch.arange(self.ids.shape[0], device=self.ids.device))
