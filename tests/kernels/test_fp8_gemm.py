@@ -353,3 +353,40 @@ def test_block_gemm_compiles_for_sm90_without_spills():
 
 if COMPILE_CHECK:
     _compile_check()
+
+
+@needs_triton
+def test_fused_fp8_experts_with_static_input_scales_match_the_reference_loop():
+    """Static activations (AutoFP8 / compressed-tensors static experts): the fused launches quantize with the
+    layer's largest gate/up and down input scales, as the per-expert reference loop does (interpreter on CPU)."""
+    from kvfit.kernels.fp8 import fp8_linear_reference
+    from kvfit.kernels.fused_moe import experts_by_group
+    from kvfit.models.quant.experts import Fp8Experts
+    from kvfit.quant_scheme import Fp8Scheme
+    torch.manual_seed(5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_experts, hidden, inter, num_tokens, top_k = 4, 64, 64, 9, 2
+    scheme = Fp8Scheme(method="compressed-tensors", weight_strategy="tensor", activation="static")
+    experts = Fp8Experts(num_experts, hidden, inter, 0, inter, scheme, "cpu", "experts")
+    experts.init_dummy("gate_up", torch.randn(num_experts, 2 * inter, hidden) * 0.1)
+    experts.init_dummy("down", torch.randn(num_experts, hidden, inter) * 0.1)
+    experts.gate_up_proj_input_scale.copy_(torch.rand(num_experts, 2) * 0.01 + 0.005)
+    experts.down_proj_input_scale.copy_(torch.rand(num_experts, 1) * 0.001 + 0.0005)
+    experts.to(device)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=torch.float32)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), device=device)
+    weights = torch.rand(num_tokens, top_k, device=device)
+    scales = experts.input_scales()
+    assert scales[0].item() == experts.gate_up_proj_input_scale.max().item()
+    got = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
+                               experts.down_proj_scale, None, weights, ids, input_scales=scales)
+
+    def expert_mlp(e, rows):
+        gate_up, down = experts.expert_weights(e)          # their input_scale: the layer's largest
+        gate, up = fp8_linear_reference(rows, gate_up).chunk(2, dim=-1)
+        return fp8_linear_reference(torch.nn.functional.silu(gate) * up, down)
+    want = experts_by_group(x, weights, ids, num_experts, expert_mlp)
+    assert torch.allclose(got, want, atol=2e-2, rtol=1e-3), (got - want).abs().max()
+    dynamic = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
+                                   experts.down_proj_scale, None, weights, ids)
+    assert not torch.allclose(got, dynamic, atol=1e-3)        # the static scales are what ran
