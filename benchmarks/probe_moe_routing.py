@@ -52,8 +52,8 @@ def run_kvfit(model: str, fp8: str | None) -> list[list[int]]:
     layers: list[list[int]] = []
     original = moe.select_experts
 
-    def recording(logits, top_k, renormalize):
-        weights, ids = original(logits, top_k, renormalize)
+    def recording(logits, top_k, renormalize, **kwargs):
+        weights, ids = original(logits, top_k, renormalize, **kwargs)
         if ids.shape[0] >= MIN_TOKENS:
             layers.append(torch.bincount(ids.reshape(-1), minlength=logits.shape[-1]).tolist())
         return weights, ids

@@ -161,8 +161,8 @@ def routing_stats(engine) -> None:
     loads = []
     original = moe.select_experts
 
-    def recording(logits, top_k, renormalize):
-        weights, ids = original(logits, top_k, renormalize)
+    def recording(logits, top_k, renormalize, **kwargs):
+        weights, ids = original(logits, top_k, renormalize, **kwargs)
         counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1]).float()
         loads.append((int((counts > 0).sum()), float(counts.max() / counts.mean()), ids.shape[0]))
         return weights, ids

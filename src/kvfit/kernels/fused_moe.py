@@ -29,6 +29,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from kvfit.kernels.moe_align import moe_align  # noqa: E402
+from kvfit.kernels.moe_routing import routing_kernel_applies, softmax_topk  # noqa: E402
 from kvfit.platforms.gate import triton_applies  # noqa: E402
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -105,13 +106,15 @@ def get_config(M: int, E: int, H: int, I: int, top_k: int, dtype: torch.dtype) -
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
+                   scoring_func: str = "softmax", weights_dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] in weights_dtype, topk_ids [T, k] int64).
 
     As transformers' Qwen3MoeTopKRouter (renormalize = norm_topk_prob) and MixtralTopKRouter
     (renormalize=True): softmax over all experts in fp32, top-k, optionally divided by their sum.
-    The weights stay fp32 (as vLLM's); Qwen3-MoE in transformers rounds them to the model dtype before
-    use, Mixtral does not: identical in fp32, within one rounding in bf16/fp16.
+    The weights are fp32 by default (as vLLM's); Qwen3-MoE in transformers rounds them to the model dtype
+    before use (weights_dtype), Mixtral does not: identical in fp32, within one rounding in bf16/fp16.
+    On CUDA one Triton launch does it all (kernels/moe_routing.py); elsewhere torch.
     """
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={scoring_func!r} is not supported; use one of {SCORING_FUNCS}")
@@ -120,11 +123,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if routing_kernel_applies(router_logits, top_k):
+        return softmax_topk(router_logits, top_k, renormalize, weights_dtype)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)        # [T, E]
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)                 # [T, k], [T, k]
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+    return topk_weights.to(weights_dtype), topk_ids
 
 
 def check_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

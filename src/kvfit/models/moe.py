@@ -64,9 +64,8 @@ class SparseMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         router_logits = linear(x, self.gate.weight)                                  # [T, E]
-        weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize)
-        if self.moe.round_weights:
-            weights = weights.to(x.dtype)
+        weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize,
+                                      weights_dtype=x.dtype if self.moe.round_weights else torch.float32)
         if isinstance(self.experts, Fp8Experts):
             routed = self.experts(x, weights, ids)
         else:
