@@ -59,6 +59,23 @@ def test_softmax_topk_equals_torch(num_experts, top_k, renormalize, dtype):
 
 
 @needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")         # the interpreter's numpy on NaN and inf
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_logits_still_name_valid_distinct_experts(bad):
+    """A row of NaN or infinite router logits (an overflowed hidden state) must not name an expert past E (the
+    grouped GEMMs would read past the experts' weights): k distinct ids in [0, E), whatever the weights."""
+    logits = torch.randn(4, 60, device=DEVICE)
+    logits[0] = bad                        # the whole row
+    logits[1, 7] = bad                     # one entry
+    logits[2, ::3] = bad
+    weights, ids = mr.softmax_topk(logits, 8, True)
+    assert ((ids >= 0) & (ids < 60)).all()
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+    want_w, want_ids = _torch_routing(logits[3:], 8, True, torch.float32)
+    assert torch.equal(ids[3:], want_ids) and torch.allclose(weights[3:], want_w, atol=1e-6)   # a finite row
+
+
+@needs_triton
 def test_the_kernel_is_select_experts_path_where_triton_runs(monkeypatch):
     """select_experts takes the kernel for a row-major [T, E] tensor where Triton applies (CUDA, or the test's
     stand-in), the torch path otherwise; no tokens give empty results."""

@@ -41,6 +41,11 @@ if triton is not None:
         x = x - tl.max(x, axis=0)
         e = tl.where(valid, tl.exp(x), 0.0)
         probs = e / tl.sum(e, axis=0)                                              # [E_PAD] fp32
+        # non-finite logits (NaN, +inf) give NaN probabilities, and argmax over NaN may pick any slot, padding
+        # included: an expert id >= E would send the grouped GEMMs past the experts' weights. As 0 they pick
+        # valid, distinct experts; the weights are NaN (renormalised) or 0, and the row's logits come out
+        # non-finite, which the sampler reports for that request alone.
+        probs = tl.where(probs == probs, probs, 0.0)
         slots = tl.arange(0, K_PAD)
         top_w = tl.zeros([K_PAD], dtype=tl.float32)
         top_i = tl.zeros([K_PAD], dtype=tl.int64)
