@@ -194,7 +194,8 @@ class SamplingState:
     def __init__(self, max_num_rows: int, vocab_size: int, device: torch.device,
                  max_row_tokens: int | None = None) -> None:
         """max_row_tokens: the most tokens a row's request holds (max_model_len); when given and smaller than the
-        vocabulary, the penalties read the rows' token ids rather than per-id counts (planning.token_history_applies)."""
+        vocabulary, the penalties read the rows' token ids rather than per-id counts
+        (planning.token_history_applies)."""
         self.max_num_rows, self.vocab_size, self.device = max_num_rows, vocab_size, torch.device(device)
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
