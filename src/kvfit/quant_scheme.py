@@ -87,12 +87,14 @@ class Fp8Scheme:
 ONLINE_FP8 = Fp8Scheme(method="fp8", weight_strategy="channel", activation="token", online=True)
 
 
-def parse_quantization_config(quant: dict, source: str = "config.json") -> Fp8Scheme | None:
-    """config.json's quantization_config -> the Fp8Scheme kvfit runs; None when there is none. Anything kvfit
-    cannot run is a one-line ConfigError naming the method and what is supported."""
+def parse_quantization_config(quant: dict, source: str = "config.json", key: str = "quantization_config"
+                              ) -> Fp8Scheme | None:
+    """config.json's quantization_config (or the key it was read from) -> the Fp8Scheme kvfit runs; None when
+    there is none. Anything kvfit cannot run is a one-line ConfigError naming the key, the method and what is
+    supported."""
     if not quant:
         return None
-    where = f"{source} quantization_config"
+    where = f"{source} {key}"
     method = quant.get("quant_method")
     if not isinstance(method, str):
         raise ConfigError(f"{where}: 'quant_method' must be a string (e.g. \"fp8\"), got {_show(method)}")

@@ -74,10 +74,12 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         kv_lora = read_positive_int(cfg, "kv_lora_rank", source)
         rope_dim = read_positive_int(cfg, "qk_rope_head_dim", source)
     rope = rope_config_from_raw(cfg, head_dim, source) if kv_lora is None else None
-    quant = read_field(cfg, "quantization_config", "object", source, default={})
+    quant_key = "quantization_config"
+    quant = read_field(cfg, quant_key, "object", source, default={})
     if not quant:       # older llm-compressor releases wrote the scheme under compression_config (vLLM reads both)
-        quant = read_field(cfg, "compression_config", "object", source, default={})
-    scheme = parse_quantization_config(quant, source)
+        quant_key = "compression_config"
+        quant = read_field(cfg, quant_key, "object", source, default={})
+    scheme = parse_quantization_config(quant, source, quant_key)      # its errors name the key the file has
     weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch.name, family=arch.model_type, num_layers=layers, hidden_size=hidden,

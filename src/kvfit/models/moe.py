@@ -175,10 +175,18 @@ class MoECausalLM(CausalLM):
             return name.replace(f".{self.moe.block_name}.", ".mlp.", 1)
         return name
 
+    def hub_name(self, name: str) -> str:
+        """The checkpoint's own spelling of a name checkpoint_name rewrote (Mixtral's block_sparse_moe): what an
+        error names."""
+        if self.moe.block_name != "mlp":
+            return name.replace(".mlp.", f".{self.moe.block_name}.", 1)
+        return name
+
     def load_special(self, name: str, source) -> list[str] | None:
         match = _EXPERT.fullmatch(name)
         if match is not None and match.group(3) in self._expert_parts:
             layer, expert, part = int(match.group(1)), int(match.group(2)), self._expert_parts[match.group(3)]
+            name = self.hub_name(name)
             block = self._sparse_block(layer, name)
             if expert >= self.moe.num_experts:
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
