@@ -98,10 +98,9 @@ def parse_quantization_config(quant: dict, source: str = "config.json", key: str
     method = quant.get("quant_method")
     if not isinstance(method, str):
         raise ConfigError(f"{where}: 'quant_method' must be a string (e.g. \"fp8\"), got {_show(method)}")
-    method = method.lower()             # some exports write "FP8"
-    if method == "compressed-tensors":
+    if method.lower() == "compressed-tensors":        # some exports write "FP8"
         return _compressed_tensors(quant, where)
-    if method == "fp8":
+    if method.lower() == "fp8":
         return _fp8_method(quant, where)
     raise ConfigError(f"{where}: quant_method {_show(method)} is not supported; kvfit runs FP8 checkpoints "
                       "(compressed-tensors float8, or fp8) and --quantization fp8 on 16-bit ones")
