@@ -373,6 +373,7 @@ def test_fused_fp8_experts_with_static_input_scales_match_the_reference_loop():
     experts.gate_up_proj_input_scale.copy_(torch.rand(num_experts, 2) * 0.01 + 0.005)
     experts.down_proj_input_scale.copy_(torch.rand(num_experts, 1) * 0.001 + 0.0005)
     experts.to(device)
+    experts.finalize()
     x = torch.randn(num_tokens, hidden, device=device, dtype=torch.float32)
     ids = torch.randint(0, num_experts, (num_tokens, top_k), device=device)
     weights = torch.rand(num_tokens, top_k, device=device)

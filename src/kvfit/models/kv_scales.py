@@ -2,8 +2,8 @@
 
 Where they come from, as in vLLM: the checkpoint (compressed-tensors' kv_cache_scheme writes
 `self_attn.k_scale` and `v_scale`; older checkpoints `k_proj.output_scale` / `v_proj.output_scale`, or one
-`kv_scale` for both; ModelOpt `k_proj.k_scale` / `v_proj.v_scale`; `qkv_proj.k_scale` and `attn.k_scale` too; a scale per layer or one per KV head), else the first batch (--calculate-kv-scales: the
-layer's amax / 200 for k and / 100 for v, vLLM's constants), else 1.0. A 16-bit cache holds k and v exactly,
+`kv_scale` for both; ModelOpt `k_proj.k_scale` / `v_proj.v_scale`; `qkv_proj.k_scale` and `attn.k_scale` too;
+a scale per layer or one per KV head), else the first batch (--calculate-kv-scales: the layer's amax / 200 for k and / 100 for v, vLLM's constants), else 1.0. A 16-bit cache holds k and v exactly,
 so with one the scales are read and not used.
 
 How they apply, without a change to any attention kernel (so prefill, decode, split-K, cascade and mixed steps

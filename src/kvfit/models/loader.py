@@ -4,10 +4,10 @@ file or sharded) or at random ("dummy").
 With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
 so no rank ever holds a whole sharded tensor, let alone the whole model.
 
-kvfit reads quantization from config.json's quantization_config (or, where that is absent, older compressed-tensors'
-`compression_config`, as vLLM). A checkpoint that fails to load while its quantization is declared elsewhere
-(AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json) says so, not which tensor
-was missing; beside 16-bit weights such a file is ignored, as vLLM and transformers ignore it.
+kvfit reads quantization from config.json's quantization_config (or, where that is absent, older
+compressed-tensors' `compression_config`, as vLLM). A checkpoint that fails to load while its quantization is
+declared elsewhere (AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json)
+says so, not which tensor was missing; beside 16-bit weights such a file is ignored, as vLLM and transformers do.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from kvfit.attention.base import AttentionBackend
 from kvfit.errors import CapacityError, ConfigError
 from kvfit.model_facts import ModelFacts, read_field, read_json_object
-from kvfit.units import gib
 from kvfit.models.kv_scales import kv_scale_layers
 from kvfit.models.quant.linear import Fp8Linear, finalize_quantized
 from kvfit.models.registry import model_class
+from kvfit.units import gib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -8,9 +8,10 @@ large body, in a prepare worker process (prepare_pool.py), with the same code, s
 result and the same APIError. The exception is a completions body of at most INLINE_BODY_BYTES: it is
 parsed on the event loop (parse_request: tens of microseconds, at most a few hundred), which costs less
 than the hop to a thread; what is left of it runs on the threads when it can cost more (needs_finishing:
-a grammar or tools to compile), else on the loop too (it then only checks). What it returns is small and cheap to hand back from a process: the validated body
-with a chat's message list emptied (25,000 pydantic messages would cost the server as much to
-unpickle as to validate), the chat's prompt token ids and its last message (chat echo reads it).
+a grammar or tools to compile), else on the loop too (it then only checks). What it returns is small
+and cheap to hand back from a process: the validated body with a chat's message list emptied (25,000
+pydantic messages would cost the server as much to unpickle as to validate), the chat's prompt token ids and
+its last message (chat echo reads it).
 """
 
 from __future__ import annotations

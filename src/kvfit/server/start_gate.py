@@ -16,7 +16,7 @@ import asyncio
 from collections import deque
 
 UNGATED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
-STARTS_PER_PASS = 8       # about 32 x 0.1-0.3 ms of first steps per pass: a few ms
+STARTS_PER_PASS = 8       # 8 x 0.1-0.3 ms of first steps per pass: at most a few ms
 
 
 class StartGate:

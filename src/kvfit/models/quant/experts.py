@@ -68,7 +68,7 @@ class Fp8Experts(torch.nn.Module):
         for scale in scales:
             scale.quant_scale = True
             scale.derived = scheme.online
-        self._input_scales = None      # the layer's two static scales, taken once the scales are in
+        self._input_scales = None      # static: the layer's two input scales (finalize, once the scales are in)
 
     # loading ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -95,7 +95,6 @@ class Fp8Experts(torch.nn.Module):
             self.down_proj_input_scale[expert, 0] = value
         else:
             self.gate_up_proj_input_scale[expert, 0 if part == "gate" else 1] = value
-        self._input_scales = None
 
     def _rows(self, part: str) -> slice:
         n = self.size
@@ -173,7 +172,6 @@ class Fp8Experts(torch.nn.Module):
         if self.static:
             from kvfit.models.loader import DUMMY_INPUT_SCALE
             (self.down_proj_input_scale if part == "down" else self.gate_up_proj_input_scale).fill_(DUMMY_INPUT_SCALE)
-        self._input_scales = None
 
     # compute ------------------------------------------------------------------------------------
     def warm_up(self, top_k: int, max_tokens: int, dtype: torch.dtype) -> int:
@@ -184,17 +182,21 @@ class Fp8Experts(torch.nn.Module):
                                          self.input_scales())
 
     @torch.no_grad()
-    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Static activations: (gate/up input scale, down input scale) of the layer, fp32 [1] each, the largest
-        of the experts' (vLLM's choice: no expert's input saturates); None for dynamic activations."""
+    def finalize(self) -> None:
+        """Call after the scales are in (checkpoint or dummy; models/quant/linear.finalize_quantized): static
+        activations take the largest of the experts' input scales (vLLM's choice: no expert's input saturates)."""
         if not self.static:
-            return None
-        if self._input_scales is None:
-            gate_up, down = self.gate_up_proj_input_scale, self.down_proj_input_scale
-            if not (bool((gate_up == gate_up.flatten()[0]).all()) and bool((down == down.flatten()[0]).all())):
-                logger.info("%s: the experts' static input scales differ; each GEMM quantizes its input with the "
-                            "largest (gate/up %.4g, down %.4g)", self.name, float(gate_up.max()), float(down.max()))
-            self._input_scales = (gate_up.max().reshape(1), down.max().reshape(1))
+            return
+        gate_up, down = self.gate_up_proj_input_scale, self.down_proj_input_scale
+        if not (bool((gate_up == gate_up.flatten()[0]).all()) and bool((down == down.flatten()[0]).all())):
+            logger.info("%s: the experts' static input scales differ; each GEMM quantizes its input with the "
+                        "largest (gate/up %.4g, down %.4g)", self.name, float(gate_up.max()), float(down.max()))
+        self._input_scales = (gate_up.max().reshape(1), down.max().reshape(1))
+
+    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Static activations: (gate/up input scale, down input scale) of the layer, fp32 [1] each (finalize);
+        None for dynamic activations."""
+        assert not self.static or self._input_scales is not None, "finalize() the experts after loading them"
         return self._input_scales
 
     def expert_weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:

@@ -218,9 +218,11 @@ class Fp8Linear(torch.nn.Module):
 
 
 def finalize_quantized(model: torch.nn.Module) -> None:
-    """Call after the weights are in (checkpoint or dummy): every Fp8Linear builds the weight its GEMM reads."""
+    """Call after the weights are in (checkpoint or dummy): every Fp8Linear builds the weight its GEMM reads, and
+    static FP8 experts take their layer's input scales."""
+    from kvfit.models.quant.experts import Fp8Experts      # experts.py imports this module
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
             module.finalize()
 
 
