@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from kvfit.errors import ConfigError
 
+DUMMY_INPUT_SCALE = 1.0 / 64     # dummy weights with static FP8 activations: |x| up to 7 before clipping
 QUANTIZATION_METHODS = ("fp8",)              # --quantization values (vLLM's name)
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("token", "group", "static")

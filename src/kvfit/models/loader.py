@@ -22,8 +22,10 @@ from kvfit.attention.base import AttentionBackend
 from kvfit.errors import CapacityError, ConfigError
 from kvfit.model_facts import ModelFacts, read_field, read_json_object
 from kvfit.models.kv_scales import kv_scale_layers
-from kvfit.models.quant.linear import Fp8Linear, finalize_quantized
+from kvfit.models.quant.experts import Fp8Experts
+from kvfit.models.quant.linear import Fp8Linear
 from kvfit.models.registry import model_class
+from kvfit.quant_scheme import DUMMY_INPUT_SCALE
 from kvfit.units import gib
 
 SINGLE_FILE = "model.safetensors"
@@ -31,7 +33,6 @@ INDEX_FILE = "model.safetensors.index.json"
 DUMMY_SEED = 0
 logger = logging.getLogger("kvfit")
 DUMMY_STD = 0.02
-DUMMY_INPUT_SCALE = 1.0 / 64     # static FP8 activations: |x| up to 7 before clipping
 QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 
 
@@ -73,6 +74,14 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
             f"{facts.num_params:,} parameters); use a larger device, --tensor-parallel-size, a smaller --dtype or "
             "--quantization fp8") from None
     return model.eval()
+
+
+def finalize_quantized(model: torch.nn.Module) -> None:
+    """Call after the weights are in (checkpoint or dummy): every Fp8Linear builds the weight its GEMM reads, and
+    static FP8 experts take their layer's input scales."""
+    for module in model.modules():
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
+            module.finalize()
 
 
 def _load_checkpoint(model: torch.nn.Module, files: list[str], model_path: str, facts: ModelFacts) -> None:

@@ -31,7 +31,7 @@ from kvfit.kernels.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
 from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
 from kvfit.platforms.gate import on_gpu
-from kvfit.quant_scheme import Fp8Scheme
+from kvfit.quant_scheme import DUMMY_INPUT_SCALE, Fp8Scheme
 
 logger = logging.getLogger("kvfit")
 
@@ -170,7 +170,6 @@ class Fp8Experts(torch.nn.Module):
             weight[e].copy_(wq)
             scale[e].copy_(s)
         if self.static:
-            from kvfit.models.loader import DUMMY_INPUT_SCALE
             (self.down_proj_input_scale if part == "down" else self.gate_up_proj_input_scale).fill_(DUMMY_INPUT_SCALE)
 
     # compute ------------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ class Fp8Experts(torch.nn.Module):
 
     @torch.no_grad()
     def finalize(self) -> None:
-        """Call after the scales are in (checkpoint or dummy; models/quant/linear.finalize_quantized): static
+        """Call after the scales are in (checkpoint or dummy; models/loader.finalize_quantized): static
         activations take the largest of the experts' input scales (vLLM's choice: no expert's input saturates)."""
         if not self.static:
             return

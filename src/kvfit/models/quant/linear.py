@@ -217,15 +217,6 @@ class Fp8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def finalize_quantized(model: torch.nn.Module) -> None:
-    """Call after the weights are in (checkpoint or dummy): every Fp8Linear builds the weight its GEMM reads, and
-    static FP8 experts take their layer's input scales."""
-    from kvfit.models.quant.experts import Fp8Experts      # experts.py imports this module
-    for module in model.modules():
-        if isinstance(module, (Fp8Linear, Fp8Experts)):
-            module.finalize()
-
-
 QUANT_TENSOR_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
