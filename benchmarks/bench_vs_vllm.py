@@ -22,7 +22,9 @@ KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's 
 KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (kvfit.kernels.attention_prefill.PREFILL_CONFIG).
 KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
 config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
-"-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8).
+"-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8). On FP8 runs vLLM's
+dummy weights are redrawn as kvfit draws its own (redraw_like_kvfit: vLLM's draw makes nearly every FP8 weight 0);
+KVFIT_BENCH_VLLM_DUMMY=vllm keeps vLLM's draw.
 Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
 kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
 """
@@ -72,6 +74,58 @@ FP8_CONFIGS = {
                                           "symmetric": True}}}},
     "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
 }
+DUMMY_STD = 0.02                     # kvfit's dummy weights: normal(0, 0.02), norm weights 1 (models/loader.py)
+FP8_DUMMY_SCALE = 4 * DUMMY_STD / 448  # a block's scale when its largest weight is 4 std: e4m3's 448 at 4 std
+
+
+def redraw_like_kvfit(model) -> dict:
+    """Runs inside vLLM's worker (LLM.apply_model): draws every weight as kvfit's dummy loader does.
+
+    vLLM's dummy loader draws every parameter uniform in +-1e-3, FP8 ones through float16 and then cast: e4m3's
+    smallest step is 2^-9 (0.00195), so nearly every FP8 weight and every FP8 scale becomes 0 (or is 1e-3-sized)
+    and the layers compute zeros. A zero model is not the work a real one does: routers that score every
+    expert 0 send every token to the same top-k experts, and GEMMs on zeros draw less power. So on FP8 runs
+    both engines get weights of the same distribution: normal(0, 0.02) (FP8 weights quantized with one scale,
+    FP8_DUMMY_SCALE, clamped at 448: the same values as kvfit's per-block scales give, within e4m3's step),
+    norm weights 1, FP8 scales FP8_DUMMY_SCALE, static input scales 1/64 (kvfit's DUMMY_INPUT_SCALE). The
+    fills are in place, so captured CUDA graphs and compiled code keep their pointers; a constant scale and
+    i.i.d. weights are the same distribution whatever layout vLLM gave a tensor after loading.
+    """
+    import torch
+    gens: dict = {}
+    counts = {"fp8": 0, "scales": 0, "norms": 0, "other": 0}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            data = param.data
+            gen = gens.setdefault(data.device, torch.Generator(device=data.device).manual_seed(0))
+            if name.endswith(("weight_scale_inv", "weight_scale")):
+                data.fill_(FP8_DUMMY_SCALE)
+                counts["scales"] += 1
+            elif name.endswith("input_scale"):
+                data.fill_(1.0 / 64)
+                counts["scales"] += 1
+            elif "norm" in name:
+                data.fill_(1.0)
+                counts["norms"] += 1
+            elif data.dtype == torch.float8_e4m3fn:
+                rows = data.reshape(-1, data.shape[-1])
+                step = max(1, (1 << 26) // max(1, rows.shape[1]))        # at most 2^26 fp32 values at a time
+                for start in range(0, rows.shape[0], step):
+                    part = rows[start:start + step]
+                    drawn = torch.empty(part.shape, dtype=torch.float32, device=data.device)
+                    drawn.normal_(0.0, DUMMY_STD, generator=gen)
+                    part.copy_((drawn / FP8_DUMMY_SCALE).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn))
+                counts["fp8"] += 1
+            elif data.element_size() >= 2:
+                data.normal_(0.0, DUMMY_STD, generator=gen)
+                counts["other"] += 1
+            else:
+                raise RuntimeError(f"{name}: dtype {data.dtype} has no kvfit-like dummy draw")
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return counts
 
 
 def model_folder(model: str, engine: str, fp8: str | None = None) -> str:
@@ -122,9 +176,18 @@ class VllmEngine(_Engine):
     def __init__(self, model: str, group: dict):
         from vllm import LLM
         folder = model_folder(model, "vllm")
+        # apply_model sends redraw_dummy's function to vLLM's engine-core process, which needs this to take it
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
+
+    def redraw_dummy(self) -> None:
+        """On FP8 runs: vLLM's weights drawn as kvfit's (redraw_like_kvfit says why), unless
+        KVFIT_BENCH_VLLM_DUMMY=vllm keeps vLLM's own draw."""
+        if os.environ.get("KVFIT_BENCH_FP8") and os.environ.get("KVFIT_BENCH_VLLM_DUMMY", "kvfit") == "kvfit":
+            counts = self.llm.apply_model(redraw_like_kvfit)
+            print(f"NOTE vllm weights redrawn as kvfit's dummy weights are drawn: {counts}", flush=True)
 
     def generate(self, prompts, outs) -> int:
         from vllm import SamplingParams
@@ -144,6 +207,8 @@ def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
     engine = (KvfitEngine if engine_name == "kvfit" else VllmEngine)(model, group)
     startup = time.perf_counter() - start
     _emit(engine_name, model, "startup", [startup], "s")
+    if hasattr(engine, "redraw_dummy"):
+        engine.redraw_dummy()
     warm_prompts, warm_outs = workload("throughput", vocab)
     engine.generate(warm_prompts[:8], warm_outs[:8])
     for name in group["workloads"]:
@@ -192,6 +257,9 @@ def run_worker(cmd: list[str], name: str, timeout: int, env: dict | None = None)
         return []
     if proc.returncode != 0:
         print(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("NOTE "):
+            print(f"  {name}: {line[5:]}", flush=True)
     return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 

@@ -6,7 +6,8 @@ A grouped-GEMM MoE's speed depends on how tokens are spread: many tokens on few 
 in few large tiles, an even spread reads every expert. Dummy weights route as they happen to route, and
 the two engines draw dummy weights differently (kvfit normal(0, 0.02) with norms at 1, vLLM uniform in
 +-1e-3 everywhere), so a throughput ratio on dummy weights may compare different MoE work. This prints, per
-engine and layer, for one prefill forward of 256 prompts x 16 tokens (4,096 tokens, eager): the experts
+engine and layer (vllm-redrawn: vLLM with weights drawn as kvfit's, as bench_vs_vllm does on FP8 runs), for one
+prefill forward of 256 prompts x 16 tokens (4,096 tokens, eager): the experts
 used and the largest expert load over the mean. Each engine runs in its own subprocess.
 """
 
@@ -64,10 +65,10 @@ def run_kvfit(model: str, fp8: str | None) -> list[list[int]]:
     return layers
 
 
-def run_vllm(model: str, fp8: str | None) -> list[list[int]]:
+def run_vllm(model: str, fp8: str | None, redraw: bool = False) -> list[list[int]]:
     sys.path.insert(0, HERE)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from bench_vs_vllm import model_folder
+    from bench_vs_vllm import model_folder, redraw_like_kvfit
     from vllm import LLM, SamplingParams
 
     from kvfit.model_facts import load_model_facts
@@ -76,6 +77,8 @@ def run_vllm(model: str, fp8: str | None) -> list[list[int]]:
     llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               enforce_eager=True, compilation_config=0, gpu_memory_utilization=0.9, enable_prefix_caching=False,
               seed=0)
+    if redraw:
+        print("vllm weights redrawn as kvfit's:", llm.apply_model(redraw_like_kvfit))
 
     def install(module):
         import torch
@@ -109,11 +112,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--fp8-checkpoint", choices=("channel", "block"), default=None)
-    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["kvfit", "vllm"], choices=["kvfit", "vllm", "vllm-redrawn"],
+                    help="vllm-redrawn: vLLM with its weights redrawn as kvfit's (bench_vs_vllm.redraw_like_kvfit)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        layers = (run_kvfit if args.child == "kvfit" else run_vllm)(args.model, args.fp8_checkpoint)
+        if args.child == "kvfit":
+            layers = run_kvfit(args.model, args.fp8_checkpoint)
+        else:
+            layers = run_vllm(args.model, args.fp8_checkpoint, redraw=args.child == "vllm-redrawn")
         print("ROUTING " + json.dumps(layers))
         return 0
     for engine in args.engines:
