@@ -26,7 +26,8 @@ config.json with a compressed-tensors per-channel quantization_config (dynamic p
 dummy weights are redrawn as kvfit draws its own (redraw_like_kvfit: vLLM's draw makes nearly every FP8 weight 0);
 KVFIT_BENCH_VLLM_DUMMY=vllm keeps vLLM's draw.
 Prints, per model and workload, each engine's median and spread ((max - min) / median) and the ratio
-kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); JSON rows go to --out.
+kvfit / vLLM in throughput (for latency: vLLM's ms/token over kvfit's); the row kv_tokens is each engine's KV
+cache in tokens at start-up (same gpu_memory_utilization; > 1: kvfit plans more); JSON rows go to --out.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ class KvfitEngine(_Engine):
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, **extra)
 
+    def kv_tokens(self) -> int:
+        return self.llm.capacity.token_capacity
+
     def generate(self, prompts, outs) -> int:
         from kvfit import SamplingParams
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in outs]
@@ -181,6 +185,12 @@ class VllmEngine(_Engine):
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
                        enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
+
+    def kv_tokens(self) -> int | None:
+        """vLLM's KV cache in tokens (its blocks x block size, as the engine core reported them), or None."""
+        cache = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return blocks * cache.block_size if blocks else None
 
     def redraw_dummy(self) -> None:
         """On FP8 runs: vLLM's weights drawn as kvfit's (redraw_like_kvfit says why), unless
@@ -207,6 +217,9 @@ def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
     engine = (KvfitEngine if engine_name == "kvfit" else VllmEngine)(model, group)
     startup = time.perf_counter() - start
     _emit(engine_name, model, "startup", [startup], "s")
+    kv_tokens = engine.kv_tokens()
+    if kv_tokens:
+        _emit(engine_name, model, "kv_tokens", [kv_tokens], "tokens")
     if hasattr(engine, "redraw_dummy"):
         engine.redraw_dummy()
     warm_prompts, warm_outs = workload("throughput", vocab)
@@ -279,7 +292,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             line[f"{engine}_median"] = med
             line[f"{engine}_spread"] = (max(r["values"]) - min(r["values"])) / med if med else 0.0
             line["unit"] = r["unit"]
-        if "kvfit_median" in line and "vllm_median" in line and name != "startup":
+        if "kvfit_median" in line and "vllm_median" in line and name != "startup":   # kv_tokens: > 1, kvfit more
             k, v = line["kvfit_median"], line["vllm_median"]
             line["ratio"] = v / k if name == "latency" else k / v       # > 1: kvfit is faster
         table.append(line)
