@@ -23,6 +23,11 @@ carry; medians over --runs (spread = (max - min) / median) and the kvfit / vllm 
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 2000 --rates inf
   python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,offline --rates inf
 
+--py-spy DIR samples each server process with py-spy (it needs ptrace) for 8 s of each rate's last run; --stack-samples
+DIR has `kvfit serve`'s own processes sample themselves (src/kvfit/server/stack_sampler.py: $KVFIT_STACK_SAMPLES, no
+ptrace; vLLM is not sampled) over the whole of each rate's last run. Either prints, per process, its share of the
+samples, its hottest functions (self time) and kvfit's functions with the most samples under them.
+
 Engine `offline` is kvfit's `LLM.generate` on the same requests (random dataset: their token ids, greedy,
 ignore_eos, the same max_tokens), in a child process with the same flags: the serving / offline ratio is
 what the server costs on top of the engine.
@@ -331,8 +336,7 @@ def spy_stacks(raw: str):
 
 
 def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
-    """Per process (py-spy's process frames name it): its share of samples, its hottest functions (self time) and
-    kvfit's functions with the most samples under them."""
+    """py-spy's summary of one run (print_stacks), once py-spy has written its file."""
     try:
         spy.wait(60)
     except subprocess.TimeoutExpired:
@@ -341,9 +345,15 @@ def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
         err = open(f"{raw}.err").read().strip().splitlines() if os.path.exists(f"{raw}.err") else []
         print(f"py-spy wrote nothing ({raw}): {err[-1] if err else 'no message'}")
         return
+    print_stacks(spy_stacks(raw), "py-spy", top)
+
+
+def print_stacks(stacks, label: str, top: int = 12) -> None:
+    """Per process (the process frames name it) of (frames, count) collapsed stacks: its share of samples, its
+    hottest functions (self time) and kvfit's functions with the most samples under them."""
     per_process: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for frames, count in spy_stacks(raw):
+    for frames, count in stacks:
         # with --subprocesses a child's stacks sit under its parent's process frame, then its own
         process = [f for f in frames if f.startswith("process ")][-1:] or ["?"]
         per_process[process[0][:100]][frames[-1][:110]] += count
@@ -352,12 +362,33 @@ def print_spy(spy: subprocess.Popen, raw: str, top: int = 12) -> None:
     total = sum(sum(c.values()) for c in per_process.values()) or 1
     for process, counts in sorted(per_process.items(), key=lambda kv: -sum(kv[1].values())):
         n = sum(counts.values())
-        print(f"py-spy {process}: {n / total:.0%} of samples; self time:")
+        print(f"{label} {process}: {n / total:.0%} of samples; self time:")
         for frame, k in counts.most_common(top):
             print(f"    {k / n:6.1%}  {frame}")
         print("  kvfit functions, inclusive:")
         for frame, k in inclusive[process].most_common(2 * top):
             print(f"    {k / n:6.1%}  {frame}")
+
+
+def sampled_stacks(folder: str, pids: set[int]) -> collections.Counter:
+    """kvfit's own stack sampler's counts so far (its files in folder, $KVFIT_STACK_SAMPLES) of the processes pids:
+    {collapsed stack: samples}. The files count from the start of serving: a window is two readings subtracted."""
+    from kvfit.server.stack_sampler import sample_files
+    counts: collections.Counter = collections.Counter()
+    for path in sample_files(folder, pids):
+        for frames, count in spy_stacks(path):
+            counts[";".join(frames)] += count
+    return counts
+
+
+def sampled_since(folder: str, pids: set[int], before: collections.Counter, since: float) -> list:
+    """(frames, count) stacks the sampler counted after `before` (a sampled_stacks reading), read once each file
+    has been rewritten after `since` (time.time(); the sampler rewrites its file every FLUSH_S seconds)."""
+    from kvfit.server.stack_sampler import FLUSH_S, sample_files
+    deadline = time.time() + 3 * FLUSH_S
+    while time.time() < deadline and any(os.path.getmtime(path) <= since for path in sample_files(folder, pids)):
+        time.sleep(0.1)
+    return [(stack.split(";"), count) for stack, count in (sampled_stacks(folder, pids) - before).items()]
 
 
 # offline ------------------------------------------------------------------------------------------
@@ -429,8 +460,11 @@ def server_command(engine: str, folder: str, port: int, args) -> list[str]:
 def start_server(engine: str, folder: str, args, log_path: str):
     port = free_port()
     log = open(log_path, "w")
+    env = dict(os.environ)
+    if engine == "kvfit" and args.stack_samples:        # its front-end and engine core sample themselves
+        env["KVFIT_STACK_SAMPLES"] = os.path.abspath(args.stack_samples)
     proc = subprocess.Popen(server_command(engine, folder, port, args), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -476,6 +510,9 @@ def main() -> None:
     p.add_argument("--py-spy", default=None, metavar="DIR",
                    help="sample each server and its children (py-spy, installed) for 8 s of each rate's last run; "
                         "raw stacks to DIR, the hottest functions of each process printed")
+    p.add_argument("--stack-samples", default=None, metavar="DIR",
+                   help="kvfit serve's processes sample their own stacks (no ptrace; $KVFIT_STACK_SAMPLES) into DIR; "
+                        "the hottest functions of each over each rate's last run printed")
     p.add_argument("--offline-child", nargs=2, metavar=("FOLDER", "REQUESTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.offline_child:
@@ -524,11 +561,20 @@ def main() -> None:
                 for run in range(args.runs):
                     requests = request_set(rate_index, run)
                     cpu_before, phases_before = process_cpu(proc.pid), phase_sums(port)
+                    last = run == args.runs - 1
                     spy = start_spy(args.py_spy, proc.pid, f"{engine}-{os.path.basename(args.model.rstrip('/'))}-{args.dataset}-{rate:g}") \
-                        if args.py_spy and run == args.runs - 1 else None
+                        if args.py_spy and last else None
+                    sampled = bool(engine == "kvfit" and args.stack_samples and last)
+                    pids = {proc.pid, *children(proc.pid)} if sampled else set()
+                    stacks_before = sampled_stacks(args.stack_samples, pids) if sampled else None
                     summary = asyncio.run(run_load(port, requests, rate, args.max_concurrency, seed=run))
                     if spy is not None:
                         print_spy(*spy)
+                    if sampled:
+                        stacks = sampled_since(args.stack_samples, pids, stacks_before, time.time())
+                        print_stacks(stacks, "stack samples")
+                        if not stacks:
+                            print(f"stack samples: none from the server's processes in {args.stack_samples}")
                     # where each request's time went inside the engine (queue, prefill, decode), both servers
                     summary.update(phase_means_ms(phases_before, phase_sums(port)))
                     # CPU per output token of the HTTP process and of the engine core: the front-end's share

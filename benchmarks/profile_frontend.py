@@ -1,7 +1,8 @@
 """What `kvfit serve`'s HTTP front-end costs per streamed token, without a GPU (issue 31: where the time goes).
 
 python benchmarks/profile_frontend.py [--model qwen3-0.6b] [--streams 256] [--tokens 256] [--step-ms 10] [--py-spy]
-                                     [--http-parser auto|httptools|h11] [--event-loop auto|uvloop|asyncio]
+                                     [--stack-samples DIR] [--http-parser auto|httptools|h11]
+                                     [--event-loop auto|uvloop|asyncio]
 
 A server process runs the real front-end (the app, EngineCoreClient, FrontEndText's incremental detokenizing,
 response building, SSE) in front of an engine core process whose engine is the tests' stand-in
@@ -14,7 +15,9 @@ Reports the CPU microseconds per output token of the server process (the front-e
 read from /proc: 1e6 / the front-end's figure is how many tokens a second one front-end process carries at a whole
 core. One token per delta is the worst case for the per-delta costs (on a GPU a round brings up to 8).
 --py-spy (py-spy installed) samples the front-end process for the middle of the run and prints its hottest
-functions (self time) and the share of samples under each of its main entry points.
+functions (self time) and the share of samples under each of its main entry points. --stack-samples DIR has both
+server processes sample themselves (kvfit's stack sampler, $KVFIT_STACK_SAMPLES: no ptrace) over the whole
+last run, and prints bench_serve.py's per-process summary, then the front-end's shares under the same entry points.
 """
 
 from __future__ import annotations
@@ -61,10 +64,9 @@ def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str
         client.stop()
 
 
-def hottest(raw_path: str, top: int = 15) -> list[str]:
-    """py-spy's raw (collapsed) stacks -> lines: the functions with the most self samples, then the share of
-    samples under a few entry points of the front-end."""
-    from bench_serve import spy_stacks
+def hottest(stacks, top: int = 15) -> list[str]:
+    """(frames, count) collapsed stacks (py-spy's raw lines: bench_serve.spy_stacks) -> lines: the functions with the
+    most self samples, then the share of samples under a few entry points of the front-end."""
     self_samples, total = collections.Counter(), 0
     under = collections.Counter()
     # py-spy names a frame "Class.function (path:line)"
@@ -73,12 +75,13 @@ def hottest(raw_path: str, top: int = 15) -> list[str]:
              "SSE framing": "sse (kvfit/server/protocol.py", "uvicorn and h11": "h11",
              "socket writes": "SocketTransport.write",
              "reading the core (EngineCoreClient._read)": "EngineCoreClient._read", "json": "json/"}
-    for frames, n in spy_stacks(raw_path):
+    for frames, n in stacks:
         total += n
         self_samples[frames[-1]] += n
         for name, needle in marks.items():
             if any(needle in frame for frame in frames):
                 under[name] += n
+    total = total or 1
     lines = [f"{n / total:6.1%}  {frame}" for frame, n in self_samples.most_common(top)]
     lines.append("under: " + ", ".join(f"{name} {n / total:.1%}" for name, n in under.most_common()))
     return lines
@@ -92,6 +95,8 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in engine's step time")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--py-spy", action="store_true")
+    ap.add_argument("--stack-samples", default=None, metavar="DIR",
+                    help="the server's processes sample their own stacks into DIR (no ptrace); summary of the last run")
     ap.add_argument("--http-parser", default="auto", choices=["auto", "httptools", "h11"])
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     ap.add_argument("--default-gc", action="store_true", help="leave the front-end's garbage collector at "
@@ -101,7 +106,8 @@ def main() -> int:
     if args.serve:
         serve(*args.serve, args.streams, args.step_ms, args.http_parser, args.event_loop, not args.default_gc)
         return 0
-    from bench_serve import make_folder, make_requests, median_spread, process_cpu, run_load
+    from bench_serve import (children, make_folder, make_requests, median_spread, print_stacks, process_cpu, run_load,
+                             sampled_since, sampled_stacks, spy_stacks)
     root = tempfile.mkdtemp(prefix="kvfit-frontend-")
     folder = make_folder(args.model, root)
     vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
@@ -109,7 +115,9 @@ def main() -> int:
     server = subprocess.Popen([sys.executable, __file__, "--streams", str(args.streams), "--step-ms",
                                str(args.step_ms), "--http-parser", args.http_parser, "--event-loop", args.event_loop,
                                *(["--default-gc"] if args.default_gc else []), "--serve", folder, port_file],
-                              start_new_session=True)
+                              start_new_session=True,
+                              env={**os.environ, **({"KVFIT_STACK_SAMPLES": os.path.abspath(args.stack_samples)}
+                                                    if args.stack_samples else {})})
     try:
         while not os.path.exists(port_file) or not open(port_file).read():
             if server.poll() is not None:
@@ -126,6 +134,8 @@ def main() -> int:
                 spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-d", "8", "-r", "200", "-f",
                                         "raw", "-o", raw, "--nonblocking"], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
+            pids = {server.pid, *children(server.pid)} if args.stack_samples and run == args.runs - 1 else set()
+            stacks_before = sampled_stacks(args.stack_samples, pids) if pids else None
             before = process_cpu(server.pid)
             summary = asyncio.run(run_load(port, requests, float("inf"), None, seed=run))
             after = process_cpu(server.pid)
@@ -140,7 +150,12 @@ def main() -> int:
             if spy is not None:
                 spy.wait(60)
                 if os.path.exists(raw):
-                    print("front-end, py-spy (self samples):\n  " + "\n  ".join(hottest(raw)))
+                    print("front-end, py-spy (self samples):\n  " + "\n  ".join(hottest(spy_stacks(raw))))
+            if pids:
+                stacks = sampled_since(args.stack_samples, pids, stacks_before, time.time())
+                print_stacks(stacks, "stack samples")
+                frontend = [(frames, n) for frames, n in stacks if frames[0].startswith("process kvfit-frontend ")]
+                print("front-end, stack samples (self samples):\n  " + "\n  ".join(hottest(frontend)))
         fe, spread = median_spread([r["frontend_cpu_us_per_token"] for r in rows])
         print(f"RESULT front-end {fe:.1f} us/token (spread {spread:.0%}): one front-end process carries about "
               f"{1e6 / fe:,.0f} tok/s at a whole core; core {median_spread([r['core_cpu_us_per_token'] for r in rows])[0]:.1f}"

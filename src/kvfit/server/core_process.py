@@ -52,6 +52,7 @@ from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_dow
 from kvfit.server.gc_tuning import tune_gc_after_startup
 from kvfit.server.prepare import as_api_error
 from kvfit.server.protocol import APIError
+from kvfit.server.stack_sampler import CORE_ROLE, FRONTEND_ROLE, StackSampler, sampling
 
 logger = logging.getLogger("kvfit")
 
@@ -110,7 +111,8 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
                        dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
                        core.stats, list(engine.eos_token_ids)))
             tune_gc_after_startup("engine core")
-            _CoreLoop(core, commands, send, parent_pid).run()
+            with sampling(CORE_ROLE):       # $KVFIT_STACK_SAMPLES: this process's stacks, from here on
+                _CoreLoop(core, commands, send, parent_pid).run()
         finally:
             engine.shutdown()
     finally:
@@ -242,6 +244,7 @@ class EngineCoreClient(ServingEngine):
         # the reader's work waiting for the loop, in order (loop only): (number of deltas, work); see _drain
         self._work: collections.deque[tuple] = collections.deque()
         self._draining = False
+        self._sampler: StackSampler | None = None     # this process's stacks ($KVFIT_STACK_SAMPLES), while serving
 
     @classmethod
     def launch(cls, factory, *, tokenizer, generation_config, model_folder: str | None,
@@ -249,6 +252,7 @@ class EngineCoreClient(ServingEngine):
                stall_timeout_s: float | None = None) -> "EngineCoreClient":
         """Spawn the engine core process, wait for its start-up; raises ConfigError/KvfitError with its
         reason when it cannot start."""
+        sampler = StackSampler.from_environment(FRONTEND_ROLE)      # a bad $KVFIT_STACK_SAMPLE_MS fails first
         folder = tempfile.mkdtemp(prefix="kvfit-core-")
         context = zmq.Context()
         commands, replies = context.socket(zmq.PUSH), context.socket(zmq.PULL)
@@ -271,6 +275,9 @@ class EngineCoreClient(ServingEngine):
             raise
         if stall_timeout_s is not None:
             client.stall_timeout_s = stall_timeout_s
+        if sampler is not None:
+            client._sampler = sampler
+            sampler.start()
         return client
 
     @staticmethod
@@ -344,6 +351,8 @@ class EngineCoreClient(ServingEngine):
         # what the core never answered (it was killed, or the reader never ran) ends too, after the last batch
         self._call_on_loop(self._end_all, shutting_down_error())
         self._shutdown_prepare()
+        if self._sampler is not None:
+            self._sampler.stop()
 
     def _send(self, message) -> None:
         """Never blocks the event loop: queued without bound while the core is busy; dropped once the
