@@ -39,27 +39,30 @@ sys.path.insert(0, HERE)
 
 
 def serve(folder: str, port_file: str, streams: int, step_ms: float, parser: str, loop: str, gc_tuned: bool) -> None:
-    """The server process: the front-end in front of a stand-in engine core; writes its port, serves until killed."""
+    """The server process: the front-end in front of a stand-in engine core, its HTTP served from the main thread as
+    `kvfit serve` serves it (the stack sampler samples the main thread); writes its port, serves until a SIGTERM."""
     sys.path[:0] = [TESTS, os.path.join(TESTS, "server")]
     from fake_engine import FakeEngine
-    from server_testing import running_server
 
+    from kvfit.server.app import create_app
     from kvfit.server.core_process import EngineCoreClient
     from kvfit.server.gc_tuning import tune_gc_after_startup
-    from kvfit.server.launch import ConnectionLimits
+    from kvfit.server.launch import ConnectionLimits, GuardOptions, bind_socket, install_guards
+    from kvfit.server.launch import serve as serve_http
     from kvfit.text.tokenizer import load_tokenizer
     factory = functools.partial(FakeEngine, max_model_len=4096, max_running=streams, step_seconds=step_ms / 1e3)
     client = EngineCoreClient.launch(factory, tokenizer=load_tokenizer(folder), generation_config="vllm",
                                      model_folder=folder, max_waiting_requests=16 * streams, log_level="warning")
     try:
         limits = ConnectionLimits(max_connections=None, http_parser=parser, event_loop=loop)
-        with running_server(client, model_name="bench", limits=limits) as (url, _):
-            if gc_tuned:                # as kvfit serve does once it serves
-                tune_gc_after_startup("HTTP front-end")
-            with open(port_file, "w") as f:
-                f.write(url.rsplit(":", 1)[1])
-            while True:
-                time.sleep(1)
+        app = create_app(client, "bench")
+        install_guards(app, GuardOptions("127.0.0.1"))
+        sock = bind_socket("127.0.0.1", 0)          # listening: requests wait in its backlog until uvicorn runs
+        with open(port_file, "w") as f:
+            f.write(str(sock.getsockname()[1]))
+        if gc_tuned:                                 # as kvfit serve does once it serves
+            tune_gc_after_startup("HTTP front-end")
+        serve_http(app, sock, client.begin_shutdown, log_level="warning", limits=limits, dead_reason=client.check_dead)
     finally:
         client.stop()
 

@@ -275,9 +275,8 @@ class EngineCoreClient(ServingEngine):
             raise
         if stall_timeout_s is not None:
             client.stall_timeout_s = stall_timeout_s
-        if sampler is not None:
+        if sampler is not None and sampler.start():
             client._sampler = sampler
-            sampler.start()
         return client
 
     @staticmethod
