@@ -26,7 +26,8 @@ carry; medians over --runs (spread = (max - min) / median) and the kvfit / vllm 
 --py-spy DIR samples each server process with py-spy (it needs ptrace) for 8 s of each rate's last run; --stack-samples
 DIR has `kvfit serve`'s own processes sample themselves (src/kvfit/server/stack_sampler.py: $KVFIT_STACK_SAMPLES, no
 ptrace; vLLM is not sampled) over the whole of each rate's last run. Either prints, per process, its share of the
-samples, its hottest functions (self time) and kvfit's functions with the most samples under them.
+samples (the sampler's are CPU time), its hottest functions (self time) and kvfit's functions with the most samples
+under them.
 
 Engine `offline` is kvfit's `LLM.generate` on the same requests (random dataset: their token ids, greedy,
 ignore_eos, the same max_tokens), in a child process with the same flags: the serving / offline ratio is
@@ -371,9 +372,13 @@ def print_stacks(stacks, label: str, top: int = 12) -> None:
 
 
 def sampled_stacks(folder: str, pids: set[int]) -> collections.Counter:
-    """kvfit's own stack sampler's counts so far (its files in folder, $KVFIT_STACK_SAMPLES) of the processes pids:
-    {collapsed stack: samples}. The files count from the start of serving: a window is two readings subtracted."""
-    from kvfit.server.stack_sampler import sample_files
+    """kvfit's own stack sampler's counts (its files in folder, $KVFIT_STACK_SAMPLES) of the processes pids:
+    {collapsed stack: CPU us}, read once every file has been rewritten after now (it rewrites them every FLUSH_S
+    seconds). The files count from the start of serving: a window is two readings subtracted (sampled_since)."""
+    from kvfit.server.stack_sampler import FLUSH_S, sample_files
+    now, deadline = time.time(), time.time() + 3 * FLUSH_S
+    while time.time() < deadline and any(os.path.getmtime(path) <= now for path in sample_files(folder, pids)):
+        time.sleep(0.1)
     counts: collections.Counter = collections.Counter()
     for path in sample_files(folder, pids):
         for frames, count in spy_stacks(path):
@@ -381,13 +386,8 @@ def sampled_stacks(folder: str, pids: set[int]) -> collections.Counter:
     return counts
 
 
-def sampled_since(folder: str, pids: set[int], before: collections.Counter, since: float) -> list:
-    """(frames, count) stacks the sampler counted after `before` (a sampled_stacks reading), read once each file
-    has been rewritten after `since` (time.time(); the sampler rewrites its file every FLUSH_S seconds)."""
-    from kvfit.server.stack_sampler import FLUSH_S, sample_files
-    deadline = time.time() + 3 * FLUSH_S
-    while time.time() < deadline and any(os.path.getmtime(path) <= since for path in sample_files(folder, pids)):
-        time.sleep(0.1)
+def sampled_since(folder: str, pids: set[int], before: collections.Counter) -> list:
+    """(frames, count) stacks the sampler counted since `before` (a sampled_stacks reading)."""
     return [(stack.split(";"), count) for stack, count in (sampled_stacks(folder, pids) - before).items()]
 
 
@@ -571,7 +571,7 @@ def main() -> None:
                     if spy is not None:
                         print_spy(*spy)
                     if sampled:
-                        stacks = sampled_since(args.stack_samples, pids, stacks_before, time.time())
+                        stacks = sampled_since(args.stack_samples, pids, stacks_before)
                         print_stacks(stacks, "stack samples")
                         if not stacks:
                             print(f"stack samples: none from the server's processes in {args.stack_samples}")

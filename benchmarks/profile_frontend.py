@@ -155,7 +155,7 @@ def main() -> int:
                 if os.path.exists(raw):
                     print("front-end, py-spy (self samples):\n  " + "\n  ".join(hottest(spy_stacks(raw))))
             if pids:
-                stacks = sampled_since(args.stack_samples, pids, stacks_before, time.time())
+                stacks = sampled_since(args.stack_samples, pids, stacks_before)
                 print_stacks(stacks, "stack samples")
                 frontend = [(frames, n) for frames, n in stacks if frames[0].startswith("process kvfit-frontend ")]
                 print("front-end, stack samples (self samples):\n  " + "\n  ".join(hottest(frontend)))
