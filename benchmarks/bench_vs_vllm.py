@@ -152,9 +152,25 @@ class _Engine:
             raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
 
 
+def draw_like_vllm(model, *args, **kwargs) -> None:
+    """kvfit's dummy weights drawn as vLLM's dummy loader draws its own: every floating parameter (FP8 weights and
+    scales too) uniform in +-1e-3 in float16, then cast to its dtype. For an experiment (KVFIT_BENCH_DUMMY=vllm):
+    how fast kvfit runs the model vLLM's FP8 dummy draw makes (nearly every FP8 weight 0), beside its own draw."""
+    import torch
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                drawn = torch.empty(param.shape, dtype=torch.float16, device=param.device).uniform_(-1e-3, 1e-3)
+                param.data.copy_(drawn.to(param.dtype))
+
+
 class KvfitEngine(_Engine):
     def __init__(self, model: str, group: dict):
         from kvfit import LLM
+        if os.environ.get("KVFIT_BENCH_DUMMY") == "vllm":
+            from kvfit.models import loader
+            loader.init_dummy_weights = draw_like_vllm
+            print("NOTE kvfit weights drawn as vLLM's dummy loader draws them (KVFIT_BENCH_DUMMY=vllm)", flush=True)
         # KVFIT_BENCH_ARGS: JSON of extra LLM(...) arguments for an experiment (e.g. max_num_batched_tokens)
         extra = json.loads(os.environ.get("KVFIT_BENCH_ARGS", "{}"))
         if os.environ.get("KVFIT_BENCH_PREFILL"):
