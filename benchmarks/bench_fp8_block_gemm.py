@@ -16,10 +16,13 @@ import itertools
 import torch
 from common import gpu_only, graph_time
 
-# (BLOCK_M, BLOCK_N, warps, stages): BLOCK_K is the weight block's columns
+# (BLOCK_M, BLOCK_N, warps, stages[, SPLIT_K]): BLOCK_K is the weight block's columns. The split-K ones are for few
+# rows: qkv and o of qwen3-30b-a3b at M=64 make 40 and 16 tiles of 128 columns for 132 SMs (0.6 TB/s of weights
+# in a decode step, H100, 2026-12-07)
 CANDIDATES = [(16, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
               (64, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 256, 8, 3),
-              (64, 256, 8, 3)]
+              (64, 256, 8, 3), (16, 64, 4, 4, 2), (16, 64, 4, 4, 4), (16, 128, 4, 4, 4), (16, 128, 4, 4, 8),
+              (32, 64, 4, 4, 4), (64, 64, 4, 4, 2), (64, 64, 4, 4, 4), (64, 128, 4, 4, 4)]
 
 
 def dense_shapes(model: str) -> dict[str, tuple[int, int, int]]:

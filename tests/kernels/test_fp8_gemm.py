@@ -93,9 +93,11 @@ def test_reference_equals_the_blockwise_sum(bias):
 
 @needs_triton
 @pytest.mark.parametrize("m,n,k,config", [(1, 256, 384, None), (19, 200, 300, (16, 64, 4, 1)),
-                                          (70, 128, 128, (64, 128, 4, 1))])
+                                          (70, 128, 128, (64, 128, 4, 1)), (5, 200, 512, (16, 64, 4, 1, 4)),
+                                          (19, 136, 300, (16, 32, 4, 1, 3)), (33, 256, 512, (16, 128, 4, 1, 2))])
 def test_block_gemm_kernel_matches_the_reference(m, n, k, config):
-    """Partial blocks along N and K, one row (decode) and several M tiles."""
+    """Partial blocks along N and K, one row (decode) and several M tiles; K split over 2-4 programs (a partial
+    last K step in the last split; BLOCK_N under the scale's 128 rows), the bias added after the sum."""
     torch.manual_seed(2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wq, ws = quantize_weight_blocks(torch.randn(n, k), (128, 128))
@@ -108,6 +110,14 @@ def test_block_gemm_kernel_matches_the_reference(m, n, k, config):
     # mantissa bits, not fp32's 23 (DeepSeek-V3 report, 3.3.2): measured 6e-4 of the output's magnitude
     tol = 2e-3 * float(want.abs().max()) if got.is_cuda else 1e-3
     assert float((got - want).abs().max()) <= tol, (got - want).abs().max()
+
+
+def test_block_gemm_split_k_must_divide_the_k_steps():
+    wq, ws = quantize_weight_blocks(torch.randn(64, 384), (128, 128))
+    w = Fp8Weight(wq, ws, (128, 128))
+    xq, xs = quantize_groups(torch.randn(2, 384), 128)
+    with pytest.raises(ValueError, match="SPLIT_K 2 does not divide the 3 K steps"):
+        bg.block_fp8_gemm(xq.contiguous(), xs, w, None, torch.float32, config=(16, 64, 4, 1, 2))
 
 
 @needs_triton
@@ -270,17 +280,18 @@ def _compile_check() -> None:
     kernel = bg._block_fp8_gemm_kernel
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
              "c_ptr": "*bf16", "bias_ptr": "*bf16"}
-    for block_m, block_n, warps, stages in (bg.SMALL_M_CONFIG, bg.LARGE_M_CONFIG):
-        consts = dict(K=4096, GROUP_N=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, HAS_BIAS=False,
-                      DOT_FP32=False,
-                      stride_ak=1, stride_bk=1, stride_cn=1)
+    for block_m, block_n, warps, stages, split in (*bg.SMALL_M_CONFIG, 1), (*bg.LARGE_M_CONFIG, 1), (16, 64, 4, 4, 4):
+        consts = dict(K=4096, GROUP_N=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split,
+                      HAS_BIAS=False, DOT_FP32=False, stride_ak=1, stride_bk=1, stride_cn=1)
+        if split > 1:
+            types = {**types, "c_ptr": "*fp32", "bias_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
         divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")
                      and n not in consts}
         compiled, spills, report = compile_sm90(kernel, sig, consts, divisible,
                                                 {"num_warps": warps, "num_stages": stages})
         pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
-        print(f"block_fp8_gemm {block_m}x{block_n}: shared {compiled.metadata.shared} B, spills {spills} B, "
+        print(f"block_fp8_gemm {block_m}x{block_n} split-K {split}: shared {compiled.metadata.shared} B, spills {spills} B, "
               f"pipelined {pipelined}")
         assert spills == 0 and compiled.metadata.shared <= 227 * 1024 and pipelined, report
     _compile_check_fused_experts(compile_sm90)

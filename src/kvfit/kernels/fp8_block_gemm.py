@@ -22,7 +22,8 @@ except ImportError:  # CPU-only installs
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the block's columns (one scale per K step). The wide
 # tile takes 8 warps: with 4, its fp32 accumulator and the K step's partial product spill (ptxas, sm_90).
-# Not tuned on a GPU yet. K is a compile-time constant (one compile per layer width): with a runtime K,
+# Not tuned on a GPU yet: bench_fp8_block_gemm.py sweeps these and split-K ones (the fifth element) against them.
+# K is a compile-time constant (one compile per layer width): with a runtime K,
 # Triton 3.6 does not software-pipeline the loads (tests/kernels/test_fp8_gemm.py checks that it does).
 SMALL_M_CONFIG, LARGE_M_CONFIG = (16, 128, 4, 4), (64, 128, 8, 3)
 LARGE_M = 64
@@ -41,22 +42,28 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, M, N, K: tl.constexpr,
                                stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
-                               stride_bsn, stride_bsk, stride_cm, stride_cn,
+                               stride_bsn, stride_bsk, stride_cs, stride_cm, stride_cn,
                                GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
-        # c[m, n] = sum_kb a_scale[m, kb] * b_scale[n // GROUP_N, kb] * (a[m, kb] . b[n, kb])
+                               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               DOT_FP32: tl.constexpr):
+        # c[m, n] = sum_kb a_scale[m, kb] * b_scale[n // GROUP_N, kb] * (a[m, kb] . b[n, kb]); with SPLIT_K > 1
+        # program pid_k sums its share of the K steps into the fp32 partial c[pid_k] (block_fp8_gemm adds them)
         pid_m = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1).to(tl.int64)
+        pid_k = tl.program_id(2).to(tl.int64)
+        STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K // SPLIT_K         # K steps per program (they divide)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
         m_mask, n_mask = offs_m < M, offs_n < N
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak           # [BM, BK]
-        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk           # [BK, BN]
+        first = pid_k * STEPS                                                                # this program's
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + (first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (first * BLOCK_K + offs_k[:, None]) * stride_bk  # [BK, BN]
         a_scale_ptrs = a_scale_ptr + offs_m * stride_asm                                     # [BM]
         b_scale_ptrs = b_scale_ptr + (offs_n // GROUP_N) * stride_bsn                        # [BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        for step in range(0, STEPS):
+            kb = first + step
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=(offs_k < k_left)[:, None] & n_mask[None, :], other=0.0)
@@ -71,29 +78,45 @@ if triton is not None:
             b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """xq [M, K] fp8 with x_scale [M, ceil(K/bk)] fp32, w a block Fp8Weight [N, K] -> [M, N] in out_dtype."""
+                   out_dtype: torch.dtype, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """xq [M, K] fp8 with x_scale [M, ceil(K/bk)] fp32, w a block Fp8Weight [N, K] -> [M, N] in out_dtype.
+
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_K]); None: config_for(M). SPLIT_K > 1 (it must divide
+    the K steps, ceil(K / bk)) splits the K steps over that many programs per output tile, for few rows, where
+    the tiles alone leave most SMs idle: each writes an fp32 partial [SPLIT_K, M, N], summed here in fixed order
+    (the same result on every run), then the bias and the cast."""
     assert w.block_size is not None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
     bn, bk = w.block_size
     m, k = xq.shape
     n = w.out_features
-    block_m, block_n, warps, stages = config or config_for(m)
+    block_m, block_n, warps, stages, *rest = config or config_for(m)
+    split = rest[0] if rest else 1
+    steps = -(-k // bk)
+    if split < 1 or steps % split:
+        raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
+    fused_bias = bias is not None and split == 1
     interpret = not on_gpu(xq)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _block_fp8_gemm_kernel[grid](
-        xq, x_scale, w.weight, w.scale, out, bias if bias is not None else out, m, n, k,
+        xq, x_scale, w.weight, w.scale, target, bias if fused_bias else target, m, n, k,
         xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), w.weight.stride(0), w.weight.stride(1),
-        w.scale.stride(0), w.scale.stride(1), out.stride(0), out.stride(1),
-        GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, HAS_BIAS=bias is not None, DOT_FP32=interpret,
-        num_warps=warps, num_stages=stages)
+        w.scale.stride(0), w.scale.stride(1), target.stride(0) if split > 1 else 0, target.stride(-2),
+        target.stride(-1), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SPLIT_K=split,
+        HAS_BIAS=fused_bias, DOT_FP32=interpret, num_warps=warps, num_stages=stages)
+    if split > 1:
+        total = target.sum(dim=0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
