@@ -109,6 +109,22 @@ def test_a_bad_interval_is_one_line_naming_the_variable(tmp_path, value):
         StackSampler.from_environment("kvfit-test", {FOLDER_ENV: str(tmp_path), INTERVAL_ENV: value})
 
 
+@pytest.mark.parametrize("below", ["file", "file/below"])
+def test_a_folder_that_cannot_be_made_is_one_line_naming_the_variable(tmp_path, below):
+    (tmp_path / "file").touch()                      # a file where the folder would be, or above it
+    folder = str(tmp_path / below)
+    with pytest.raises(ConfigError, match=f"KVFIT_STACK_SAMPLES must name a folder .* got '{folder}'"):
+        StackSampler.from_environment("kvfit-test", {FOLDER_ENV: folder})
+
+
+def test_a_file_it_cannot_write_leaves_no_timer_or_handler(tmp_path):
+    sampler = StackSampler(str(tmp_path / "gone"), "kvfit-test")      # its folder removed after from_environment
+    handler = signal.getsignal(signal.SIGPROF)
+    assert sampler.start() is False
+    assert signal.getsignal(signal.SIGPROF) == handler and sampler._timer is None
+    sampler.stop()                                   # nothing to stop
+
+
 def test_outside_the_main_thread_it_does_not_sample(tmp_path):
     sampler = StackSampler(str(tmp_path), "kvfit-test")
     started = []

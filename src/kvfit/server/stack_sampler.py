@@ -109,7 +109,11 @@ class StackSampler:
         if not 0.1 <= interval_ms <= 10_000:
             raise ConfigError(f"${INTERVAL_ENV} must be milliseconds of CPU time between samples in [0.1, 10000], "
                               f"got {text!r}")
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"${FOLDER_ENV} must name a folder for the sample files, got {folder!r} "
+                              f"({exc})") from None
         return cls(folder, role, interval_ms / 1e3)
 
     def start(self) -> bool:
@@ -119,6 +123,11 @@ class StackSampler:
             why = "it must start in the main thread"
         elif signal.getsignal(signal.SIGPROF) not in (signal.SIG_DFL, signal.SIG_IGN, None):
             why = "SIGPROF has a handler (another profiler?)"
+        if why is None:
+            try:                                   # there from the start: a reader waits for its rewrites; written
+                self.write()                       # before the timer, which a failure here would leave running
+            except OSError as exc:
+                why = f"cannot write {self.path} ({exc})"
         if why is None:
             self.sample(None)                      # every thread's CPU clock: the first weights start here
             self._previous_handler = signal.signal(signal.SIGPROF, self._on_signal)
@@ -130,7 +139,6 @@ class StackSampler:
         if why is not None:
             logger.warning("$%s: not sampling this process (%s)", FOLDER_ENV, why)
             return False
-        self.write()                               # there from the start: a reader waits for its rewrites
         self._writer = threading.Thread(target=self._write_every, name="kvfit-stack-sampler", daemon=True)
         self._writer.start()
         atexit.register(self.stop)
