@@ -114,10 +114,10 @@ def redraw_like_kvfit(model) -> dict:
                 data.fill_(1.0)
                 counts["norms"] += 1
             elif data.dtype == torch.float8_e4m3fn:
-                rows = data.reshape(-1, data.shape[-1])
-                step = max(1, (1 << 26) // max(1, rows.shape[1]))        # at most 2^26 fp32 values at a time
-                for start in range(0, rows.shape[0], step):
-                    part = rows[start:start + step]
+                # slices of dim 0 are views whatever the layout (a reshape of a transposed tensor is a copy)
+                step = max(1, (1 << 26) // max(1, data[0].numel()))      # at most 2^26 fp32 values at a time
+                for start in range(0, data.shape[0], step):
+                    part = data[start:start + step]
                     drawn = torch.empty(part.shape, dtype=torch.float32, device=data.device)
                     drawn.normal_(0.0, DUMMY_STD, generator=gen)
                     part.copy_((drawn / FP8_DUMMY_SCALE).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn))

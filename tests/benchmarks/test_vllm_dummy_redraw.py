@@ -45,6 +45,15 @@ def test_redraw_gives_kvfits_distribution_in_place():
     assert module.gate_weight.float().std().item() == pytest.approx(bench_vs_vllm.DUMMY_STD, rel=0.2)
 
 
+def test_redraw_fills_a_transposed_fp8_weight_in_place():
+    """vLLM may keep an FP8 weight as a transposed view after loading: the redraw must land in it."""
+    module = torch.nn.Module()
+    weight = torch.zeros(4, 128, 256).to(torch.float8_e4m3fn).transpose(1, 2)
+    module.register_parameter("w13_weight", torch.nn.Parameter(weight, requires_grad=False))
+    bench_vs_vllm.redraw_like_kvfit(module)
+    assert (module.w13_weight.float() == 0).float().mean() < 0.05
+
+
 def test_redraw_matches_kvfits_own_fp8_dummy_weights():
     """The same spread as kvfit's dummy loader gives a block-FP8 weight (its per-block scales, dequantized)."""
     from kvfit.models.loader import DUMMY_STD
