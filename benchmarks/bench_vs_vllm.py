@@ -42,6 +42,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))      # this checkout's kvfit, as worker() runs it
+from kvfit.models.loader import DUMMY_STD  # noqa: E402  (kvfit's dummy weights: normal(0, DUMMY_STD), norms 1)
+from kvfit.quant_scheme import DUMMY_INPUT_SCALE  # noqa: E402
 GROUPS = {
     "base": dict(max_model_len=2048, max_num_seqs=256, prefix_caching=False,
                  workloads=("throughput", "latency")),
@@ -75,7 +78,6 @@ FP8_CONFIGS = {
                                           "symmetric": True}}}},
     "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
 }
-DUMMY_STD = 0.02                     # kvfit's dummy weights: normal(0, 0.02), norm weights 1 (models/loader.py)
 FP8_DUMMY_SCALE = 4 * DUMMY_STD / 448  # a block's scale when its largest weight is 4 std: e4m3's 448 at 4 std
 
 
@@ -91,7 +93,7 @@ def redraw_like_kvfit(model) -> dict:
     work, and on FP8 runs both engines get weights of the same distribution: normal(0, 0.02) (FP8 weights
     quantized with one scale, FP8_DUMMY_SCALE, clamped at 448: kvfit's per-block scales give the same values,
     within e4m3's step),
-    norm weights 1, FP8 scales FP8_DUMMY_SCALE, static input scales 1/64 (kvfit's DUMMY_INPUT_SCALE). The
+    norm weights 1, FP8 scales FP8_DUMMY_SCALE, static input scales kvfit's DUMMY_INPUT_SCALE. The
     fills are in place, so captured CUDA graphs and compiled code keep their pointers; a constant scale and
     i.i.d. weights are the same distribution whatever layout vLLM gave a tensor after loading.
     """
@@ -108,7 +110,7 @@ def redraw_like_kvfit(model) -> dict:
                 data.fill_(FP8_DUMMY_SCALE)
                 counts["scales"] += 1
             elif name.endswith("input_scale"):
-                data.fill_(1.0 / 64)
+                data.fill_(DUMMY_INPUT_SCALE)
                 counts["scales"] += 1
             elif "norm" in name:
                 data.fill_(1.0)
@@ -233,7 +235,6 @@ class VllmEngine(_Engine):
 def worker(engine_name: str, model: str, group_name: str, reps: int) -> None:
     """Runs in its own process: prints one RESULT line per measured workload."""
     import torch
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
     from kvfit.model_facts import load_model_facts
     vocab = load_model_facts(model).vocab_size
     group = GROUPS[group_name]
