@@ -1,6 +1,11 @@
 """Dynamic FP8 activation quantization in one Triton launch (CUDA): what fp8.quantize_activations computes
 with seven torch kernels, per token or per token and column group.
 
+Groups of up to MAX_TILE_GROUP columns (per token for hidden sizes up to it; the block layout's 128-column
+groups) go through the tiled kernel: a program holds a tile of rows x whole groups in registers and reads x
+once. Wider groups (a per-token row of llama's 14,336 MLP channels) take the two-pass kernel, which walks the
+row in MAX_ROW_BLOCK pieces and reads it twice.
+
 Per row (or row and group): amax over |x| in fp32, scale = max(amax, MIN_AMAX) / 448, q = x / scale
 (IEEE division, as torch's), clamped to +-448, rounded to float8_e4m3fn (round to nearest even, as torch's
 cast). The same numbers as the torch path, so the CPU reference and the GPU agree on every quantized value.
@@ -20,7 +25,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 FP8_DTYPE = torch.float8_e4m3fn
-MAX_ROW_BLOCK = 4096        # columns a program holds at once; wider rows take two passes over the row
+MAX_ROW_BLOCK = 4096        # two-pass kernel: columns a program holds at once
+MAX_TILE_GROUP = 4096       # tiled kernel: the widest group (after rounding up to a power of two) it takes
+TILE_ELEMENTS = 4096        # tiled kernel: values a program holds (rows x groups x group, powers of two)
 
 
 def quantize_kernel_applies(x: torch.Tensor) -> bool:
@@ -53,17 +60,58 @@ if triton is not None:
         tl.store(scale_ptr + row * stride_s + group, scale)
 
 
+    @triton.jit
+    def _quantize_tile_kernel(x_ptr, q_ptr, scale_ptr, num_rows, stride_x, stride_q, stride_s, K, NUM_GROUPS,
+                              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPS: tl.constexpr,
+                              ROWS: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+        # program (row tile, group tile): rows [ROWS] x groups [GROUPS] x columns [GROUP_P2] of a group, read once
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        inner = tl.arange(0, GROUP_P2)
+        cols = groups[:, None] * GROUP + inner[None, :]                                  # [GROUPS, GROUP_P2]
+        col_ok = (inner[None, :] < GROUP) & (groups[:, None] < NUM_GROUPS) & (cols < K)
+        mask = (rows < num_rows)[:, None, None] & col_ok[None, :, :]
+        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 2), MIN_AMAX_C), FP8_MAX_C)      # [ROWS, GROUPS]
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        s_mask = (rows < num_rows)[:, None] & (groups < NUM_GROUPS)[None, :]
+        tl.store(scale_ptr + rows[:, None] * stride_s + groups[None, :], scale, mask=s_mask)
+
+
+def tile_shape(group: int, num_groups: int) -> tuple[int, int, int]:
+    """The tiled kernel's (group width rounded up to a power of two, groups a program, rows a program)."""
+    group_p2 = triton.next_power_of_2(group)
+    groups = max(1, min(triton.next_power_of_2(num_groups), TILE_ELEMENTS // group_p2))
+    return group_p2, groups, max(1, TILE_ELEMENTS // (group_p2 * groups))
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] fp8, scale fp32 [T, 1] per token, or [T, ceil(K / group)] per group)."""
     num_rows, k = x.shape
     group = k if group is None else group
-    num_groups = -(-k // group)
     xq = torch.empty((num_rows, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
-    if num_rows == 0:
-        return xq, scale
+    scale = torch.empty((num_rows, -(-k // group)), dtype=torch.float32, device=x.device)
+    if num_rows:
+        launch = quantize_tiled if triton.next_power_of_2(group) <= MAX_TILE_GROUP else quantize_two_pass
+        launch(x, group, xq, scale)
+    return xq, scale
+
+
+def quantize_tiled(x: torch.Tensor, group: int, xq: torch.Tensor, scale: torch.Tensor) -> None:
+    """The tiled kernel into xq, scale (quantize_rows' outputs; group up to MAX_TILE_GROUP)."""
+    (num_rows, k), num_groups = x.shape, scale.shape[1]
+    group_p2, groups, rows = tile_shape(group, num_groups)
+    grid = (triton.cdiv(num_rows, rows), triton.cdiv(num_groups, groups))
+    _quantize_tile_kernel[grid](x, xq, scale, num_rows, x.stride(0), xq.stride(0), scale.stride(0), k, num_groups,
+                                GROUP=group, GROUP_P2=group_p2, GROUPS=groups, ROWS=rows, FP8_MAX_C=FP8_MAX,
+                                MIN_AMAX_C=MIN_AMAX, num_warps=8 if rows * groups * group_p2 >= 2048 else 4)
+
+
+def quantize_two_pass(x: torch.Tensor, group: int, xq: torch.Tensor, scale: torch.Tensor) -> None:
+    """The two-pass kernel into xq, scale (any group width)."""
+    (num_rows, k), num_groups = x.shape, scale.shape[1]
     block = min(triton.next_power_of_2(group), MAX_ROW_BLOCK)
     _quantize_kernel[(num_rows, num_groups)](x, xq, scale, x.stride(0), xq.stride(0), scale.stride(0), K=k,
                                              GROUP=group, BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
                                              num_warps=4 if block <= 1024 else 8)
-    return xq, scale
