@@ -414,3 +414,26 @@ def test_fused_fp8_experts_with_static_input_scales_match_the_reference_loop():
     dynamic = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
                                    experts.down_proj_scale, None, weights, ids)
     assert not torch.allclose(got, dynamic, atol=1e-3)        # the static scales are what ran
+
+
+def test_prequantized_input_is_used_only_where_it_is_the_weights_quantization():
+    """A PreQuantized x hands its (xq, scale) to a GEMM whose dynamic group it was made in, and x itself to
+    every other path (a static input scale, another group); on the CPU nothing asks for one."""
+    from kvfit.kernels.fp8 import PreQuantized, activation_group
+    from kvfit.kernels.fp8_gemm import prequantize_group
+    torch.manual_seed(3)
+    x = torch.randn(4, 64)
+    wq, s = quantize_weight_per_channel(torch.randn(32, 64))
+    channel = Fp8Weight(wq, s, None)
+    bq, bs = quantize_weight_blocks(torch.randn(32, 64), (32, 32))
+    block = Fp8Weight(bq, bs, (32, 32))
+    static = Fp8Weight(wq, s, None, torch.tensor([0.05]))
+    assert (activation_group(channel, 64), activation_group(block, 64), activation_group(static, 64)) == (64, 32, None)
+    xq, scale = quantize_activations(x, channel)
+    pre = PreQuantized(x, xq, scale, 64)
+    assert pre.quantized_for(channel) == (xq, scale)
+    for other in (block, static):
+        got, want = pre.quantized_for(other), quantize_activations(x, other)
+        assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+    assert torch.equal(fp8_linear(pre, channel), fp8_linear(x, channel))          # the CPU's reference reads x
+    assert prequantize_group(x, channel) is None and prequantize_group(x, block) is None

@@ -38,6 +38,43 @@ def test_add_rms_norm(with_residual, cols):
     torch.testing.assert_close(out, _ref_norm(total, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cols,group", [(256, 256), (96, 96), (256, 64), (512, 128), (384, 128)])
+# the interpreter multiplies bfloat16 elementwise as raw bits (NumPy has no bf16): fp16 stands in for it on the CPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16])
+def test_add_rms_norm_quant_equals_norm_then_quantize(cols, group, dtype):
+    """The norm's FP8 epilogue quantizes what add_rms_norm stores (per token, or per group of columns) with the
+    numbers of fp8.quantize_activations; an all-zero row gets the floor scale; no rows is no launch."""
+    from kvfit.kernels.fp8 import Fp8Weight, quantize_activations, quantize_groups
+    g = torch.Generator().manual_seed(cols + group)
+    x = (torch.randn(6, cols, generator=g) * torch.logspace(-2, 2, 6)[:, None]).to(dtype).to(DEVICE)
+    res = torch.randn(6, cols, generator=g).to(dtype).to(DEVICE)
+    x[3], res[3] = 0.0, 0.0
+    w = torch.randn(cols, generator=g).to(dtype).to(DEVICE)
+    assert fused_ops.norm_quant_applies(cols, group)
+    out, new_res, xq, scale = fused_ops.add_rms_norm_quant(x, res, w, 1e-6, group)
+    want_out, want_res = fused_ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    per_token = Fp8Weight(torch.empty(0), torch.empty(0), None)
+    want_q, want_s = (quantize_activations(out.cpu(), per_token) if group == cols else
+                      quantize_groups(out.cpu(), group))
+    assert scale.shape == want_s.shape and torch.equal(scale.cpu(), want_s)
+    got_q, want_q = xq.cpu().float(), want_q.float()
+    if DEVICE == "cpu":       # the interpreter's emulated fp8 cast (see test_fp8_gemm's quantize test)
+        assert (got_q != want_q).float().mean() < 0.05 and ((got_q - want_q).abs() <= want_q.abs() / 2).all()
+    else:
+        assert torch.equal(got_q, want_q)
+    empty = fused_ops.add_rms_norm_quant(x[:0], res[:0], w, 1e-6, group)
+    assert [t.shape[0] for t in empty] == [0, 0, 0, 0]
+
+
+def test_norm_quant_applies_to_whole_power_of_two_groups():
+    assert fused_ops.norm_quant_applies(2048, 128) and fused_ops.norm_quant_applies(4096, 4096)
+    assert fused_ops.norm_quant_applies(5120, 5120)              # per token: any width
+    assert fused_ops.norm_quant_applies(5120, 128)               # 5120's block is 8192: groups past the row masked
+    assert not fused_ops.norm_quant_applies(300, 96)             # not a power of two
+    assert not fused_ops.norm_quant_applies(200, 128)            # a partial last group
+
+
 def test_rope_matches_rotate_half():
     from kvfit.models.rope import apply_rope
     g = torch.Generator().manual_seed(0)
@@ -246,7 +283,7 @@ def _compile_check() -> None:
     from triton_interpreter import compile_sm90
 
     from kvfit.kernels import gemv
-    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64"}
+    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 
     def build(kernel, consts, warps=4, stages=3):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
@@ -258,7 +295,10 @@ def _compile_check() -> None:
         print(f"{kernel.__name__} {consts}: spills {spills} B")
         assert spills == 0, report
 
-    build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096, PDL=True))
+    quant = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
+    for block, group in ((4096, 0), (4096, 4096), (2048, 128), (4096, 128)):     # with the FP8 epilogue: per token, 128
+        build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=block, PDL=True, QUANT_GROUP=group, **quant),
+              warps=4 if block <= 4096 else 8)
     for write_kv in (False, True):
         build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, WRITE_KV=write_kv,
                                                 PAGE=16, PAD_SLOT=-1, PDL=True))

@@ -43,6 +43,32 @@ class Fp8Weight:
         return dequantize_weight(self.weight, self.scale, self.block_size)
 
 
+@dataclass(frozen=True)
+class PreQuantized:
+    """An FP8 linear's input with its dynamic quantization made by the kernel that made it (a fused RMSNorm,
+    fused_ops.add_rms_norm_quant): x and what quantize_activations(x, w) returns for a weight whose activation
+    group (activation_group) is `group`. The GEMMs that quantize x take (xq, scale); the others read x."""
+
+    x: torch.Tensor          # [T, K] 16-bit
+    xq: torch.Tensor         # [T, K] float8_e4m3fn
+    scale: torch.Tensor      # fp32 [T, K / group]
+    group: int               # columns a scale: K per token, the block width for block weights
+
+    def quantized_for(self, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(xq, scale) if they are w's dynamic quantization of x, else quantize_activations(x, w)."""
+        if activation_group(w, self.x.shape[1]) == self.group:
+            return self.xq, self.scale
+        return quantize_activations(self.x, w)
+
+
+def activation_group(w: Fp8Weight, k: int) -> int | None:
+    """Columns per dynamic activation scale of w's GEMM on inputs of k columns (the block width, k per token);
+    None for a static input scale (no dynamic quantization to fuse)."""
+    if w.input_scale is not None:
+        return None
+    return k if w.block_size is None else w.block_size[1]
+
+
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None
                       ) -> torch.Tensor:
     """Wq [N, K] fp8 with a per-channel [N, 1] (or per-tensor [1]) or block scale -> fp32 [N, K]."""

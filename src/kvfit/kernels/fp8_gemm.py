@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.kernels.fp8 import Fp8Weight, fp8_linear_reference, quantize_activations
+from kvfit.kernels.fp8 import Fp8Weight, PreQuantized, activation_group, fp8_linear_reference, quantize_activations
 from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies
 from kvfit.kernels.fp8_gemv import fp8_gemv, fp8_gemv_applies
 from kvfit.platforms.gate import on_gpu
@@ -19,23 +19,38 @@ def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
             and hasattr(torch, "_scaled_mm"))
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b with W in FP8: x [..., K] -> [..., N] in x's dtype (see the module docstring's paths)."""
+def fp8_linear(x: torch.Tensor | PreQuantized, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with W in FP8: x [..., K] -> [..., N] in x's dtype (see the module docstring's paths).
+    A PreQuantized x ([T, K]) gives its quantization to the GEMMs that quantize x; the others read its x."""
+    pre = x if isinstance(x, PreQuantized) else None
+    x = x.x if pre is not None else x
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [T, K]
     if fp8_gemv_applies(x2, w):
         y = fp8_gemv(x2, w, bias)
     elif scaled_mm_applies(x2, w):
-        y = _scaled_mm_linear(x2, w, bias)
+        y = _scaled_mm_linear(x2, w, bias, pre)
     elif on_gpu(x2) and w.block_size is not None:
-        y = block_fp8_linear(x2, w, bias) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
+        y = block_fp8_linear(x2, w, bias, pre) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
     else:
         y = fp8_linear_reference(x2, w, bias)
     return y.reshape(*lead, w.out_features)
 
 
-def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    xq, x_scale = quantize_activations(x, w)                                         # [T, K] fp8, [T, 1]
+def prequantize_group(x: torch.Tensor, w: Fp8Weight) -> int | None:
+    """The columns per scale a kernel before fp8_linear(x, w) could quantize x in for it (PreQuantized): the
+    dynamic group of the GEMM fp8_linear runs on x where that GEMM quantizes x; None where none does (one token:
+    the GEMV reads x; the CPU's reference; a static input scale)."""
+    if x.dim() != 2 or fp8_gemv_applies(x, w):
+        return None
+    if scaled_mm_applies(x, w) or (w.block_size is not None and on_gpu(x) and block_gemm_applies(x)):
+        return activation_group(w, x.shape[1])
+    return None
+
+
+def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                      pre: PreQuantized | None = None) -> torch.Tensor:
+    xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # [T, K] fp8, [T, 1]
     # rowwise scaling: scale_a [T, 1], scale_b [1, N], bf16 out (the only out dtype cuBLASLt's rowwise takes)
     y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.contiguous(), scale_b=w.scale.view(1, -1),
                          out_dtype=torch.bfloat16)                                   # [T, N]

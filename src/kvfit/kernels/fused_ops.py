@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import pdl
+from kvfit.kernels.fp8_quantize import FP8_DTYPE
 from kvfit.kv.spec import PADDING_SLOT_ID
 from kvfit.platforms.gate import triton_applies
+from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 
 try:
     import triton
@@ -52,9 +54,10 @@ if triton is not None:
         tl.store(row + HALF, second.to(cache_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                             stride_res_out, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, stride_x, stride_res,
+                             stride_out, stride_res_out, stride_q, stride_s, n_cols, eps, HAS_RES: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT_GROUP: tl.constexpr,
+                             FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -70,7 +73,17 @@ if triton is not None:
         var = tl.sum(x32 * x32, axis=0) / n_cols
         normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_out + cols, normed * w, mask=mask)
+        y = normed * w
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+        if QUANT_GROUP > 0:
+            # the output's dynamic FP8 quantization as fp8_quantize computes it from the stored (rounded) values:
+            # one scale per QUANT_GROUP columns (a power of two dividing BLOCK; BLOCK: one per token)
+            y32 = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y32), 1), MIN_AMAX_C), FP8_MAX_C)        # [groups]
+            q = tl.minimum(tl.maximum(tl.div_rn(y32, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=mask)
+            groups = tl.arange(0, BLOCK // QUANT_GROUP)
+            tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups * QUANT_GROUP < n_cols)
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
@@ -140,15 +153,43 @@ if triton is not None:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); x, residual: [T, hidden]."""
+    out, res_out, _ = _add_rms_norm_launch(x, residual, weight, eps, None)
+    return out, res_out
+
+
+def norm_quant_applies(cols: int, group: int) -> bool:
+    """add_rms_norm_quant can quantize a row of `cols` in groups of `group` columns (`cols`: per token): the
+    group a power of two dividing the row's power-of-two block, or the whole row."""
+    block = triton.next_power_of_2(cols)
+    return group == cols or (group & (group - 1) == 0 and block % group == 0 and cols % group == 0)
+
+
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm and, in the same launch, its output's dynamic FP8 quantization (fp8_quantize's numbers):
+    (out, x + residual, out in fp8 [T, hidden], scales fp32 [T, hidden / group]); group == hidden: per token.
+    norm_quant_applies(hidden, group) must hold."""
+    out, res_out, quant = _add_rms_norm_launch(x, residual, weight, eps, group)
+    return out, res_out, *quant
+
+
+def _add_rms_norm_launch(x, residual, weight, eps, group):
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     block = triton.next_power_of_2(cols)
-    _add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, res_out, x.stride(0),
-        (residual if residual is not None else x).stride(0), out.stride(0), res_out.stride(0), cols, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8, **pdl.launch_args(x))
-    return out, res_out
+    quant_group = 0 if group is None else (block if group == cols else group)
+    xq = scale = out
+    if group is not None:
+        xq = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty((rows, cols // group if group != cols else 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, res_out, xq, scale, x.stride(0),
+            (residual if residual is not None else x).stride(0), out.stride(0), res_out.stride(0), xq.stride(0),
+            scale.stride(0), cols, eps, HAS_RES=residual is not None, BLOCK=block, QUANT_GROUP=quant_group,
+            FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 4096 else 8, **pdl.launch_args(x))
+    return out, res_out, (None if group is None else (xq, scale))
 
 
 def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_first: int, eps: float,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.kernels import fused_ops
+from kvfit.kernels.fp8 import PreQuantized
 from kvfit.kernels.gemv import gemv_applies, gemv_silu_mul
 from kvfit.models.linear import make_column, make_row
 from kvfit.models.parallel import OutputPart, make_param, split_evenly
@@ -27,9 +28,16 @@ class RMSNorm(torch.nn.Module):
         # x: [..., dim]
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); one fused kernel on CUDA."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None, reader: torch.nn.Module | None = None
+                    ) -> tuple[torch.Tensor | PreQuantized, torch.Tensor]:
+        """(norm(x + residual), x + residual); one fused kernel on CUDA. reader: the linear the output goes to;
+        where its FP8 GEMM would quantize the output (its prequantize_group), the same kernel quantizes it and
+        the output is a PreQuantized for that linear."""
         if fused_ops.available(x) and x.dim() == 2:
+            group = reader.prequantize_group(x) if hasattr(reader, "prequantize_group") else None
+            if group is not None and fused_ops.norm_quant_applies(x.shape[1], group):
+                out, total, xq, scale = fused_ops.add_rms_norm_quant(x, residual, self.weight, self.eps, group)
+                return PreQuantized(out, xq, scale, group), total
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
         total = x if residual is None else x + residual
         return self.forward(total), total
@@ -52,16 +60,21 @@ class SwiGLU(torch.nn.Module):
         self.down_proj = make_row(intermediate_size, hidden_size, bias, dtype, device, scheme, f"{prefix}.down_proj",
                                   start, size, tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor | PreQuantized) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden] (PreQuantized: for an FP8 gate_up_proj)
         return self.down_proj(silu_gate_up(self.gate_up_proj, x))
+
+    @property
+    def input_projection(self) -> torch.nn.Module:
+        """The linear that reads the MLP's input (RMSNorm.add_forward's reader)."""
+        return self.gate_up_proj
 
 
 def silu_gate_up(projection: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection (gate rows, then up) of x [T, K] -> [T, I]: projection,
     SiLU and product in one GEMV launch for one token with a 16-bit weight on CUDA, else its GEMM, then silu_mul."""
     weight = projection.dense_weight
-    if weight is not None and gemv_applies(x, weight):
+    if weight is not None and not isinstance(x, PreQuantized) and gemv_applies(x, weight):
         return gemv_silu_mul(x, weight, projection.bias)
     return silu_mul(projection(x))
 

@@ -107,14 +107,14 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 freqs: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; kv_cache: (k_cache, v_cache) each [num_blocks, block_size, Hkv, D], or None
-        num_tokens = x.shape[0]
+        # x: [T, hidden] (PreQuantized for an FP8 qkv_proj); kv_cache: (k_cache, v_cache) each
+        # [num_blocks, block_size, Hkv, D], or None
         # an fp8 cache with scales (kv_scales.py): k and v scaled on the way in, q and the output around attend
         scales = self.kv_scales if self.kv_scales.applies and is_fp8_cache(kv_cache) else None
         q, k, v = self.backend.project_write_kv(x, self.qkv_proj, self.heads, self.rotary(positions, freqs),
                                                 kv_cache, meta.slot_mapping, scales)   # [T, Hq | Hkv | Hkv, D]
         out = self.backend.attend_step(q, k, v, kv_cache, meta, self.scale, scales)    # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -134,9 +134,11 @@ class DecoderLayer(torch.nn.Module):
         Returns (this block's MLP output, the stream before it); the caller adds them. Same sums
         in the same order as x + attn(norm(x)), then + mlp(norm(.)), so outputs match transformers.
         """
-        normed, residual = self.input_layernorm.add_forward(x, residual)
+        # an FP8 qkv_proj or gate_up_proj gets its input quantized by the norm's kernel (add_forward's reader)
+        normed, residual = self.input_layernorm.add_forward(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(normed, positions, kv_cache, meta, freqs)
-        normed, residual = self.post_attention_layernorm.add_forward(x, residual)
+        normed, residual = self.post_attention_layernorm.add_forward(x, residual,
+                                                                     getattr(self.mlp, "input_projection", None))
         return self.mlp(normed), residual
 
 

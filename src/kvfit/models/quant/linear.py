@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 
 from kvfit.errors import ConfigError
-from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel,
-                               quantize_weight_per_tensor)
-from kvfit.kernels.fp8_gemm import fp8_linear
+from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, PreQuantized, quantize_weight_blocks,
+                               quantize_weight_per_channel, quantize_weight_per_tensor)
+from kvfit.kernels.fp8_gemm import fp8_linear, prequantize_group
 from kvfit.models.parallel import (OutputPart, ParamPart, Shard, all_reduce, check_source_shape, column_parts,
                                    make_fused_param, read_slice, source_shape)
 from kvfit.quant_scheme import Fp8Scheme
@@ -209,7 +209,12 @@ class Fp8Linear(torch.nn.Module):
                             "its input with the largest", self.name, names, values.tolist())
         self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size, input_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prequantize_group(self, x: torch.Tensor) -> int | None:
+        """Columns per scale in which a kernel before this layer may quantize its input x [T, in here] for it
+        (a PreQuantized input), or None (fp8_gemm.prequantize_group)."""
+        return prequantize_group(x, self.qweight)
+
+    def forward(self, x: torch.Tensor | PreQuantized) -> torch.Tensor:
         # x: [T, in here] -> [T, rows] (row-parallel: summed over ranks)
         if not self.row:
             return fp8_linear(x, self.qweight, self.bias)
