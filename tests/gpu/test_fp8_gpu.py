@@ -152,10 +152,11 @@ def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,fmt,block", [("llama", "ct-channel", (128, 128)), ("qwen3", "block", (32, 32))])
+@pytest.mark.parametrize("arch,fmt,block", [("llama", "ct-channel", (128, 128)), ("qwen3", "block", (32, 32)),
+                                            ("qwen3_moe", "block", (32, 32))])
 def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, arch, fmt, block):
-    """The RMSNorm kernel that quantizes its output for the FP8 qkv/gate_up GEMM (PreQuantized) gives the same
-    logprobs, bit for bit, as the norm followed by the separate quantize launch."""
+    """The RMSNorm kernel that quantizes its output for the FP8 qkv, gate_up or experts GEMM (PreQuantized) gives
+    the same logprobs, bit for bit, as the norm followed by the separate quantize launch."""
     from fp8_checkpoints import write_fp8_copy
     from tiny_models import make_tiny_model
 

@@ -211,6 +211,16 @@ def test_fused_fp8_experts_match_the_reference_loop(block, config):
     want = experts_by_group(x, weights, ids, num_experts, expert_mlp)
     # fp32 throughout: the same fp8 values, sums in another order (an activation may round one step apart)
     assert torch.allclose(got, want, atol=2e-2, rtol=1e-3), (got - want).abs().max()
+    # x quantized ahead (a fused norm's PreQuantized) in the gate/up GEMM's group: the same launch's numbers
+    from kvfit.kernels.fp8 import PreQuantized
+    group = block[1] if block else hidden
+    pre = PreQuantized(x, *quantize_activations(x, experts.expert_weights(0)[0]), group)
+    again = fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
+                                 experts.down_proj_scale, block, weights, ids, config, pre=pre)
+    assert torch.equal(again, got)
+    zero = PreQuantized(x, torch.zeros_like(pre.xq), pre.scale, group)          # taken, not recomputed from x
+    assert not fe.fused_fp8_experts(x, experts.gate_up_proj, experts.gate_up_proj_scale, experts.down_proj,
+                                    experts.down_proj_scale, block, weights, ids, config, pre=zero).any()
 
 
 @needs_triton

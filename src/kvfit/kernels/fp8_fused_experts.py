@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import fused_moe as fm
-from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, quantize_activations
+from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, PreQuantized, quantize_activations
 from kvfit.kernels.moe_align import moe_align
 from kvfit.platforms.gate import on_gpu, triton_applies
 from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
@@ -251,13 +251,15 @@ def check_fp8_config(config: dict[str, int], block_size: tuple[int, int] | None)
 def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, block_size: tuple[int, int] | None, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, config: dict[str, int] | None = None,
-                      input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      pre: PreQuantized | None = None) -> torch.Tensor:
     """FP8 experts (Fp8Experts' stacked tensors) in two grouped-GEMM launches: x [T, H] -> [T, H] in x's dtype.
 
     w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with unit stride along K; scales per row ([E, rows, 1]) or
     per block ([E, rows / bn, cols / bk]); topk_ids in [0, E) (not checked: that would sync the host).
     input_scales: static activation scales (fp32 [1] each) of the gate/up and the down GEMMs' inputs (per-row
-    weights only); None: activations quantized dynamically per token (per group with block weights)."""
+    weights only); None: activations quantized dynamically per token (per group with block weights).
+    pre: x's quantization made ahead (a fused RMSNorm's), used where it is the one the gate/up GEMM takes."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -274,7 +276,7 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
         raise ValueError("static activation scales go with per-row FP8 weights, not block ones")
     static_in, static_down = input_scales if input_scales is not None else (None, None)
     probe = Fp8Weight(w13, w13_scale, block_size, static_in)    # only its block size and input scale are read
-    xq, x_scale = quantize_activations(x, probe)                                   # [T, H] fp8, [T, 1 or G]
+    xq, x_scale = pre.quantized_for(probe) if pre is not None else quantize_activations(x, probe)  # [T, H], [T, 1|G]
     sorted_pair_ids, block_experts = moe_align(topk_ids, num_experts, block_m)
     num_m_blocks = block_experts.numel()
     quant_out = bool(config.get(QUANT_IN_GATE_UP_KEY, 0))

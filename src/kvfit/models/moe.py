@@ -23,6 +23,7 @@ import torch
 
 from kvfit.errors import ConfigError
 from kvfit.kernels import fused_moe
+from kvfit.kernels.fp8 import PreQuantized
 from kvfit.kernels.fused_moe import moe_experts, select_experts
 from kvfit.kernels.gemv import linear
 from kvfit.model_facts import ModelFacts, MoEConfig, moe_config
@@ -61,13 +62,21 @@ class SparseMoE(torch.nn.Module):
             self.shared_expert_gate = torch.nn.Module()
             self.shared_expert_gate.weight = make_param((1, h), None, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
+    @property
+    def input_projection(self) -> torch.nn.Module | None:
+        """What reads the block's input that a norm could quantize it for (RMSNorm.add_forward's reader): FP8
+        experts; None for 16-bit ones."""
+        return self.experts if isinstance(self.experts, Fp8Experts) else None
+
+    def forward(self, x: torch.Tensor | PreQuantized) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]; a PreQuantized x (for FP8 experts): the router and the rest read its x
+        pre = x if isinstance(x, PreQuantized) else None
+        x = pre.x if pre is not None else x
         router_logits = linear(x, self.gate.weight)                                  # [T, E]
         weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize,
                                       weights_dtype=x.dtype if self.moe.round_weights else torch.float32)
         if isinstance(self.experts, Fp8Experts):
-            routed = self.experts(x, weights, ids)
+            routed = self.experts(pre or x, weights, ids)
         else:
             routed = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         out = all_reduce(routed, self.tp_size)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
 from kvfit.kernels import fp8_fused_experts
-from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
+from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, PreQuantized, quantize_weight_blocks,
+                               quantize_weight_per_channel)
 from kvfit.kernels.fp8_fused_experts import fused_experts_applies, fused_fp8_experts
 from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.kernels.fused_moe import experts_by_group
@@ -204,12 +205,22 @@ class Fp8Experts(torch.nn.Module):
         return (Fp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], block, gate_up_in),
                 Fp8Weight(self.down_proj[expert], self.down_proj_scale[expert], block, down_in))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def prequantize_group(self, x: torch.Tensor) -> int | None:
+        """Columns per scale in which a kernel before the experts may quantize their input x [T, H] for the fused
+        gate/up GEMM (a PreQuantized input); None where nothing quantizes x ahead (static scales, no kernel)."""
+        if self.static or x.dim() != 2 or not fused_experts_applies(x):
+            return None
+        return x.shape[1] if self.scheme.block_size is None else self.scheme.block_size[1]
+
+    def forward(self, x: torch.Tensor | PreQuantized, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                ) -> torch.Tensor:
         """x [T, H] -> [T, H]: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, j]."""
+        pre = x if isinstance(x, PreQuantized) else None
+        x = pre.x if pre is not None else x
         if fused_experts_applies(x):
             return fused_fp8_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
                                      self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids,
-                                     input_scales=self.input_scales())
+                                     input_scales=self.input_scales(), pre=pre)
         if on_gpu(x) and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FP8 experts cannot be captured in a CUDA graph yet (the fused MoE kernels take "
                                "16-bit experts); run with --enforce-eager")
