@@ -58,19 +58,26 @@ def test_a_released_waiter_is_not_overtaken_by_later_arrivals():
     assert order == sorted(order), order
 
 
-def test_an_inline_completions_body_parses_in_a_few_milliseconds():
+def test_an_inline_completions_body_of_bad_items_costs_what_a_good_one_does():
     # a completions body up to INLINE_BODY_BYTES is parsed on the event loop (prepare.py: "tens of microseconds,
-    # at most a few hundred"); a prompt of {} items makes pydantic report one error per item and union member
+    # at most a few hundred"); a prompt of {} items must not make pydantic build one error per item and union
+    # member: one short error, in about the time a valid body of the same size takes (relative to this machine,
+    # best of 5 each, with a wide margin: no absolute time is asserted)
     head, tail = b'{"model":"m","prompt":[0,', b"{}]}"
     raw = head + b"{}," * ((INLINE_BODY_BYTES - len(head) - len(tail)) // 3) + tail
-    assert len(raw) <= INLINE_BODY_BYTES
+    good = head + b"1," * ((INLINE_BODY_BYTES - len(head) - 3) // 2) + b"1]}"
+    assert len(raw) <= INLINE_BODY_BYTES and len(good) <= INLINE_BODY_BYTES
     context = PrepareContext(("m",), None, 10**6, 128)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        try:
-            parse_request(raw, CompletionRequest, context)
-        except APIError as exc:
-            assert exc.status == 400
-        best = min(best, time.perf_counter() - start)
-    assert best < 0.005, f"{best * 1e3:.1f} ms on the event loop for one {len(raw)}-byte body"
+
+    def best_of(body: bytes) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            try:
+                parse_request(body, CompletionRequest, context)
+            except APIError as exc:
+                assert exc.status == 400 and "\n" not in str(exc) and len(str(exc)) < 300, str(exc)[:500]
+            best = min(best, time.perf_counter() - start)
+        return best
+    bad, fine = best_of(raw), best_of(good)
+    assert bad < 20 * fine + 0.002, f"{bad * 1e3:.2f} ms for {len(raw)} bytes of bad items, {fine * 1e3:.2f} ms valid"
