@@ -1,10 +1,10 @@
 """Dynamic FP8 activation quantization in one Triton launch (CUDA): what fp8.quantize_activations computes
 with seven torch kernels, per token or per token and column group.
 
-Groups of up to MAX_TILE_GROUP columns (per token for hidden sizes up to it; the block layout's 128-column
-groups) go through the tiled kernel: a program holds a tile of rows x whole groups in registers and reads x
-once. Wider groups (a per-token row of llama's 14,336 MLP channels) take the two-pass kernel, which walks the
-row in MAX_ROW_BLOCK pieces and reads it twice.
+Groups of up to MAX_TILE_GROUP columns (per token for rows up to it, llama's 14,336 MLP channels included;
+the block layout's 128-column groups) go through the tiled kernel: a program holds a tile of rows x whole
+groups in registers and reads x once. Wider groups take the two-pass kernel, which walks the row in
+MAX_ROW_BLOCK pieces and reads it twice.
 
 Per row (or row and group): amax over |x| in fp32, scale = max(amax, MIN_AMAX) / 448, q = x / scale
 (IEEE division, as torch's), clamped to +-448, rounded to float8_e4m3fn (round to nearest even, as torch's
@@ -26,7 +26,7 @@ except ImportError:  # CPU-only installs
 
 FP8_DTYPE = torch.float8_e4m3fn
 MAX_ROW_BLOCK = 4096        # two-pass kernel: columns a program holds at once
-MAX_TILE_GROUP = 4096       # tiled kernel: the widest group (after rounding up to a power of two) it takes
+MAX_TILE_GROUP = 16384      # tiled kernel: the widest group (after rounding up to a power of two) it takes
 TILE_ELEMENTS = 4096        # tiled kernel: values a program holds (rows x groups x group, powers of two)
 
 
@@ -86,6 +86,11 @@ def tile_shape(group: int, num_groups: int) -> tuple[int, int, int]:
     return group_p2, groups, max(1, TILE_ELEMENTS // (group_p2 * groups))
 
 
+def tile_warps(group_p2: int, groups: int, rows: int) -> int:
+    """Warps for a tile: about 16 values a thread (4 to 16 warps)."""
+    return max(4, min(16, rows * groups * group_p2 // 512))
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] fp8, scale fp32 [T, 1] per token, or [T, ceil(K / group)] per group)."""
     num_rows, k = x.shape
@@ -105,7 +110,7 @@ def quantize_tiled(x: torch.Tensor, group: int, xq: torch.Tensor, scale: torch.T
     grid = (triton.cdiv(num_rows, rows), triton.cdiv(num_groups, groups))
     _quantize_tile_kernel[grid](x, xq, scale, num_rows, x.stride(0), xq.stride(0), scale.stride(0), k, num_groups,
                                 GROUP=group, GROUP_P2=group_p2, GROUPS=groups, ROWS=rows, FP8_MAX_C=FP8_MAX,
-                                MIN_AMAX_C=MIN_AMAX, num_warps=8 if rows * groups * group_p2 >= 2048 else 4)
+                                MIN_AMAX_C=MIN_AMAX, num_warps=tile_warps(group_p2, groups, rows))
 
 
 def quantize_two_pass(x: torch.Tensor, group: int, xq: torch.Tensor, scale: torch.Tensor) -> None:
