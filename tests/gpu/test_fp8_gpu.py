@@ -155,8 +155,8 @@ def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
 @pytest.mark.parametrize("arch,fmt,block", [("llama", "ct-channel", (128, 128)), ("qwen3", "block", (32, 32)),
                                             ("qwen3_moe", "block", (32, 32))])
 def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, arch, fmt, block):
-    """The RMSNorm kernel that quantizes its output for the FP8 qkv, gate_up or experts GEMM (PreQuantized) gives
-    the same logprobs, bit for bit, as the norm followed by the separate quantize launch."""
+    """The RMSNorm and SiLU kernels that quantize their output for the FP8 qkv, gate_up, experts or down GEMM
+    (PreQuantized) give the same logprobs, bit for bit, as those kernels followed by the separate quantize."""
     from fp8_checkpoints import write_fp8_copy
     from tiny_models import make_tiny_model
 
@@ -166,18 +166,20 @@ def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, a
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     prompts = ["The quick brown fox", "Hello world! How are you", "a b c d e f g"]
     calls = []
-    fused = fused_ops.add_rms_norm_quant
-    monkeypatch.setattr(fused_ops, "add_rms_norm_quant", lambda *a: calls.append(a[-1]) or fused(*a))
+    norm, silu = fused_ops.add_rms_norm_quant, fused_ops.silu_mul_quant
+    monkeypatch.setattr(fused_ops, "add_rms_norm_quant", lambda *a: calls.append("norm") or norm(*a))
+    monkeypatch.setattr(fused_ops, "silu_mul_quant", lambda *a: calls.append("silu") or silu(*a))
     runs = []
     for fuse in (True, False):
         if not fuse:
             monkeypatch.setattr(fused_ops, "norm_quant_applies", lambda cols, group: False)
+            monkeypatch.setattr(fused_ops, "silu_quant_applies", lambda cols, group: False)
         llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", max_model_len=256,
                   enforce_eager=True)
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         llm.shutdown()
         if fuse:
-            assert calls, "the fused norm-and-quantize kernel never ran"
+            assert "norm" in calls and (arch == "qwen3_moe" or "silu" in calls), calls
             count = len(calls)
     assert len(calls) == count                               # the second run used the separate quantize
     for a, b in zip(*runs):

@@ -67,6 +67,38 @@ def test_add_rms_norm_quant_equals_norm_then_quantize(cols, group, dtype):
     assert [t.shape[0] for t in empty] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("cols,group", [(96, 96), (3000, 3000), (256, 64), (2048, 128), (1536, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16])
+def test_silu_mul_quant_equals_silu_mul_then_quantize(cols, group, dtype):
+    """The SiLU kernel's FP8 epilogue quantizes what silu_mul stores, per token (one program a row) or per
+    group of columns across several programs, with fp8.quantize_activations' numbers; an all-zero row."""
+    from kvfit.kernels.fp8 import Fp8Weight, quantize_activations, quantize_groups
+    g = torch.Generator().manual_seed(cols + group)
+    gate_up = (torch.randn(5, 2 * cols, generator=g) * torch.logspace(-2, 1, 5)[:, None]).to(dtype).to(DEVICE)
+    gate_up[2] = 0.0
+    assert fused_ops.silu_quant_applies(cols, group)
+    out, xq, scale = fused_ops.silu_mul_quant(gate_up, group)
+    assert torch.equal(out, fused_ops.silu_mul(gate_up))
+    per_token = Fp8Weight(torch.empty(0), torch.empty(0), None)
+    want_q, want_s = (quantize_activations(out.cpu(), per_token) if group == cols else
+                      quantize_groups(out.cpu(), group))
+    assert scale.shape == want_s.shape and torch.equal(scale.cpu(), want_s)
+    got_q, want_q = xq.cpu().float(), want_q.float()
+    if DEVICE == "cpu":       # the interpreter's emulated fp8 cast (see test_fp8_gemm's quantize test), subnormals
+        assert (got_q != want_q).float().mean() < 0.05
+        assert ((got_q - want_q).abs() <= want_q.abs() / 2 + 2 ** -6).all()
+    else:
+        assert torch.equal(got_q, want_q)
+    assert fused_ops.silu_mul_quant(gate_up[:0], group)[0].shape == (0, cols)
+
+
+def test_silu_quant_applies_per_token_up_to_a_row_a_program():
+    assert fused_ops.silu_quant_applies(14336, 14336) and fused_ops.silu_quant_applies(3072, 128)
+    assert not fused_ops.silu_quant_applies(20000, 20000)        # a row wider than one program holds
+    assert not fused_ops.silu_quant_applies(3000, 2048)          # a group past the program's 1,024 columns
+    assert not fused_ops.silu_quant_applies(200, 128)            # a partial last group
+
+
 def test_norm_quant_applies_to_whole_power_of_two_groups():
     assert fused_ops.norm_quant_applies(2048, 128) and fused_ops.norm_quant_applies(4096, 4096)
     assert fused_ops.norm_quant_applies(5120, 5120)              # per token: any width
@@ -284,6 +316,7 @@ def _compile_check() -> None:
 
     from kvfit.kernels import gemv
     ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    quant = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
 
     def build(kernel, consts, warps=4, stages=3):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
@@ -295,14 +328,16 @@ def _compile_check() -> None:
         print(f"{kernel.__name__} {consts}: spills {spills} B")
         assert spills == 0, report
 
-    quant = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
+
     for block, group in ((4096, 0), (4096, 4096), (2048, 128), (4096, 128)):     # with the FP8 epilogue: per token, 128
         build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=block, PDL=True, QUANT_GROUP=group, **quant),
               warps=4 if block <= 4096 else 8)
     for write_kv in (False, True):
         build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, WRITE_KV=write_kv,
                                                 PAGE=16, PAD_SLOT=-1, PDL=True))
-    build(fused_ops._silu_mul_kernel, dict(BLOCK=1024, PDL=True))
+    for block, group in ((1024, 0), (1024, 128), (16384, 16384), (4096, 4096)):     # FP8 epilogue: per group, token
+        build(fused_ops._silu_mul_kernel, dict(BLOCK=block, PDL=True, QUANT_GROUP=group, **quant),
+              warps=max(4, min(16, block // 512)))
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 1024)):     # each of config_for's choices
         block_n, block_k, warps, stages = gemv.config_for(n, k)
         build(gemv._gemv_kernel, dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PDL=True), warps, stages)

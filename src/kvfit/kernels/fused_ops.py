@@ -54,6 +54,19 @@ if triton is not None:
         tl.store(row + HALF, second.to(cache_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
+    def quantize_store(y, q_ptrs, scale_row_ptr, mask, first_group, n_cols, BLOCK: tl.constexpr,
+                       QUANT_GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+        """The dynamic FP8 quantization of y [BLOCK] (the values a kernel just stored, so the numbers are
+        fp8_quantize's of them): one scale per QUANT_GROUP columns (a power of two dividing BLOCK), the fp8
+        values at q_ptrs, the scales of groups first_group.. at scale_row_ptr."""
+        y32 = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y32), 1), MIN_AMAX_C), FP8_MAX_C)            # [groups]
+        q = tl.minimum(tl.maximum(tl.div_rn(y32, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_ptrs, tl.reshape(q, (BLOCK,)).to(q_ptrs.dtype.element_ty), mask=mask)
+        groups = first_group + tl.arange(0, BLOCK // QUANT_GROUP)
+        tl.store(scale_row_ptr + groups, scale, mask=groups * QUANT_GROUP < n_cols)
+
+    @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, stride_x, stride_res,
                              stride_out, stride_res_out, stride_q, stride_s, n_cols, eps, HAS_RES: tl.constexpr,
                              BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT_GROUP: tl.constexpr,
@@ -76,14 +89,8 @@ if triton is not None:
         y = normed * w
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
         if QUANT_GROUP > 0:
-            # the output's dynamic FP8 quantization as fp8_quantize computes it from the stored (rounded) values:
-            # one scale per QUANT_GROUP columns (a power of two dividing BLOCK; BLOCK: one per token)
-            y32 = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
-            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y32), 1), MIN_AMAX_C), FP8_MAX_C)        # [groups]
-            q = tl.minimum(tl.maximum(tl.div_rn(y32, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=mask)
-            groups = tl.arange(0, BLOCK // QUANT_GROUP)
-            tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups * QUANT_GROUP < n_cols)
+            quantize_store(y, q_ptr + row * stride_q + cols, scale_ptr + row * stride_s, mask, 0, n_cols,
+                           BLOCK, QUANT_GROUP, FP8_MAX_C, MIN_AMAX_C)
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
@@ -138,7 +145,9 @@ if triton is not None:
                             stride_vcb, stride_vcs, stride_vch, PAGE, HALF, PAD_SLOT)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, q_ptr, scale_ptr, stride_gu, stride_out, stride_q, stride_s, n_cols,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT_GROUP: tl.constexpr,
+                         FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -147,7 +156,11 @@ if triton is not None:
         mask = col < n_cols
         g = tl.load(gu_ptr + row * stride_gu + col, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + n_cols + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + col, silu_times(g, u).to(out_ptr.dtype.element_ty), mask=mask)
+        y = silu_times(g, u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + col, y, mask=mask)
+        if QUANT_GROUP > 0:     # BLOCK with one program a row: per token
+            quantize_store(y, q_ptr + row * stride_q + col, scale_ptr + row * stride_s, mask,
+                           tl.program_id(1) * (BLOCK // QUANT_GROUP), n_cols, BLOCK, QUANT_GROUP, FP8_MAX_C, MIN_AMAX_C)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -266,11 +279,42 @@ def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate then up) -> silu(gate) * up: [T, I]."""
+    return _silu_mul_launch(gate_up, None)[0]
+
+
+SILU_BLOCK = 1024                 # columns a program (without a per-token quantization)
+MAX_SILU_QUANT_ROW = 16384        # per-token quantization: one program holds the whole row
+
+
+def silu_quant_applies(cols: int, group: int) -> bool:
+    """silu_mul_quant can quantize an output row of `cols` in groups of `group` columns: per token (group ==
+    cols) up to MAX_SILU_QUANT_ROW columns, or a power-of-two group dividing SILU_BLOCK and the row."""
+    if group == cols:
+        return triton.next_power_of_2(cols) <= MAX_SILU_QUANT_ROW
+    return group & (group - 1) == 0 and SILU_BLOCK % group == 0 and cols % group == 0
+
+
+def silu_mul_quant(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """silu_mul and, in the same launch, its output's dynamic FP8 quantization (fp8_quantize's numbers):
+    (out [T, I], out in fp8, scales fp32 [T, I / group]); group == I: per token. silu_quant_applies must hold."""
+    out, quant = _silu_mul_launch(gate_up, group)
+    return out, *quant
+
+
+def _silu_mul_launch(gate_up, group):
     rows, double = gate_up.shape
     cols = double // 2
     out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    xq = scale = out
+    block, quant_group = SILU_BLOCK, 0
+    if group is not None:
+        xq = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate_up.device)
+        scale = torch.empty((rows, cols // group), dtype=torch.float32, device=gate_up.device)
+        block = triton.next_power_of_2(cols) if group == cols else SILU_BLOCK
+        quant_group = block if group == cols else group
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), cols,
-                                                          BLOCK=block, num_warps=4, **pdl.launch_args(out))
-    return out
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+            gate_up, out, xq, scale, gate_up.stride(0), out.stride(0), xq.stride(0), scale.stride(0), cols,
+            BLOCK=block, QUANT_GROUP=quant_group, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+            num_warps=max(4, min(16, block // 512)), **pdl.launch_args(out))
+    return out, (None if group is None else (xq, scale))

@@ -61,8 +61,9 @@ class SwiGLU(torch.nn.Module):
                                   start, size, tp_size)
 
     def forward(self, x: torch.Tensor | PreQuantized) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden] (PreQuantized: for an FP8 gate_up_proj)
-        return self.down_proj(silu_gate_up(self.gate_up_proj, x))
+        # x: [T, hidden] -> [T, hidden] (PreQuantized: for an FP8 gate_up_proj); an FP8 down_proj gets its input
+        # quantized by the SiLU kernel
+        return self.down_proj(silu_gate_up(self.gate_up_proj, x, self.down_proj))
 
     @property
     def input_projection(self) -> torch.nn.Module:
@@ -70,18 +71,27 @@ class SwiGLU(torch.nn.Module):
         return self.gate_up_proj
 
 
-def silu_gate_up(projection: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def silu_gate_up(projection: torch.nn.Module, x: torch.Tensor | PreQuantized,
+                 reader: torch.nn.Module | None = None) -> torch.Tensor | PreQuantized:
     """silu(gate) * up of a fused gate/up projection (gate rows, then up) of x [T, K] -> [T, I]: projection,
-    SiLU and product in one GEMV launch for one token with a 16-bit weight on CUDA, else its GEMM, then silu_mul."""
+    SiLU and product in one GEMV launch for one token with a 16-bit weight on CUDA, else its GEMM, then silu_mul
+    (reader: the linear its output goes to, as silu_mul's)."""
     weight = projection.dense_weight
     if weight is not None and not isinstance(x, PreQuantized) and gemv_applies(x, weight):
         return gemv_silu_mul(x, weight, projection.bias)
-    return silu_mul(projection(x))
+    return silu_mul(projection(x), reader)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] (gate, then up) -> silu(gate) * up [T, I]: one Triton launch on CUDA, torch elsewhere."""
+def silu_mul(gate_up: torch.Tensor, reader: torch.nn.Module | None = None) -> torch.Tensor | PreQuantized:
+    """[T, 2 I] (gate, then up) -> silu(gate) * up [T, I]: one Triton launch on CUDA, torch elsewhere. reader:
+    the linear the output goes to; where its FP8 GEMM would quantize the output (its prequantize_group), the
+    same launch quantizes it and the output is a PreQuantized for that linear."""
     if fused_ops.available(gate_up):
+        cols = gate_up.shape[1] // 2
+        group = reader.prequantize_group(gate_up[:, :cols]) if hasattr(reader, "prequantize_group") else None
+        if group is not None and fused_ops.silu_quant_applies(cols, group):
+            out, xq, scale = fused_ops.silu_mul_quant(gate_up, group)
+            return PreQuantized(out, xq, scale, group)
         return fused_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=1)
     return F.silu(gate) * up
