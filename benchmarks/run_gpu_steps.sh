@@ -58,6 +58,8 @@ for s in "$@"; do case $s in
   serve-rates) TAIL=${TAIL:-60} step serve-rates 560 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf,30,54 --runs 2 --out "$OUT/serve-rates.json" --py-spy "$OUT/spy" --stack-samples "$OUT/stacks" ;;
   fp8-30b-vs-vllm) TAIL=${TAIL:-30} step fp8-30b-vs-vllm 560 env KVFIT_BENCH_FP8=block python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b --reps 2 --out "$OUT/fp8-30b.json" ;;
   profile-30b-fp8) TAIL=${TAIL:-60} step profile-30b-fp8 560 env KVFIT_BENCH_FP8=block python3 benchmarks/profile_vs_vllm.py --models qwen3-30b-a3b --workload throughput --top 20 --out "$OUT/profile-30b-fp8.json" ;;
+  fp8-8b-vs-vllm) TAIL=${TAIL:-30} step fp8-8b-vs-vllm 420 env KVFIT_BENCH_FP8=channel python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --reps 2 --out "$OUT/fp8-8b.json" ;;
+  bf16-8b-kvfit) TAIL=${TAIL:-30} step bf16-8b-kvfit 200 python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out "$OUT/bf16-8b-kvfit.json" ;;
   routing-30b) step routing-30b 500 python3 benchmarks/probe_moe_routing.py --model qwen3-30b-a3b --fp8-checkpoint block --engines kvfit vllm vllm-redrawn ;;
   fp8-quantize) step fp8-quantize 200 python3 benchmarks/bench_fp8_quantize.py ;;
   fp8-block-gemm) TAIL=${TAIL:-40} step fp8-block-gemm 300 python3 benchmarks/bench_fp8_block_gemm.py --model qwen3-30b-a3b ;;
