@@ -1,6 +1,7 @@
 """Block-wise FP8 linears ([128, 128] weight scales, per-token-group activations): kvfit's Triton GEMM
-(kernels/fp8_block_gemm.py) in each candidate config, against bf16 cuBLAS on the same shape and against
-vLLM's w8a8_block_fp8_matmul where vLLM is importable; the activation quantize kernel timed apart.
+(kernels/fp8_block_gemm.py) in each candidate config, against bf16 cuBLAS on the same shape, cuBLASLt's
+blockwise-scaled FP8 _scaled_mm, and vLLM's w8a8_block_fp8_matmul where vLLM is importable; the activation
+quantize kernel timed apart.
 
 python benchmarks/bench_fp8_block_gemm.py [--model qwen3-30b-a3b] [--m 1 16 64 256 1024 4096 8192]
 Shapes: the model's dense linears (q/k/v, o; gate/up and down for a dense MLP). Times are medians of CUDA
@@ -82,6 +83,16 @@ def main() -> int:
                 row[str(config)] = graph_time(lambda c=config: bg.block_fp8_gemm(xq, xs, w, None, torch.bfloat16, c))
             except Exception as exc:     # a config that does not compile or fit (shared memory) is skipped
                 print(f"  {name} M={m} {config}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
+        try:        # cuBLASLt's blockwise-scaled FP8 GEMM (what fp8_linear runs from BLOCK_SCALED_MM_MIN_ROWS rows)
+            xs_cols = xs.t().contiguous().t()
+            y = torch._scaled_mm(xq, wq.t(), scale_a=xs_cols, scale_b=ws.t(), out_dtype=torch.bfloat16)
+            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+            if err > 0.1:
+                raise RuntimeError(f"relative error {err:.3f}")
+            row["cublas fp8"] = graph_time(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs_cols, scale_b=ws.t(),
+                                                                    out_dtype=torch.bfloat16))
+        except Exception as exc:
+            print(f"  cuBLAS blockwise {name} M={m}: {type(exc).__name__}: {str(exc)[:120]}")
         if w8a8_block_fp8_matmul is not None:
             try:
                 row["vllm"] = graph_time(lambda: w8a8_block_fp8_matmul(xq, wq, xs, ws, list(block), torch.bfloat16))
@@ -93,17 +104,21 @@ def main() -> int:
         line = (f"{name:8s} N={n:5d} K={k:5d} M={m:5d}: quantize {row['quantize'] * 1e6:7.1f} us, "
                 f"picked {picked} {now * 1e6:7.1f} us, best {best} {kvfit_rows[best] * 1e6:7.1f} us, "
                 f"cuBLAS bf16 {row['cublas bf16'] * 1e6:7.1f} us")
+        if "cublas fp8" in row:
+            line += f", cuBLAS fp8 blockwise {row['cublas fp8'] * 1e6:7.1f} us"
         if "vllm" in row:
             line += f", vLLM {row['vllm'] * 1e6:7.1f} us (vLLM/kvfit-picked {row['vllm'] / now:.2f}x)"
         print(line, flush=True)
         for key, t in (("picked", now), ("best", kvfit_rows[best]), ("bf16", row["cublas bf16"]),
-                       ("quantize", row["quantize"]), ("vllm", row.get("vllm", float("nan")))):
+                       ("quantize", row["quantize"]), ("vllm", row.get("vllm", float("nan"))),
+                       ("cublas fp8", row.get("cublas fp8", float("nan")))):
             totals[f"M={m} {key}"] = totals.get(f"M={m} {key}", 0.0) + t * per_layer
-    print("the step's dense linears (all layers), ms: picked config + quantize / best + quantize / bf16 / vLLM")
+    print("the step's dense linears (all layers), ms: picked config + quantize / best + quantize / bf16 / vLLM / "
+          "cuBLAS fp8 blockwise + quantize")
     for m in args.m:
-        t = {key: totals[f"M={m} {key}"] * 1e3 for key in ("picked", "best", "bf16", "quantize", "vllm")}
+        t = {key: totals[f"M={m} {key}"] * 1e3 for key in ("picked", "best", "bf16", "quantize", "vllm", "cublas fp8")}
         print(f"  M={m:5d}: {t['picked'] + t['quantize']:7.3f} / {t['best'] + t['quantize']:7.3f} / "
-              f"{t['bf16']:7.3f} / {t['vllm'] + t['quantize']:7.3f}")
+              f"{t['bf16']:7.3f} / {t['vllm'] + t['quantize']:7.3f} / {t['cublas fp8'] + t['quantize']:7.3f}")
     return 0
 
 

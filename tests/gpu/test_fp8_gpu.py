@@ -186,3 +186,25 @@ def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, a
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == \
                [{t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("m", [1024, 2055])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (256, 384)])
+def test_block_weights_from_many_rows_take_cublas_blockwise_scaling(m, n, k):
+    """From BLOCK_SCALED_MM_MIN_ROWS rows a [128, 128]-block weight runs cuBLASLt's blockwise-scaled _scaled_mm:
+    the reference's numbers up to fp32 sum order and one bf16 rounding, with a bias, and the same output from
+    an input quantized ahead (PreQuantized)."""
+    from kvfit.kernels.fp8 import PreQuantized, quantize_activations
+    from kvfit.kernels.fp8_gemm import BLOCK_SCALED_MM_MIN_ROWS, block_scaled_mm_applies
+    torch.manual_seed(2)
+    wq, ws = quantize_weight_blocks(torch.randn(n, k, device="cuda") * 0.02, (128, 128))
+    w = Fp8Weight(wq, ws, (128, 128))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    if not block_scaled_mm_applies(x, w):
+        pytest.skip(f"torch {torch.__version__}'s _scaled_mm takes no block scales on this GPU")
+    assert not block_scaled_mm_applies(x[:BLOCK_SCALED_MM_MIN_ROWS - 1], w)
+    got, want = fp8_linear(x, w, bias), fp8_linear_reference(x, w, bias)
+    print(f"cuBLAS blockwise m={m} n={n} k={k}: relative error {_rel_err(got, want):.2e}")
+    assert got.dtype == torch.bfloat16 and _rel_err(got, want) < 1e-2
+    assert torch.equal(fp8_linear(PreQuantized(x, *quantize_activations(x, w), 128), w, bias), got)

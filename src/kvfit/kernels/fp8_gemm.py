@@ -1,6 +1,8 @@
 """The FP8 GEMM a quantized linear runs, chosen per call: on CUDA the Triton FP8 GEMV for one token (batch-1
-decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales) or the Triton block GEMM
-for more; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
+decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales), and for block weights
+cuBLASLt's blockwise-scaled _scaled_mm from BLOCK_SCALED_MM_MIN_ROWS rows ([128, 128] weight blocks, 1 x 128
+activation groups; about 2x the Triton block GEMM at 8,192 rows on an H100, 2026-12-07) or the Triton block GEMM
+below that; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
 correct, slower)."""
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from kvfit.kernels.fp8 import Fp8Weight, PreQuantized, activation_group, fp8_lin
 from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies
 from kvfit.kernels.fp8_gemv import fp8_gemv, fp8_gemv_applies
 from kvfit.platforms.gate import on_gpu
+
+BLOCK_SCALED_MM_MIN_ROWS = 1024     # below: the Triton block GEMM (its small-M configs; cuBLASLt unmeasured there)
+_BLOCKWISE_SUPPORT: dict[int, bool] = {}    # device index -> whether this torch's _scaled_mm takes block scales
 
 
 def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -30,6 +35,8 @@ def fp8_linear(x: torch.Tensor | PreQuantized, w: Fp8Weight, bias: torch.Tensor 
         y = fp8_gemv(x2, w, bias)
     elif scaled_mm_applies(x2, w):
         y = _scaled_mm_linear(x2, w, bias, pre)
+    elif block_scaled_mm_applies(x2, w):
+        y = _block_scaled_mm_linear(x2, w, bias, pre)
     elif on_gpu(x2) and w.block_size is not None:
         y = block_fp8_linear(x2, w, bias, pre) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
     else:
@@ -43,7 +50,8 @@ def prequantize_group(x: torch.Tensor, w: Fp8Weight) -> int | None:
     the GEMV reads x; the CPU's reference; a static input scale)."""
     if x.dim() != 2 or fp8_gemv_applies(x, w):
         return None
-    if scaled_mm_applies(x, w) or (w.block_size is not None and on_gpu(x) and block_gemm_applies(x)):
+    if (scaled_mm_applies(x, w) or block_scaled_mm_applies(x, w)
+            or (w.block_size is not None and on_gpu(x) and block_gemm_applies(x))):
         return activation_group(w, x.shape[1])
     return None
 
@@ -53,6 +61,44 @@ def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # [T, K] fp8, [T, 1]
     # rowwise scaling: scale_a [T, 1], scale_b [1, N], bf16 out (the only out dtype cuBLASLt's rowwise takes)
     y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.contiguous(), scale_b=w.scale.view(1, -1),
+                         out_dtype=torch.bfloat16)                                   # [T, N]
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype)
+
+
+def block_scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """cuBLASLt's blockwise-scaled FP8 GEMM takes this call: CUDA, [128, 128] weight blocks with dynamic
+    activations, K and N multiples of 128, at least BLOCK_SCALED_MM_MIN_ROWS rows, and a torch whose _scaled_mm
+    takes block scales on this device (probed once, outside CUDA-graph capture)."""
+    return (on_gpu(x) and w.block_size == (128, 128) and w.input_scale is None
+            and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS and x.shape[1] % 128 == 0 and w.out_features % 128 == 0
+            and hasattr(torch, "_scaled_mm") and _blockwise_supported(x.device))
+
+
+def _blockwise_supported(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _BLOCKWISE_SUPPORT:
+        if torch.cuda.is_current_stream_capturing():
+            return False                # no probe inside a capture: the Triton GEMM for this call
+        fp8 = torch.float8_e4m3fn
+        a = torch.zeros((128, 256), device=device).to(fp8)
+        b = torch.zeros((256, 256), device=device).to(fp8)
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=torch.ones((2, 128), device=device).t(),
+                             scale_b=torch.ones((2, 2), device=device).t(), out_dtype=torch.bfloat16)
+            _BLOCKWISE_SUPPORT[index] = True
+        except (RuntimeError, NotImplementedError):
+            _BLOCKWISE_SUPPORT[index] = False
+    return _BLOCKWISE_SUPPORT[index]
+
+
+def _block_scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                            pre: PreQuantized | None = None) -> torch.Tensor:
+    xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # [T, K] fp8, [T, K/128]
+    # blockwise scaling: scale_a [T, K/128] column-major (1 x 128 groups), scale_b [K/128, N/128] (the weight's
+    # [N/128, K/128] transposed: 128 x 128 blocks), bf16 out
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w.scale.contiguous().t(),
                          out_dtype=torch.bfloat16)                                   # [T, N]
     if bias is not None:
         y = y.float() + bias.float()
