@@ -154,7 +154,8 @@ def test_qwen3_30b_a3b_blockwise_fp8_runs(tmp_path):
 
 @pytest.mark.parametrize("arch,fmt,block", [("llama", "ct-channel", (128, 128)), ("qwen3", "block", (32, 32)),
                                             ("qwen3_moe", "block", (32, 32))])
-def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, arch, fmt, block):
+@pytest.mark.parametrize("eager", [True, False])
+def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, arch, fmt, block, eager):
     """The RMSNorm and SiLU kernels that quantize their output for the FP8 qkv, gate_up, experts or down GEMM
     (PreQuantized) give the same logprobs, bit for bit, as those kernels followed by the separate quantize."""
     from fp8_checkpoints import write_fp8_copy
@@ -175,7 +176,7 @@ def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, a
             monkeypatch.setattr(fused_ops, "norm_quant_applies", lambda cols, group: False)
             monkeypatch.setattr(fused_ops, "silu_quant_applies", lambda cols, group: False)
         llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", max_model_len=256,
-                  enforce_eager=True)
+                  enforce_eager=eager)      # not eager: decode steps replay CUDA graphs captured with the fusion
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         llm.shutdown()
         if fuse:

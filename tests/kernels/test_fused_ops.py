@@ -63,8 +63,14 @@ def test_add_rms_norm_quant_equals_norm_then_quantize(cols, group, dtype):
         assert (got_q != want_q).float().mean() < 0.05 and ((got_q - want_q).abs() <= want_q.abs() / 2).all()
     else:
         assert torch.equal(got_q, want_q)
+    # against the quantize kernel on the same device (the interpreter's cast on both sides): exact
+    from kvfit.kernels.fp8_quantize import quantize_rows
+    same_q, same_s = quantize_rows(out, group)
+    assert torch.equal(xq.float(), same_q.float()) and torch.equal(scale, same_s)
     empty = fused_ops.add_rms_norm_quant(x[:0], res[:0], w, 1e-6, group)
     assert [t.shape[0] for t in empty] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="norm_quant_applies"):
+        fused_ops.add_rms_norm_quant(x[:, :cols - 1], res[:, :cols - 1], w[:cols - 1], 1e-6, group)
 
 
 @pytest.mark.parametrize("cols,group", [(96, 96), (3000, 3000), (256, 64), (2048, 128), (1536, 512)])
@@ -89,7 +95,13 @@ def test_silu_mul_quant_equals_silu_mul_then_quantize(cols, group, dtype):
         assert ((got_q - want_q).abs() <= want_q.abs() / 2 + 2 ** -6).all()
     else:
         assert torch.equal(got_q, want_q)
+    # against the quantize kernel on the same device (the interpreter's cast on both sides): exact
+    from kvfit.kernels.fp8_quantize import quantize_rows
+    same_q, same_s = quantize_rows(out, group)
+    assert torch.equal(xq.float(), same_q.float()) and torch.equal(scale, same_s)
     assert fused_ops.silu_mul_quant(gate_up[:0], group)[0].shape == (0, cols)
+    with pytest.raises(ValueError, match="silu_quant_applies"):
+        fused_ops.silu_mul_quant(gate_up[:, 2:], group)
 
 
 def test_silu_quant_applies_per_token_up_to_a_row_a_program():

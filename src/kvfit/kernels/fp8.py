@@ -45,9 +45,10 @@ class Fp8Weight:
 
 @dataclass(frozen=True)
 class PreQuantized:
-    """An FP8 linear's input with its dynamic quantization made by the kernel that made it (a fused RMSNorm,
-    fused_ops.add_rms_norm_quant): x and what quantize_activations(x, w) returns for a weight whose activation
-    group (activation_group) is `group`. The GEMMs that quantize x take (xq, scale); the others read x."""
+    """An FP8 linear's input with its dynamic quantization made by the kernel that made it (the RMSNorm or the
+    SiLU-and-mul before it: fused_ops.add_rms_norm_quant, silu_mul_quant): x and what quantize_activations(x, w)
+    returns for a weight whose activation group (activation_group) is `group`. The GEMMs that quantize x take
+    (xq, scale); the others read x."""
 
     x: torch.Tensor          # [T, K] 16-bit
     xq: torch.Tensor         # [T, K] float8_e4m3fn

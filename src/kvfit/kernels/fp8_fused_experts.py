@@ -259,7 +259,8 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     per block ([E, rows / bn, cols / bk]); topk_ids in [0, E) (not checked: that would sync the host).
     input_scales: static activation scales (fp32 [1] each) of the gate/up and the down GEMMs' inputs (per-row
     weights only); None: activations quantized dynamically per token (per group with block weights).
-    pre: x's quantization made ahead (a fused RMSNorm's), used where it is the one the gate/up GEMM takes."""
+    pre: x's quantization made ahead (by the RMSNorm before the experts), used where it is the one the gate/up
+    GEMM takes."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]

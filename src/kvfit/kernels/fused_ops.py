@@ -182,6 +182,9 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     """add_rms_norm and, in the same launch, its output's dynamic FP8 quantization (fp8_quantize's numbers):
     (out, x + residual, out in fp8 [T, hidden], scales fp32 [T, hidden / group]); group == hidden: per token.
     norm_quant_applies(hidden, group) must hold."""
+    if not norm_quant_applies(x.shape[1], group):
+        raise ValueError(f"add_rms_norm_quant cannot quantize {x.shape[1]} columns in groups of {group} "
+                         "(norm_quant_applies)")
     out, res_out, quant = _add_rms_norm_launch(x, residual, weight, eps, group)
     return out, res_out, *quant
 
@@ -297,6 +300,9 @@ def silu_quant_applies(cols: int, group: int) -> bool:
 def silu_mul_quant(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """silu_mul and, in the same launch, its output's dynamic FP8 quantization (fp8_quantize's numbers):
     (out [T, I], out in fp8, scales fp32 [T, I / group]); group == I: per token. silu_quant_applies must hold."""
+    if not silu_quant_applies(gate_up.shape[1] // 2, group):
+        raise ValueError(f"silu_mul_quant cannot quantize {gate_up.shape[1] // 2} columns in groups of {group} "
+                         "(silu_quant_applies)")
     out, quant = _silu_mul_launch(gate_up, group)
     return out, *quant
 

@@ -65,12 +65,15 @@ def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dty
     rows = min(sched.max_num_seqs, tokens)
     sampled = rows * 2 + min(rows, sampler_chunk_rows(facts.vocab_size)) * (LOGIT_BYTES - 2)
     logits = max(sampled, min(prompt_logprobs_slice(facts.vocab_size), tokens) * PROMPT_LOGIT_BYTES) * facts.vocab_size
-    # FP8 GEMMs quantize their input first: an fp32 copy and the fp8 values beside it, at the widest input
+    # FP8 GEMMs quantize their input first. Static: an fp32 copy and the fp8 values beside it, at the widest
+    # input. Dynamic: the fp8 values alone, but the norm's (made in its launch for qkv / gate_up / the experts,
+    # kernels.fp8.PreQuantized) live through the MLP beside the SiLU's for down_proj
     scratch = 0
     if facts.quantization is not None:
-        per_element = (STATIC_ACTIVATION_SCRATCH_BYTES if facts.quantization.activation == "static"
-                       else ACTIVATION_SCRATCH_BYTES)
-        scratch = tokens * per_element * max(facts.hidden_size, inter // tp)
+        if facts.quantization.activation == "static":
+            scratch = tokens * STATIC_ACTIVATION_SCRATCH_BYTES * max(facts.hidden_size, inter // tp)
+        else:
+            scratch = tokens * ACTIVATION_SCRATCH_BYTES * (facts.hidden_size + inter // tp)
     return tokens * per_token * act_dtype_bytes + logits + scratch
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvfit.errors import ConfigError
 from kvfit.kernels import fp8_fused_experts
-from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, PreQuantized, quantize_weight_blocks,
+from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, PreQuantized, activation_group, quantize_weight_blocks,
                                quantize_weight_per_channel)
 from kvfit.kernels.fp8_fused_experts import fused_experts_applies, fused_fp8_experts
 from kvfit.kernels.fp8_gemm import fp8_linear
@@ -208,9 +208,10 @@ class Fp8Experts(torch.nn.Module):
     def prequantize_group(self, x: torch.Tensor) -> int | None:
         """Columns per scale in which a kernel before the experts may quantize their input x [T, H] for the fused
         gate/up GEMM (a PreQuantized input); None where nothing quantizes x ahead (static scales, no kernel)."""
-        if self.static or x.dim() != 2 or not fused_experts_applies(x):
+        if x.dim() != 2 or not fused_experts_applies(x):
             return None
-        return x.shape[1] if self.scheme.block_size is None else self.scheme.block_size[1]
+        gate_up, _ = self.expert_weights(0)          # fused_fp8_experts quantizes x as for any expert's gate/up
+        return activation_group(gate_up, x.shape[1])
 
     def forward(self, x: torch.Tensor | PreQuantized, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                 ) -> torch.Tensor:
