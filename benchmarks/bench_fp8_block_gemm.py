@@ -73,7 +73,7 @@ def main() -> int:
         w_bf16 = w16.to(torch.bfloat16)
         row = {"cublas bf16": graph_time(lambda: torch.nn.functional.linear(x, w_bf16)),
                "quantize": graph_time(lambda: quantize_rows(x, block[1]))}
-        picked = bg.config_for(m)
+        picked = bg.config_for(m, n, -(-k // block[1]))
         for config in CANDIDATES:
             try:
                 y = bg.block_fp8_gemm(xq, xs, w, None, torch.bfloat16, config)

@@ -112,6 +112,18 @@ def test_block_gemm_kernel_matches_the_reference(m, n, k, config):
     assert float((got - want).abs().max()) <= tol, (got - want).abs().max()
 
 
+def test_block_gemm_config_follows_the_h100_sweep():
+    """config_for: 64-column tiles below 1,024 rows (16 rows a tile up to 16), split-K where the tiles are few and
+    the K steps divide; the wide tile from 1,024 rows (the sweep in fp8_block_gemm.py's comment)."""
+    assert bg.config_for(1, 5120, 16) == bg.SMALL_M_CONFIG                       # qkv: 80 tiles
+    assert bg.config_for(64, 5120, 16) == bg.MID_M_CONFIG
+    assert bg.config_for(16, 2048, 32) == (*bg.SMALL_M_CONFIG, bg.SPLIT_K)       # o_proj: 32 tiles
+    assert bg.config_for(64, 2048, 32) == (*bg.MID_M_CONFIG, bg.SPLIT_K)
+    assert bg.config_for(256, 2048, 32) == bg.MID_M_CONFIG                       # 128 tiles
+    assert bg.config_for(16, 2048, 6) == bg.SMALL_M_CONFIG                       # 6 K steps: 4 does not divide
+    assert bg.config_for(4096, 2048, 32) == bg.LARGE_M_CONFIG
+
+
 def test_block_gemm_split_k_must_divide_the_k_steps():
     wq, ws = quantize_weight_blocks(torch.randn(64, 384), (128, 128))
     w = Fp8Weight(wq, ws, (128, 128))
@@ -291,7 +303,8 @@ def _compile_check() -> None:
     kernel = bg._block_fp8_gemm_kernel
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
              "c_ptr": "*bf16", "bias_ptr": "*bf16"}
-    for block_m, block_n, warps, stages, split in (*bg.SMALL_M_CONFIG, 1), (*bg.LARGE_M_CONFIG, 1), (16, 64, 4, 4, 4):
+    for block_m, block_n, warps, stages, split in ((*bg.SMALL_M_CONFIG, 1), (*bg.MID_M_CONFIG, 1), (*bg.LARGE_M_CONFIG, 1),
+                                                   (*bg.SMALL_M_CONFIG, bg.SPLIT_K), (*bg.MID_M_CONFIG, bg.SPLIT_K)):
         consts = dict(K=4096, GROUP_N=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split,
                       HAS_BIAS=False, DOT_FP32=False, stride_ak=1, stride_bk=1, stride_cn=1)
         if split > 1:

@@ -20,13 +20,17 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the block's columns (one scale per K step). The wide
-# tile takes 8 warps: with 4, its fp32 accumulator and the K step's partial product spill (ptxas, sm_90).
-# Not tuned on a GPU yet: bench_fp8_block_gemm.py sweeps these and split-K ones (the fifth element) against them.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_K]); BLOCK_K is the block's columns (one scale per K step). The
+# wide tile takes 8 warps: with 4, its fp32 accumulator and the K step's partial product spill (ptxas, sm_90).
 # K is a compile-time constant (one compile per layer width): with a runtime K,
 # Triton 3.6 does not software-pipeline the loads (tests/kernels/test_fp8_gemm.py checks that it does).
-SMALL_M_CONFIG, LARGE_M_CONFIG = (16, 128, 4, 4), (64, 128, 8, 3)
-LARGE_M = 64
+# Picked from bench_fp8_block_gemm.py's sweep (H100, 2026-12-07, qwen3-30b-a3b's qkv N=5120 K=2048 and o_proj
+# N=2048 K=4096, benchmarks/results/2026-12-07-h100-fp8-block-gemm-sweep.log): below 1,024 rows the best tiles
+# were 64 columns wide, 16 rows up to 16 rows and 64 above; split-K 4 won where the output tiles were fewer than
+# 64 (o_proj up to 64 rows: 10.6-12.6 us against 20.0-20.6 for the earlier (16, 128) / (64, 128) picks).
+SMALL_M_CONFIG, MID_M_CONFIG, LARGE_M_CONFIG = (16, 64, 4, 4), (64, 64, 4, 4), (64, 128, 8, 3)
+LARGE_M = 1024
+FEW_TILES, SPLIT_K = 64, 4
 
 
 def block_gemm_applies(x: torch.Tensor) -> bool:
@@ -34,8 +38,15 @@ def block_gemm_applies(x: torch.Tensor) -> bool:
     return triton_applies(x)
 
 
-def config_for(m: int) -> tuple[int, int, int, int]:
-    return LARGE_M_CONFIG if m >= LARGE_M else SMALL_M_CONFIG
+def config_for(m: int, n: int, k_steps: int) -> tuple[int, ...]:
+    """The launch config for M rows of an [N, K] weight with k_steps blocks along K (see the sweep above)."""
+    if m >= LARGE_M:
+        return LARGE_M_CONFIG
+    base = SMALL_M_CONFIG if m <= 16 else MID_M_CONFIG
+    tiles = -(-m // base[0]) * -(-n // base[1])
+    if tiles < FEW_TILES and k_steps % SPLIT_K == 0 and k_steps >= 2 * SPLIT_K:
+        return (*base, SPLIT_K)
+    return base
 
 
 if triton is not None:
@@ -86,17 +97,17 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: 
                    out_dtype: torch.dtype, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """xq [M, K] fp8 with x_scale [M, ceil(K/bk)] fp32, w a block Fp8Weight [N, K] -> [M, N] in out_dtype.
 
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_K]); None: config_for(M). SPLIT_K > 1 (it must divide
-    the K steps, ceil(K / bk)) splits the K steps over that many programs per output tile, for few rows, where
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT_K]); None: config_for(M, N, K steps). SPLIT_K > 1
+    (it must divide the K steps, ceil(K / bk)) splits the K steps over that many programs per output tile, for few rows, where
     the tiles alone leave most SMs idle: each writes an fp32 partial [SPLIT_K, M, N], summed here in fixed order
     (the same result on every run), then the bias and the cast."""
     assert w.block_size is not None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
     bn, bk = w.block_size
     m, k = xq.shape
     n = w.out_features
-    block_m, block_n, warps, stages, *rest = config or config_for(m)
-    split = rest[0] if rest else 1
     steps = -(-k // bk)
+    block_m, block_n, warps, stages, *rest = config or config_for(m, n, steps)
+    split = rest[0] if rest else 1
     if split < 1 or steps % split:
         raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k}")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
