@@ -190,7 +190,7 @@ def test_norm_quantizing_for_the_gemm_changes_no_number(tmp_path, monkeypatch, a
 
 
 @pytest.mark.parametrize("m", [1024, 2055])
-@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (256, 384)])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (256, 512)])
 def test_block_weights_from_many_rows_take_cublas_blockwise_scaling(m, n, k):
     """From BLOCK_SCALED_MM_MIN_ROWS rows a [128, 128]-block weight runs cuBLASLt's blockwise-scaled _scaled_mm:
     the reference's numbers up to fp32 sum order and one bf16 rounding, with a bias, and the same output from
@@ -209,3 +209,8 @@ def test_block_weights_from_many_rows_take_cublas_blockwise_scaling(m, n, k):
     print(f"cuBLAS blockwise m={m} n={n} k={k}: relative error {_rel_err(got, want):.2e}")
     assert got.dtype == torch.bfloat16 and _rel_err(got, want) < 1e-2
     assert torch.equal(fp8_linear(PreQuantized(x, *quantize_activations(x, w), 128), w, bias), got)
+    # K / 128 not a multiple of 4 (cuBLASLt would read the weight's scales with a padded stride): the Triton GEMM
+    wq3, ws3 = quantize_weight_blocks(torch.randn(n, 384, device="cuda") * 0.02, (128, 128))
+    w3, x3 = Fp8Weight(wq3, ws3, (128, 128)), x[:, :384].contiguous()
+    assert not block_scaled_mm_applies(x3, w3)
+    assert _rel_err(fp8_linear(x3, w3), fp8_linear_reference(x3, w3)) < 1e-2

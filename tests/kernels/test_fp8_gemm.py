@@ -459,3 +459,22 @@ def test_prequantized_input_is_used_only_where_it_is_the_weights_quantization():
         assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
     assert torch.equal(fp8_linear(pre, channel), fp8_linear(x, channel))          # the CPU's reference reads x
     assert prequantize_group(x, channel) is None and prequantize_group(x, block) is None
+
+
+def test_blockwise_scaled_mm_gate_admits_only_shapes_cublas_reads_right(monkeypatch):
+    """The blockwise _scaled_mm path (on a GPU whose torch passes the probe; both stand-ins here) takes bf16 rows
+    from 1,024 with [128, 128] blocks, K and N multiples of 128 and K / 128 a multiple of 4 (cuBLASLt pads the
+    weight scales' K-block stride to 4: qwen2.5-0.5b's K=896 or K=384 would read wrong scales), never fp16."""
+    from kvfit.kernels import fp8_gemm as fg
+    monkeypatch.setattr(fg, "on_gpu", lambda t: True)
+    monkeypatch.setattr(fg, "_blockwise_supported", lambda device: True)
+
+    def gate(m, n, k, dtype=torch.bfloat16, block=(128, 128)):
+        bn, bk = block
+        w = Fp8Weight(torch.empty(n, k, dtype=FP8_DTYPE), torch.ones(-(-n // bn), -(-k // bk)), block)
+        return fg.block_scaled_mm_applies(torch.empty(m, k, dtype=dtype), w)
+    assert gate(1024, 5120, 2048) and gate(8192, 2048, 4096) and gate(1025, 256, 512)
+    assert not gate(1023, 5120, 2048)                                   # below the rows the Triton GEMM keeps
+    assert not gate(2048, 256, 384) and not gate(2048, 896, 896)        # K / 128 = 3, 7
+    assert not gate(2048, 5120, 2048, dtype=torch.float16)              # bf16 out only: no second rounding
+    assert not gate(2048, 5120, 2048, block=(64, 64)) and not gate(2048, 200, 2048)

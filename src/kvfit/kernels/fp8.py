@@ -10,8 +10,8 @@ for block weights (scale [T, ceil(K / bk)]), or with the checkpoint's static per
 y = (xq * x_scale) @ (Wq * w_scale)^T (+ bias) in fp32, rounded once to the activation dtype.
 
 Paths (fp8_gemm.py): `fp8_linear` runs torch._scaled_mm (cuBLASLt, rowwise scales, bf16 out) for per-channel weights
-on CUDA where its shape rules hold (K and N multiples of 16), the Triton block GEMM (fp8_block_gemm.py) for block
-weights on CUDA, and `fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and
+on CUDA where its shape rules hold (K and N multiples of 16), for block weights on CUDA _scaled_mm with block scales
+from 1,024 rows where its rules hold and the Triton block GEMM (fp8_block_gemm.py) otherwise, and `fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and
 the GPU paths' test oracle.
 """
 

@@ -1,8 +1,8 @@
 """The FP8 GEMM a quantized linear runs, chosen per call: on CUDA the Triton FP8 GEMV for one token (batch-1
 decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales), and for block weights
-cuBLASLt's blockwise-scaled _scaled_mm from BLOCK_SCALED_MM_MIN_ROWS rows ([128, 128] weight blocks, 1 x 128
-activation groups; about 2x the Triton block GEMM at 8,192 rows on an H100, 2026-12-07) or the Triton block GEMM
-below that; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
+cuBLASLt's blockwise-scaled _scaled_mm from BLOCK_SCALED_MM_MIN_ROWS rows of bf16 ([128, 128] weight blocks, 1 x
+128 activation groups, K / 128 a multiple of 4; about 2x the Triton block GEMM at 8,192 rows on an H100,
+2026-12-07) or the Triton block GEMM otherwise; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
 correct, slower)."""
 
 from __future__ import annotations
@@ -68,11 +68,15 @@ def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
 
 def block_scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """cuBLASLt's blockwise-scaled FP8 GEMM takes this call: CUDA, [128, 128] weight blocks with dynamic
-    activations, K and N multiples of 128, at least BLOCK_SCALED_MM_MIN_ROWS rows, and a torch whose _scaled_mm
-    takes block scales on this device (probed once, outside CUDA-graph capture)."""
-    return (on_gpu(x) and w.block_size == (128, 128) and w.input_scale is None
-            and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS and x.shape[1] % 128 == 0 and w.out_features % 128 == 0
+    """cuBLASLt's blockwise-scaled FP8 GEMM takes this call: CUDA, a bf16 x (its only output dtype: no second
+    rounding), [128, 128] weight blocks with dynamic activations, at least BLOCK_SCALED_MM_MIN_ROWS rows, K and N
+    multiples of 128 with K / 128 a multiple of 4 (cuBLASLt reads the weight's scales with a K-block stride
+    rounded up to 4, torch PR #166752, while _scaled_mm passes them unpadded: they agree only then), and a torch
+    whose _scaled_mm gives the reference's numbers with block scales on this device (probed once)."""
+    k, n = x.shape[1], w.out_features
+    return (on_gpu(x) and x.dtype == torch.bfloat16 and w.block_size == (128, 128) and w.input_scale is None
+            and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS and k % 128 == 0 and n % 128 == 0 and (k // 128) % 4 == 0
+            and tuple(w.scale.shape) == (n // 128, k // 128)
             and hasattr(torch, "_scaled_mm") and _blockwise_supported(x.device))
 
 
@@ -81,16 +85,26 @@ def _blockwise_supported(device: torch.device) -> bool:
     if index not in _BLOCKWISE_SUPPORT:
         if torch.cuda.is_current_stream_capturing():
             return False                # no probe inside a capture: the Triton GEMM for this call
-        fp8 = torch.float8_e4m3fn
-        a = torch.zeros((128, 256), device=device).to(fp8)
-        b = torch.zeros((256, 256), device=device).to(fp8)
-        try:
-            torch._scaled_mm(a, b.t(), scale_a=torch.ones((2, 128), device=device).t(),
-                             scale_b=torch.ones((2, 2), device=device).t(), out_dtype=torch.bfloat16)
-            _BLOCKWISE_SUPPORT[index] = True
-        except Exception:               # noqa: BLE001 - any refusal means "not on this torch/GPU": the Triton GEMM
-            _BLOCKWISE_SUPPORT[index] = False
+        _BLOCKWISE_SUPPORT[index] = _blockwise_probe(device)
     return _BLOCKWISE_SUPPORT[index]
+
+
+def _blockwise_probe(device: torch.device) -> bool:
+    """Whether _scaled_mm with block scales, as _block_scaled_mm_linear calls it, matches the dequantized product
+    on a shape the gate admits (odd M, 2 N-blocks, 4 K-blocks, random values): a refusal or a wrong number is no."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 1025, 256, 512
+    a = torch.randn(m, k, generator=g).to(torch.float8_e4m3fn).to(device)
+    b = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn).to(device)
+    sa = (torch.rand(m, k // 128, generator=g) + 0.5).to(device)
+    sb = (torch.rand(n // 128, k // 128, generator=g) + 0.5).to(device)
+    try:
+        y = torch._scaled_mm(a, b.t(), scale_a=sa.t().contiguous().t(), scale_b=sb.t(), out_dtype=torch.bfloat16)
+    except Exception:                   # noqa: BLE001 - any refusal means "not on this torch/GPU": the Triton GEMM
+        return False
+    ref = (a.float() * sa.repeat_interleave(128, 1)) @ (b.float() * sb.repeat_interleave(128, 0)
+                                                         .repeat_interleave(128, 1)).t()
+    return bool((y.float() - ref).abs().max() <= 1e-2 * ref.abs().max())
 
 
 def _block_scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
