@@ -31,3 +31,13 @@ def test_the_sampler_reserve_is_bounded_for_a_large_vocabulary():
     sampled = (rows * 2 + sampler_chunk_rows(vocab) * (LOGIT_BYTES - 2)) * vocab
     unbounded = max(rows * LOGIT_BYTES, PROMPT_LOGPROBS_SLICE * PROMPT_LOGIT_BYTES) * vocab
     assert sampled < unbounded / 5                     # 0.24 GB instead of 1.6 GB for qwen3-0.6b
+
+
+def test_dynamic_fp8_scratch_counts_the_norm_and_silu_inputs_side_by_side():
+    """With dynamic FP8 activations the norm's fp8 copy of the hidden state (kernels.fp8.PreQuantized) lives
+    through the MLP beside the SiLU's fp8 copy for down_proj: hidden + intermediate bytes a token, one each."""
+    bf16 = load_model_facts("llama-3.1-8b")
+    fp8 = load_model_facts("llama-3.1-8b", "fp8")
+    assert fp8.quantization.activation != "static"
+    tokens = 8192
+    assert _act(fp8, 256) - _act(bf16, 256) == tokens * (bf16.hidden_size + bf16.intermediate_size)
