@@ -160,7 +160,7 @@ def test_fp8_linear_on_cpu_is_the_reference():
 
 @needs_triton
 @pytest.mark.parametrize("k,group", [(300, None), (5000, None), (300, 128), (256, 64), (768, 128), (2048, 128),
-                                     (4096, None), (96, 32), (17000, None)])
+                                     (4096, None), (96, 32), (14336, None)])
 def test_quantize_kernel_equals_the_torch_path(k, group):
     """One launch per quantization gives the torch path's fp8 values and scales exactly (rows past one
     program's block take two passes; a partial last group; an all-zero row)."""
@@ -328,7 +328,7 @@ def _compile_check() -> None:
                                                 {"num_warps": 4 if block <= 1024 else 8, "num_stages": 1})
         print(f"quantize K={consts['K']} group={group}: spills {spills} B")
         assert spills == 0, report
-    for k, group in ((4096, 4096), (14336, 14336), (2048, 2048), (2048, 128), (768, 128), (4096, 128)):   # tiled
+    for k, group in ((4096, 4096), (8192, 8192), (2048, 2048), (2048, 128), (768, 128), (4096, 128)):   # tiled
         group_p2, groups, rows = qk.tile_shape(group, -(-k // group))
         sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "stride_x": "i32",
                "stride_q": "i32", "stride_s": "i32", "K": "i32", "NUM_GROUPS": "i32"}

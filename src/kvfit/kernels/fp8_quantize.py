@@ -1,10 +1,11 @@
 """Dynamic FP8 activation quantization in one Triton launch (CUDA): what fp8.quantize_activations computes
 with seven torch kernels, per token or per token and column group.
 
-Groups of up to MAX_TILE_GROUP columns (per token for rows up to it, llama's 14,336 MLP channels included;
-the block layout's 128-column groups) go through the tiled kernel: a program holds a tile of rows x whole
-groups in registers and reads x once. Wider groups take the two-pass kernel, which walks the row in
-MAX_ROW_BLOCK pieces and reads it twice.
+Groups of up to MAX_TILE_GROUP columns (per token for hidden sizes up to it; the block layout's 128-column
+groups) go through the tiled kernel: a program holds a tile of rows x whole groups in registers and reads x
+once (2.4-4.4x the two-pass kernel at 128-column groups, H100). Wider groups (a per-token row of llama's 14,336
+MLP channels, which the SiLU kernel quantizes itself where it can) take the two-pass kernel, which walks the row
+in MAX_ROW_BLOCK pieces and reads it twice.
 
 Per row (or row and group): amax over |x| in fp32, scale = max(amax, MIN_AMAX) / 448, q = x / scale
 (IEEE division, as torch's), clamped to +-448, rounded to float8_e4m3fn (round to nearest even, as torch's
@@ -26,7 +27,10 @@ except ImportError:  # CPU-only installs
 
 FP8_DTYPE = torch.float8_e4m3fn
 MAX_ROW_BLOCK = 4096        # two-pass kernel: columns a program holds at once
-MAX_TILE_GROUP = 16384      # tiled kernel: the widest group (after rounding up to a power of two) it takes
+# tiled kernel: the widest group (after rounding up to a power of two) it takes. At 14,336 columns per token (a
+# 16,384-wide tile) it ran 0.83x the two-pass kernel at 8,192 rows (1.01x at 1,024, 1.31x at 64; H100, 2026-12-07,
+# bench_fp8_quantize.py), so rows that wide keep the two-pass kernel
+MAX_TILE_GROUP = 8192
 TILE_ELEMENTS = 4096        # tiled kernel: values a program holds (rows x groups x group, powers of two)
 
 
