@@ -61,6 +61,7 @@ for s in "$@"; do case $s in
   fp8-8b-vs-vllm) TAIL=${TAIL:-30} step fp8-8b-vs-vllm 420 env KVFIT_BENCH_FP8=channel python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --reps 2 --out "$OUT/fp8-8b.json" ;;
   bf16-8b-kvfit) TAIL=${TAIL:-30} step bf16-8b-kvfit 200 python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out "$OUT/bf16-8b-kvfit.json" ;;
   fp8-verify) TAIL=${TAIL:-40} step fp8-verify 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k 'cublas_blockwise or norm_quantizing or block_gemm or tiny' && python3 benchmarks/bench_fp8_block_gemm.py --m 16 64 256 1024 4096 8192 && KVFIT_BENCH_FP8=block python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b --engines kvfit --reps 2 --out $OUT/fp8-verify-30b.json" ;;
+  profile-8b-fp8) TAIL=${TAIL:-60} step profile-8b-fp8 560 env KVFIT_BENCH_FP8=channel python3 benchmarks/profile_vs_vllm.py --models llama-3.1-8b --workload throughput --top 20 --out "$OUT/profile-8b-fp8.json" ;;
   routing-30b) step routing-30b 500 python3 benchmarks/probe_moe_routing.py --model qwen3-30b-a3b --fp8-checkpoint block --engines kvfit vllm vllm-redrawn ;;
   fp8-quantize) step fp8-quantize 200 python3 benchmarks/bench_fp8_quantize.py ;;
   fp8-block-gemm) TAIL=${TAIL:-40} step fp8-block-gemm 300 python3 benchmarks/bench_fp8_block_gemm.py --model qwen3-30b-a3b ;;
