@@ -86,15 +86,15 @@ def main() -> int:
 def run_fp8(model: str) -> int:
     """The --fp8 sweep: bytes of FP8 weight read per second, _scaled_mm (W8A8) against each GEMV config."""
     from kvfit.kernels.fp8 import Fp8Weight, quantize_weight_per_channel
-    from kvfit.kernels.fp8_gemm import _scaled_mm_linear
+    from kvfit.kernels.fp8_gemm import _cublas_linear
     from kvfit.kernels.fp8_gemv import fp8_gemv
 
     def make_weight(n: int, k: int, gen) -> Fp8Weight:
         weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         return Fp8Weight(*quantize_weight_per_channel(weight), None)
     totals, best, rows = sweep(model, make_weight, 1, lambda x, w: x.float() @ w.dequantize().t(),
-                               ("scaled_mm", lambda a, w: _scaled_mm_linear(a, w, None)), fp8_gemv, FP8_CONFIGS,
-                               "gemv best")
+                               ("scaled_mm", lambda a, w: _cublas_linear(a, w, None, None, blockwise=False)),
+                               fp8_gemv, FP8_CONFIGS, "gemv best")
     print("per decode step (all linears, FP8): " + ", ".join(f"{c} {t * 1e3:.3f} ms" for c, t in totals.items()))
     print(f"best config per shape: {best}")
     print("RESULT " + json.dumps({"model": model, "fp8": True, "rows": rows, "step_totals_s": totals}))

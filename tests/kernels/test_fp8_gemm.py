@@ -32,10 +32,10 @@ if INTERPRET and bg.triton is not None:
     from triton.runtime.interpreter import InterpretedFunction
     if not isinstance(bg._block_fp8_gemm_kernel, InterpretedFunction):   # imported before TRITON_INTERPRET
         bg = importlib.reload(bg)
+    if not isinstance(qk._quantize_kernel, InterpretedFunction):         # first: fe's kernel calls its helpers
+        qk = importlib.reload(qk)
     if not isinstance(fe._gate_up_fp8_kernel, InterpretedFunction):
         fe = importlib.reload(fe)
-    if not isinstance(qk._quantize_kernel, InterpretedFunction):
-        qk = importlib.reload(qk)
     if not isinstance(gv._fp8_gemv_kernel, InterpretedFunction):
         gv = importlib.reload(gv)
 

@@ -10,9 +10,9 @@ for block weights (scale [T, ceil(K / bk)]), or with the checkpoint's static per
 y = (xq * x_scale) @ (Wq * w_scale)^T (+ bias) in fp32, rounded once to the activation dtype.
 
 Paths (fp8_gemm.py): `fp8_linear` runs torch._scaled_mm (cuBLASLt, rowwise scales, bf16 out) for per-channel weights
-on CUDA where its shape rules hold (K and N multiples of 16), for block weights on CUDA _scaled_mm with block scales
-from 1,024 rows where its rules hold and the Triton block GEMM (fp8_block_gemm.py) otherwise, and `fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and
-the GPU paths' test oracle.
+on CUDA where its shape rules hold (K and N multiples of 16), for block weights on CUDA _scaled_mm with block
+scales from 1,024 rows where its rules hold and the Triton block GEMM (fp8_block_gemm.py) otherwise, and
+`fp8_linear_reference` (dequantize in fp32, matmul) everywhere else: the CPU path and the GPU paths' test oracle.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ class PreQuantized:
         if activation_group(w, self.x.shape[1]) == self.group:
             return self.xq, self.scale
         return quantize_activations(self.x, w)
+
+
+def split_prequantized(x: torch.Tensor | PreQuantized) -> tuple[torch.Tensor, PreQuantized | None]:
+    """(the 16-bit x, the PreQuantized it came in, or None): for code that reads x and hands the pair on."""
+    return (x.x, x) if isinstance(x, PreQuantized) else (x, None)
+
+
+def quantize_input(x: torch.Tensor, w: Fp8Weight, pre: PreQuantized | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w's quantization of its input x: pre's pair where it is that (PreQuantized.quantized_for), else made now."""
+    return pre.quantized_for(w) if pre is not None else quantize_activations(x, w)
 
 
 def activation_group(w: Fp8Weight, k: int) -> int | None:

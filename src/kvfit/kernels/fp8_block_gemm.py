@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.kernels.fp8 import Fp8Weight, PreQuantized, quantize_activations
+from kvfit.kernels.fp8 import Fp8Weight, PreQuantized, quantize_input
 from kvfit.platforms.gate import on_gpu, triton_applies
 
 try:
@@ -135,5 +135,5 @@ def block_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
                      pre: PreQuantized | None = None) -> torch.Tensor:
     """x [T, K] (16-bit or fp32) -> [T, N] in x's dtype: per-token-group quantization (pre's, when it is x's
     for w), then the block GEMM."""
-    xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # per token, bk columns
+    xq, x_scale = quantize_input(x, w, pre)                                    # per token and bk columns
     return block_fp8_gemm(xq.contiguous(), x_scale, w, bias, x.dtype)

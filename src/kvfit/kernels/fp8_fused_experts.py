@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.kernels import fused_moe as fm
-from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, PreQuantized, quantize_activations
+from kvfit.kernels.fp8 import FP8_DTYPE, Fp8Weight, PreQuantized, quantize_activations, quantize_input
 from kvfit.kernels.moe_align import moe_align
 from kvfit.platforms.gate import on_gpu, triton_applies
 from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
@@ -26,6 +26,8 @@ from kvfit.quant_scheme import FP8_MAX, MIN_AMAX
 try:
     import triton
     import triton.language as tl
+
+    from kvfit.kernels.fp8_quantize import fp8_scale, fp8_values
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -129,8 +131,8 @@ if triton is not None:
         if QUANT_OUT:
             act = tl.where(out_mask, act.to(ACT_DTYPE).to(tl.float32), 0.0)     # the values quantize_groups sees
             amax = tl.max(tl.abs(act), axis=1)                                              # [BM]
-            scale = tl.div_rn(tl.maximum(amax, MIN_AMAX_C), FP8_MAX_C)
-            q = tl.minimum(tl.maximum(tl.div_rn(act, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            scale = fp8_scale(amax, FP8_MAX_C, MIN_AMAX_C)
+            q = fp8_values(act, scale[:, None], FP8_MAX_C)
             tl.store(out_ptrs, q.to(act_ptr.dtype.element_ty), mask=out_mask)
             tl.store(act_scale_ptr + pairs * stride_asp + first_n // BLOCK_N, scale, mask=row_mask)
         else:
@@ -277,7 +279,7 @@ def fused_fp8_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
         raise ValueError("static activation scales go with per-row FP8 weights, not block ones")
     static_in, static_down = input_scales if input_scales is not None else (None, None)
     probe = Fp8Weight(w13, w13_scale, block_size, static_in)    # only its block size and input scale are read
-    xq, x_scale = pre.quantized_for(probe) if pre is not None else quantize_activations(x, probe)  # [T, H], [T, 1|G]
+    xq, x_scale = quantize_input(x, probe, pre)                                    # [T, H] fp8, [T, 1 or G]
     sorted_pair_ids, block_experts = moe_align(topk_ids, num_experts, block_m)
     num_m_blocks = block_experts.numel()
     quant_out = bool(config.get(QUANT_IN_GATE_UP_KEY, 0))

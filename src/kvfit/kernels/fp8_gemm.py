@@ -2,14 +2,15 @@
 decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales), and for block weights
 cuBLASLt's blockwise-scaled _scaled_mm from BLOCK_SCALED_MM_MIN_ROWS rows of bf16 ([128, 128] weight blocks, 1 x
 128 activation groups, K / 128 a multiple of 4; about 2x the Triton block GEMM at 8,192 rows on an H100,
-2026-12-07) or the Triton block GEMM otherwise; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt refuses (K or N not a multiple of 16:
-correct, slower)."""
+2026-12-07) or the Triton block GEMM otherwise; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt
+refuses (K or N not a multiple of 16: correct, slower)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvfit.kernels.fp8 import Fp8Weight, PreQuantized, activation_group, fp8_linear_reference, quantize_activations
+from kvfit.kernels.fp8 import (Fp8Weight, PreQuantized, activation_group, fp8_linear_reference, quantize_input,
+                               split_prequantized)
 from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies
 from kvfit.kernels.fp8_gemv import fp8_gemv, fp8_gemv_applies
 from kvfit.platforms.gate import on_gpu
@@ -24,21 +25,37 @@ def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
             and hasattr(torch, "_scaled_mm"))
 
 
+# fp8_linear's paths; the ones in QUANTIZING_PATHS quantize x dynamically before their GEMM
+GEMV, SCALED_MM, BLOCK_SCALED_MM, BLOCK_GEMM, REFERENCE = "gemv", "scaled_mm", "block_scaled_mm", "block_gemm", "ref"
+QUANTIZING_PATHS = (SCALED_MM, BLOCK_SCALED_MM, BLOCK_GEMM)
+
+
+def fp8_path(x: torch.Tensor, w: Fp8Weight) -> str:
+    """The path fp8_linear runs for x [T, K] (the module docstring's order)."""
+    if fp8_gemv_applies(x, w):
+        return GEMV
+    if scaled_mm_applies(x, w):
+        return SCALED_MM
+    if block_scaled_mm_applies(x, w):
+        return BLOCK_SCALED_MM
+    if on_gpu(x) and w.block_size is not None and block_gemm_applies(x):
+        return BLOCK_GEMM
+    return REFERENCE
+
+
 def fp8_linear(x: torch.Tensor | PreQuantized, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b with W in FP8: x [..., K] -> [..., N] in x's dtype (see the module docstring's paths).
     A PreQuantized x ([T, K]) gives its quantization to the GEMMs that quantize x; the others read its x."""
-    pre = x if isinstance(x, PreQuantized) else None
-    x = x.x if pre is not None else x
+    x, pre = split_prequantized(x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])                                                  # [T, K]
-    if fp8_gemv_applies(x2, w):
+    path = fp8_path(x2, w)
+    if path == GEMV:
         y = fp8_gemv(x2, w, bias)
-    elif scaled_mm_applies(x2, w):
-        y = _scaled_mm_linear(x2, w, bias, pre)
-    elif block_scaled_mm_applies(x2, w):
-        y = _block_scaled_mm_linear(x2, w, bias, pre)
-    elif on_gpu(x2) and w.block_size is not None:
-        y = block_fp8_linear(x2, w, bias, pre) if block_gemm_applies(x2) else fp8_linear_reference(x2, w, bias)
+    elif path in (SCALED_MM, BLOCK_SCALED_MM):
+        y = _cublas_linear(x2, w, bias, pre, blockwise=path == BLOCK_SCALED_MM)
+    elif path == BLOCK_GEMM:
+        y = block_fp8_linear(x2, w, bias, pre)
     else:
         y = fp8_linear_reference(x2, w, bias)
     return y.reshape(*lead, w.out_features)
@@ -48,20 +65,22 @@ def prequantize_group(x: torch.Tensor, w: Fp8Weight) -> int | None:
     """The columns per scale a kernel before fp8_linear(x, w) could quantize x in for it (PreQuantized): the
     dynamic group of the GEMM fp8_linear runs on x where that GEMM quantizes x; None where none does (one token:
     the GEMV reads x; the CPU's reference; a static input scale)."""
-    if x.dim() != 2 or fp8_gemv_applies(x, w):
+    if x.dim() != 2 or fp8_path(x, w) not in QUANTIZING_PATHS:
         return None
-    if (scaled_mm_applies(x, w) or block_scaled_mm_applies(x, w)
-            or (w.block_size is not None and on_gpu(x) and block_gemm_applies(x))):
-        return activation_group(w, x.shape[1])
-    return None
+    return activation_group(w, x.shape[1])
 
 
-def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                      pre: PreQuantized | None = None) -> torch.Tensor:
-    xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # [T, K] fp8, [T, 1]
-    # rowwise scaling: scale_a [T, 1], scale_b [1, N], bf16 out (the only out dtype cuBLASLt's rowwise takes)
-    y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.contiguous(), scale_b=w.scale.view(1, -1),
-                         out_dtype=torch.bfloat16)                                   # [T, N]
+def _cublas_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, pre: PreQuantized | None,
+                   blockwise: bool) -> torch.Tensor:
+    """torch._scaled_mm, bf16 out (the only out dtype cuBLASLt's rowwise and blockwise scaling take). Rowwise:
+    scale_a [T, 1], scale_b [1, N]. Blockwise: scale_a [T, K/128] column-major (1 x 128 groups), scale_b
+    [K/128, N/128] (the weight's [N/128, K/128] transposed: 128 x 128 blocks)."""
+    xq, x_scale = quantize_input(x, w, pre)                                          # [T, K] fp8, [T, 1 or K/128]
+    if blockwise:
+        scale_a, scale_b = x_scale.t().contiguous().t(), w.scale.contiguous().t()
+    else:
+        scale_a, scale_b = x_scale.contiguous(), w.scale.view(1, -1)
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)  # [T, N]
     if bias is not None:
         y = y.float() + bias.float()
     return y.to(x.dtype)
@@ -90,7 +109,7 @@ def _blockwise_supported(device: torch.device) -> bool:
 
 
 def _blockwise_probe(device: torch.device) -> bool:
-    """Whether _scaled_mm with block scales, as _block_scaled_mm_linear calls it, matches the dequantized product
+    """Whether _scaled_mm with block scales, as _cublas_linear calls it, matches the dequantized product
     on a shape the gate admits (odd M, 2 N-blocks, 4 K-blocks, random values): a refusal or a wrong number is no."""
     g = torch.Generator().manual_seed(0)
     m, n, k = 1025, 256, 512
@@ -105,15 +124,3 @@ def _blockwise_probe(device: torch.device) -> bool:
     ref = (a.float() * sa.repeat_interleave(128, 1)) @ (b.float() * sb.repeat_interleave(128, 0)
                                                          .repeat_interleave(128, 1)).t()
     return bool((y.float() - ref).abs().max() <= 1e-2 * ref.abs().max())
-
-
-def _block_scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                            pre: PreQuantized | None = None) -> torch.Tensor:
-    xq, x_scale = pre.quantized_for(w) if pre is not None else quantize_activations(x, w)   # [T, K] fp8, [T, K/128]
-    # blockwise scaling: scale_a [T, K/128] column-major (1 x 128 groups), scale_b [K/128, N/128] (the weight's
-    # [N/128, K/128] transposed: 128 x 128 blocks), bf16 out
-    y = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w.scale.contiguous().t(),
-                         out_dtype=torch.bfloat16)                                   # [T, N]
-    if bias is not None:
-        y = y.float() + bias.float()
-    return y.to(x.dtype)

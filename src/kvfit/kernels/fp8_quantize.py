@@ -41,6 +41,16 @@ def quantize_kernel_applies(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
+    def fp8_scale(amax, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+        """A group's scale from its amax: max(amax, MIN_AMAX) / 448, IEEE division (every quantize kernel's)."""
+        return tl.div_rn(tl.maximum(amax, MIN_AMAX_C), FP8_MAX_C)
+
+    @triton.jit
+    def fp8_values(x, scale, FP8_MAX_C: tl.constexpr):
+        """x / scale (IEEE division) clamped to +-448, in fp32; the caller's store casts it to float8_e4m3fn."""
+        return tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+
+    @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, stride_s, K: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr,
                          MIN_AMAX_C: tl.constexpr):
@@ -55,11 +65,11 @@ if triton is not None:
             mask = (k + cols < GROUP) & (start + k + cols < K)
             x = tl.load(x_row + k + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX_C), FP8_MAX_C)
+        scale = fp8_scale(tl.max(amax, 0), FP8_MAX_C, MIN_AMAX_C)
         for k in range(0, GROUP, BLOCK):
             mask = (k + cols < GROUP) & (start + k + cols < K)
             x = tl.load(x_row + k + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+            q = fp8_values(x, scale, FP8_MAX_C)
             tl.store(q_ptr + row * stride_q + start + k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row * stride_s + group, scale)
 
@@ -76,8 +86,8 @@ if triton is not None:
         col_ok = (inner[None, :] < GROUP) & (groups[:, None] < NUM_GROUPS) & (cols < K)
         mask = (rows < num_rows)[:, None, None] & col_ok[None, :, :]
         x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 2), MIN_AMAX_C), FP8_MAX_C)      # [ROWS, GROUPS]
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
+        scale = fp8_scale(tl.max(tl.abs(x), 2), FP8_MAX_C, MIN_AMAX_C)                 # [ROWS, GROUPS]
+        q = fp8_values(x, scale[:, :, None], FP8_MAX_C)
         tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         s_mask = (rows < num_rows)[:, None] & (groups < NUM_GROUPS)[None, :]
         tl.store(scale_ptr + rows[:, None] * stride_s + groups[None, :], scale, mask=s_mask)

@@ -20,6 +20,8 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from kvfit.kernels.fp8_quantize import fp8_scale, fp8_values
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -60,8 +62,8 @@ if triton is not None:
         fp8_quantize's of them): one scale per QUANT_GROUP columns (a power of two dividing BLOCK), the fp8
         values at q_ptrs, the scales of groups first_group.. at scale_row_ptr."""
         y32 = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y32), 1), MIN_AMAX_C), FP8_MAX_C)            # [groups]
-        q = tl.minimum(tl.maximum(tl.div_rn(y32, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+        scale = fp8_scale(tl.max(tl.abs(y32), 1), FP8_MAX_C, MIN_AMAX_C)                          # [groups]
+        q = fp8_values(y32, scale[:, None], FP8_MAX_C)
         tl.store(q_ptrs, tl.reshape(q, (BLOCK,)).to(q_ptrs.dtype.element_ty), mask=mask)
         groups = first_group + tl.arange(0, BLOCK // QUANT_GROUP)
         tl.store(scale_row_ptr + groups, scale, mask=groups * QUANT_GROUP < n_cols)
@@ -189,16 +191,22 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     return out, res_out, *quant
 
 
+def _fp8_outputs(rows: int, cols: int, group: int | None, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused FP8 epilogue's buffers: fp8 [rows, cols] and fp32 scales [rows, cols / group]; without one
+    (group None), `out` for both (pointers the kernel never touches)."""
+    if group is None:
+        return out, out
+    return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=out.device),
+            torch.empty((rows, cols // group), dtype=torch.float32, device=out.device))
+
+
 def _add_rms_norm_launch(x, residual, weight, eps, group):
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     block = triton.next_power_of_2(cols)
     quant_group = 0 if group is None else (block if group == cols else group)
-    xq = scale = out
-    if group is not None:
-        xq = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
-        scale = torch.empty((rows, cols // group if group != cols else 1), dtype=torch.float32, device=x.device)
+    xq, scale = _fp8_outputs(rows, cols, group, out)
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, res_out, xq, scale, x.stride(0),
@@ -311,11 +319,9 @@ def _silu_mul_launch(gate_up, group):
     rows, double = gate_up.shape
     cols = double // 2
     out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
-    xq = scale = out
+    xq, scale = _fp8_outputs(rows, cols, group, out)
     block, quant_group = SILU_BLOCK, 0
     if group is not None:
-        xq = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate_up.device)
-        scale = torch.empty((rows, cols // group), dtype=torch.float32, device=gate_up.device)
         block = triton.next_power_of_2(cols) if group == cols else SILU_BLOCK
         quant_group = block if group == cols else group
     if rows:

@@ -34,7 +34,7 @@ class RMSNorm(torch.nn.Module):
         where its FP8 GEMM would quantize the output (its prequantize_group), the same kernel quantizes it and
         the output is a PreQuantized for that linear."""
         if fused_ops.available(x) and x.dim() == 2:
-            group = reader.prequantize_group(x) if hasattr(reader, "prequantize_group") else None
+            group = prequantize_group(reader, x)
             if group is not None and fused_ops.norm_quant_applies(x.shape[1], group):
                 out, total, xq, scale = fused_ops.add_rms_norm_quant(x, residual, self.weight, self.eps, group)
                 return PreQuantized(out, xq, scale, group), total
@@ -88,10 +88,16 @@ def silu_mul(gate_up: torch.Tensor, reader: torch.nn.Module | None = None) -> to
     same launch quantizes it and the output is a PreQuantized for that linear."""
     if fused_ops.available(gate_up):
         cols = gate_up.shape[1] // 2
-        group = reader.prequantize_group(gate_up[:, :cols]) if hasattr(reader, "prequantize_group") else None
+        group = prequantize_group(reader, gate_up[:, :cols])
         if group is not None and fused_ops.silu_quant_applies(cols, group):
             out, xq, scale = fused_ops.silu_mul_quant(gate_up, group)
             return PreQuantized(out, xq, scale, group)
         return fused_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=1)
     return F.silu(gate) * up
+
+
+def prequantize_group(reader: torch.nn.Module | None, x: torch.Tensor) -> int | None:
+    """The group in which the kernel making x [T, K] could quantize it for `reader` (an FP8 linear or FP8 experts:
+    their prequantize_group); None for any other reader (16-bit layers) or none."""
+    return reader.prequantize_group(x) if hasattr(reader, "prequantize_group") else None

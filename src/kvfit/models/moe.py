@@ -23,7 +23,7 @@ import torch
 
 from kvfit.errors import ConfigError
 from kvfit.kernels import fused_moe
-from kvfit.kernels.fp8 import PreQuantized
+from kvfit.kernels.fp8 import PreQuantized, split_prequantized
 from kvfit.kernels.fused_moe import moe_experts, select_experts
 from kvfit.kernels.gemv import linear
 from kvfit.model_facts import ModelFacts, MoEConfig, moe_config
@@ -70,8 +70,7 @@ class SparseMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor | PreQuantized) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]; a PreQuantized x (for FP8 experts): the router and the rest read its x
-        pre = x if isinstance(x, PreQuantized) else None
-        x = pre.x if pre is not None else x
+        x, pre = split_prequantized(x)
         router_logits = linear(x, self.gate.weight)                                  # [T, E]
         weights, ids = select_experts(router_logits, self.moe.top_k, self.moe.renormalize,
                                       weights_dtype=x.dtype if self.moe.round_weights else torch.float32)

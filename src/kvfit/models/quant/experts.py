@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvfit.errors import ConfigError
 from kvfit.kernels import fp8_fused_experts
 from kvfit.kernels.fp8 import (FP8_DTYPE, Fp8Weight, PreQuantized, activation_group, quantize_weight_blocks,
-                               quantize_weight_per_channel)
+                               quantize_weight_per_channel, split_prequantized)
 from kvfit.kernels.fp8_fused_experts import fused_experts_applies, fused_fp8_experts
 from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.kernels.fused_moe import experts_by_group
@@ -216,8 +216,7 @@ class Fp8Experts(torch.nn.Module):
     def forward(self, x: torch.Tensor | PreQuantized, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H] -> [T, H]: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, j]."""
-        pre = x if isinstance(x, PreQuantized) else None
-        x = pre.x if pre is not None else x
+        x, pre = split_prequantized(x)
         if fused_experts_applies(x):
             return fused_fp8_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
                                      self.down_proj_scale, self.scheme.block_size, topk_weights, topk_ids,
