@@ -19,6 +19,9 @@ to FP8 at load (`--quantization fp8`):
 Activations quantized dynamically are quantized per token in every scheme without blocks (vLLM's "fp8" method,
 and compressed-tensors' dynamic `strategy: tensor`, quantize them per tensor; per token is what the per-channel
 GEMM takes and is at least as accurate).
+A compressed-tensors config that quantizes only the KV cache (`kv_cache_scheme` without weight groups) leaves the
+weights 16-bit and its k/v scales are read (models/kv_scales.py); a kv_cache_scheme kvfit cannot honour (integer,
+dynamic, per channel) is refused, as vLLM refuses it.
 Anything else (int4/int8, AWQ, GPTQ, e5m2, weight-only FP8, mixed groups) is a one-line ConfigError naming it:
 a checkpoint kvfit cannot run correctly is never loaded as if it were 16-bit.
 """
@@ -36,6 +39,7 @@ WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("token", "group", "static")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 E4M3_NAMES = ("e4m3", "float8_e4m3fn")       # the fp8 method's `fmt` (MiniMax-M2 writes the torch dtype's name)
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")   # kv_cache_scheme: a k/v scale per layer, or per KV head
 FUSED_TRANSFORMS = ("weight_input", "weight_output")   # compressed-tensors transforms applied offline, into weights
 FP8_MAX = 448.0                              # largest finite float8_e4m3fn
 MIN_AMAX = 1e-10                             # an all-zero row still gets a finite scale (its values quantize to 0)
@@ -58,7 +62,6 @@ class Fp8Scheme:
     scale_name: str = "weight_scale"         # the checkpoint's name of the weight scale tensor
     ignore: tuple[str, ...] = ()             # module names or "re:" patterns kept in the model dtype
     online: bool = False                     # quantized at load from a 16-bit checkpoint
-    kv_cache_scheme: bool = False            # the checkpoint carries k/v scales (models/kv_scales.py)
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
@@ -91,8 +94,9 @@ ONLINE_FP8 = Fp8Scheme(method="fp8", weight_strategy="channel", activation="toke
 def parse_quantization_config(quant: dict, source: str = "config.json", key: str = "quantization_config"
                               ) -> Fp8Scheme | None:
     """config.json's quantization_config (or the key it was read from) -> the Fp8Scheme kvfit runs; None when
-    there is none. Anything kvfit cannot run is a one-line ConfigError naming the key, the method and what is
-    supported."""
+    there is none, or when it quantizes only the KV cache (compressed-tensors' kv_cache_scheme without weight
+    groups: 16-bit weights, k/v scales in the checkpoint). Anything kvfit cannot run is a one-line ConfigError
+    naming the key, the method and what is supported."""
     if not quant:
         return None
     where = f"{source} {key}"
@@ -123,15 +127,56 @@ def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, sourc
     return checkpoint
 
 
-def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
+def declares_kv_cache_scales(quant: dict, source: str = "config.json", key: str = "quantization_config") -> bool:
+    """Whether the quantization_config's kv_cache_scheme says the checkpoint carries fp8 k/v cache scales; a
+    scheme kvfit cannot honour (integer, dynamic, per channel or per token) is a one-line ConfigError, as vLLM
+    refuses it."""
+    scheme = (quant or {}).get("kv_cache_scheme")
+    if not scheme:
+        return False
+    where = f"{source} {key} kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        raise ConfigError(f"{where} must be a JSON object (num_bits, type, strategy), got {_show(scheme)}")
+    if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+        raise ConfigError(f"{where}: {scheme.get('num_bits')}-bit {_show(scheme.get('type'))} KV cache "
+                          "quantization is not supported; kvfit runs an fp8 (8-bit float) KV cache with static "
+                          "scales")
+    if scheme.get("dynamic") or scheme.get("strategy", "tensor") not in KV_SCALE_STRATEGIES \
+            or scheme.get("symmetric") is False:
+        raise ConfigError(f"{where}: {_show(scheme)} is not supported; kvfit reads static symmetric k/v scales, one "
+                          f"per layer or one per KV head (strategy {' or '.join(KV_SCALE_STRATEGIES)})")
+    return True
+
+
+def kv_cache_only(quant: dict, where: str) -> bool:
+    """A compressed-tensors config that quantizes the KV cache alone (llm-compressor writes no config groups, or
+    groups that target nothing): the weights are 16-bit. A config that quantizes nothing at all is refused
+    (nothing says what its weights are)."""
+    groups = quant.get("config_groups")
+    if groups is not None and not isinstance(groups, dict):
+        return False                             # _compressed_tensors names the error
+    if any(not isinstance(group, dict) or group.get("targets", ["Linear"]) != [] for group in (groups or {}).values()):
+        return False
+    if not quant.get("kv_cache_scheme"):
+        raise ConfigError(f"{where}: compressed-tensors with no config_groups and no kv_cache_scheme quantizes "
+                          "nothing; remove quantization_config for 16-bit weights, or fix the config")
+    return True
+
+
+def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme | None:
     fmt = quant.get("format")
-    if fmt not in ("float-quantized", "naive-quantized", None):
+    if fmt not in ("float-quantized", "naive-quantized", "dense", None):
         raise ConfigError(f"{where}: compressed-tensors format {_show(fmt)} is not supported; kvfit runs "
                           "float-quantized (FP8) compressed-tensors checkpoints")
     sparsity = quant.get("sparsity_config") or {}
     if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
         raise ConfigError(f"{where}: compressed-tensors sparsity ({_show(sparsity.get('format'))}) is not "
                           "supported; kvfit runs dense FP8 weights")
+    if kv_cache_only(quant, where):
+        return None
+    if fmt == "dense":                  # weights saved decompressed: 16-bit values and no FP8 weights to read
+        raise ConfigError(f"{where}: compressed-tensors format 'dense' stores its quantized weights decompressed, "
+                          "which kvfit does not run; save the model compressed (float-quantized)")
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{where}: compressed-tensors needs 'config_groups' (a JSON object of schemes)")
@@ -142,8 +187,7 @@ def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme:
     strategy, block, activation = schemes.pop()
     _check_transforms(quant.get("transform_config"), where)
     return Fp8Scheme(method="compressed-tensors", weight_strategy=strategy, activation=activation, block_size=block,
-                     ignore=_ignore_list(quant.get("ignore"), "ignore", where),
-                     kv_cache_scheme=bool(quant.get("kv_cache_scheme")))
+                     ignore=_ignore_list(quant.get("ignore"), "ignore", where))
 
 
 def _check_transforms(transforms, where: str) -> None:

@@ -138,3 +138,74 @@ def test_a_kv_cache_scheme_without_scale_tensors_is_said(loud_model, tmp_path, c
     with caplog.at_level(logging.INFO, logger="kvfit"):
         LLM(folder, device="cpu", kv_cache_dtype="fp8").shutdown()
     assert "KV cache scales of 2 of 2 attention layers read from the checkpoint" in caplog.text
+
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def _kv_only_copy(source: str, folder, groups) -> str:
+    """source (16-bit weights) with k/v scales and a compressed-tensors config that quantizes the KV cache alone,
+    as llm-compressor writes it (no config groups, or a group that targets nothing)."""
+    import shutil
+    shutil.copytree(source, folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for layer in {n.split(".self_attn.")[0] for n in tensors if ".self_attn." in n}:
+        tensors[f"{layer}.self_attn.k_scale"] = torch.tensor(30.0)
+        tensors[f"{layer}.self_attn.v_scale"] = torch.tensor(30.0)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": groups,
+                                     "ignore": [], "kv_cache_scheme": KV_SCHEME, "quantization_status": "frozen"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("groups", [{}, {"group_0": {"targets": []}}])
+def test_a_kv_cache_only_checkpoint_loads_16_bit_weights_and_its_scales(loud_model, reference, tmp_path, groups):
+    """compressed-tensors' KV-cache-only export: the weights are the 16-bit ones (outputs equal over a 16-bit
+    cache), and an fp8 cache uses the checkpoint's scales (close to the fp32 cache; scale 1.0 is not)."""
+    folder = _kv_only_copy(loud_model, tmp_path / "kv-only", groups)
+    from kvfit.model_facts import load_model_facts
+    facts = load_model_facts(folder)
+    assert facts.quantization is None and facts.kv_cache_scales
+    assert _max_diff(_prompt_logprobs(folder), reference) < 1e-5
+    unscaled = _max_diff(_prompt_logprobs(loud_model, kv_cache_dtype="fp8"), reference)
+    scaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), reference)
+    assert scaled < 0.25 < unscaled
+
+
+@pytest.mark.parametrize("scheme, message", [
+    (dict(KV_SCHEME, type="int"), "8-bit 'int' KV cache quantization is not supported"),
+    (dict(KV_SCHEME, num_bits=4), "4-bit 'float' KV cache quantization is not supported"),
+    (dict(KV_SCHEME, dynamic=True), "static symmetric k/v scales"),
+    (dict(KV_SCHEME, strategy="channel"), "static symmetric k/v scales"),
+    ("fp8", "kv_cache_scheme must be a JSON object")])
+def test_a_kv_cache_scheme_kvfit_cannot_honour_is_refused(scheme, message):
+    from kvfit.quant_scheme import declares_kv_cache_scales, parse_quantization_config
+    quant = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": scheme}
+    with pytest.raises(ConfigError, match=message) as error:
+        declares_kv_cache_scales(quant)
+    assert "\n" not in str(error.value)
+    assert parse_quantization_config(quant) is None          # the weights: 16-bit either way
+    assert declares_kv_cache_scales(dict(quant, kv_cache_scheme=None)) is False
+
+
+def test_a_compressed_tensors_config_that_quantizes_nothing_is_refused():
+    from kvfit.quant_scheme import parse_quantization_config
+    for groups in ({}, {"group_0": {"targets": []}}):
+        with pytest.raises(ConfigError, match="quantizes nothing"):
+            parse_quantization_config({"quant_method": "compressed-tensors", "config_groups": groups})
+
+
+def test_dense_format_is_read_only_for_a_kv_cache_only_config():
+    from kvfit.quant_scheme import parse_quantization_config
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}
+    with pytest.raises(ConfigError, match="format 'dense' stores its quantized weights decompressed"):
+        parse_quantization_config({"quant_method": "compressed-tensors", "format": "dense",
+                                   "config_groups": {"group_0": group}})
+    assert parse_quantization_config({"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                      "kv_cache_scheme": KV_SCHEME}) is None

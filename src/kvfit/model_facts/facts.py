@@ -50,6 +50,7 @@ class ModelFacts:
     rope: RopeConfig | None = None
     # FP8 weights (the checkpoint's quantization_config, or --quantization fp8); None: 16-bit weights
     quantization: Fp8Scheme | None = None
+    kv_cache_scales: bool = False    # quantization_config's kv_cache_scheme: the checkpoint carries fp8 k/v scales
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

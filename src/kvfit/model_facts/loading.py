@@ -14,7 +14,7 @@ from kvfit.model_facts.architectures import FamilyRules, architecture_of_config,
 from kvfit.model_facts.facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
 from kvfit.model_facts.fields import read_config_json, read_field, read_positive_int
 from kvfit.model_facts.rope import rope_config_from_raw
-from kvfit.quant_scheme import parse_quantization_config, resolve_scheme
+from kvfit.quant_scheme import declares_kv_cache_scales, parse_quantization_config, resolve_scheme
 
 # Bounds far past any published model (widest hidden size about 25,600, intermediate about 53,248, vocabularies about
 # 1M, depth about 200): a config past one is corrupt, and planning it would report millions of GiB of weights as if
@@ -80,13 +80,15 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         quant_key = "compression_config"
         quant = read_field(cfg, quant_key, "object", source, default={})
     scheme = parse_quantization_config(quant, source, quant_key)      # its errors name the key the file has
+    kv_cache_scales = declares_kv_cache_scales(quant, source, quant_key)
     weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch.name, family=arch.model_type, num_layers=layers, hidden_size=hidden,
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
-        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme, raw=dict(cfg),
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme,
+        kv_cache_scales=kv_cache_scales, raw=dict(cfg),
         **_structure(arch.rules, cfg, source))
     num_params = count_parameters(facts, cfg, source)
     if num_params > MAX_NUM_PARAMS:

@@ -53,16 +53,16 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         finalize_quantized(model)
         if facts.quantization is not None:
             logger.info("weights: %s", facts.quantization.describe())
-            if facts.quantization.kv_cache_scheme and files is not None:
-                layers = kv_scale_layers(model)
-                loaded = sum(layer.loaded for layer in layers)
-                if loaded:
-                    logger.info("KV cache scales of %d of %d attention layers read from the checkpoint "
-                                "(kv_cache_scheme): an fp8 KV cache (--kv-cache-dtype fp8) uses them, a 16-bit one "
-                                "does not need them", loaded, len(layers))
-                else:
-                    logger.warning("config.json declares a kv_cache_scheme but the checkpoint holds no k/v scale "
-                                   "tensors: an fp8 KV cache would use scale 1.0 (add --calculate-kv-scales)")
+        if facts.kv_cache_scales and files is not None:
+            layers = kv_scale_layers(model)
+            loaded = sum(layer.loaded for layer in layers)
+            if loaded:
+                logger.info("KV cache scales of %d of %d attention layers read from the checkpoint "
+                            "(kv_cache_scheme): an fp8 KV cache (--kv-cache-dtype fp8) uses them, a 16-bit one "
+                            "does not need them", loaded, len(layers))
+            else:
+                logger.warning("config.json declares a kv_cache_scheme but the checkpoint holds no k/v scale "
+                               "tensors: an fp8 KV cache would use scale 1.0 (add --calculate-kv-scales)")
     except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
         # past int64 is a TypeError from torch.empty
         if not _is_allocation_failure(exc):
