@@ -19,6 +19,11 @@ to FP8 at load (`--quantization fp8`):
 Activations quantized dynamically are quantized per token in every scheme without blocks (vLLM's "fp8" method,
 and compressed-tensors' dynamic `strategy: tensor`, quantize them per tensor; per token is what the per-channel
 GEMM takes and is at least as accurate).
+- ModelOpt (`quant_method: "modelopt"` in config.json, or hf_quant_config.json's `quantization` as NVIDIA's older
+  exports write it): `quant_algo` FP8 (per-tensor `weight_scale` and static `input_scale`) or
+  FP8_PER_CHANNEL_PER_TOKEN (`weight_scale` [N], dynamic per token); `exclude_modules` / `ignore` are wildcards
+  (fnmatch, as ModelOpt writes them); `kv_cache_quant_algo` FP8 means k/v scales in the checkpoint. NVFP4, MXFP8
+  and the block weight-only FP8_PB_WO are refused.
 A compressed-tensors config that quantizes only the KV cache (`kv_cache_scheme` without weight groups) leaves the
 weights 16-bit and its k/v scales are read (models/kv_scales.py); a kv_cache_scheme kvfit cannot honour (integer,
 dynamic, per channel) is refused, as vLLM refuses it.
@@ -28,13 +33,18 @@ a checkpoint kvfit cannot run correctly is never loaded as if it were 16-bit.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
 from kvfit.errors import ConfigError
 
 DUMMY_INPUT_SCALE = 1.0 / 64     # dummy weights with static FP8 activations: |x| up to 7 before clipping
-QUANTIZATION_METHODS = ("fp8",)              # --quantization values (vLLM's name)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")   # --quantization values (vLLM's names)
+ONLINE_METHODS = ("fp8",)                    # of those, what quantizes a 16-bit checkpoint at load
+MODELOPT_ALGOS = {"FP8": ("tensor", "static"),                  # ModelOpt quant_algo -> (weights, activations)
+                  "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "token")}
+MODELOPT_FILE = "hf_quant_config.json"       # where older ModelOpt exports declare their quantization
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_MODES = ("token", "group", "static")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
@@ -107,8 +117,10 @@ def parse_quantization_config(quant: dict, source: str = "config.json", key: str
         return _compressed_tensors(quant, where)
     if method.lower() == "fp8":
         return _fp8_method(quant, where)
+    if method.lower() == "modelopt":
+        return _modelopt(quant, where)
     raise ConfigError(f"{where}: quant_method {_show(method)} is not supported; kvfit runs FP8 checkpoints "
-                      "(compressed-tensors float8, or fp8) and --quantization fp8 on 16-bit ones")
+                      "(compressed-tensors float8, fp8, or ModelOpt FP8) and --quantization fp8 on 16-bit ones")
 
 
 def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, source: str = "config.json"
@@ -120,6 +132,9 @@ def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, sourc
     if quantization not in QUANTIZATION_METHODS:
         raise ConfigError(f"--quantization {quantization!r} is not supported; use fp8 (or leave it out)")
     if checkpoint is None:
+        if quantization not in ONLINE_METHODS:
+            raise ConfigError(f"--quantization {quantization} reads a {quantization} checkpoint, and {source} declares "
+                              "none; use --quantization fp8 to quantize 16-bit weights at load")
         return ONLINE_FP8
     if checkpoint.method != quantization:
         raise ConfigError(f"--quantization {quantization} does not match the checkpoint's quant_method "
@@ -131,10 +146,18 @@ def declares_kv_cache_scales(quant: dict, source: str = "config.json", key: str 
     """Whether the quantization_config's kv_cache_scheme says the checkpoint carries fp8 k/v cache scales; a
     scheme kvfit cannot honour (integer, dynamic, per channel or per token) is a one-line ConfigError, as vLLM
     refuses it."""
+    where = f"{source} {key}".rstrip()
+    nested = (quant or {}).get("quantization")
+    if str((quant or {}).get("quant_method", "")).lower() == "modelopt" and isinstance(nested, dict):
+        algo = nested.get("kv_cache_quant_algo")           # hf_quant_config.json's form: a name, FP8 or none
+        if algo is not None and str(algo).upper() != "FP8":
+            raise ConfigError(f"{where}: ModelOpt kv_cache_quant_algo {_show(algo)} is not supported; kvfit "
+                              "runs an fp8 KV cache (FP8), or leave it out")
+        return algo is not None
     scheme = (quant or {}).get("kv_cache_scheme")
     if not scheme:
         return False
-    where = f"{source} {key} kv_cache_scheme"
+    where = f"{where} kv_cache_scheme"
     if not isinstance(scheme, dict):
         raise ConfigError(f"{where} must be a JSON object (num_bits, type, strategy), got {_show(scheme)}")
     if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
@@ -270,6 +293,31 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
     return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
                      scale_name="weight_scale_inv", ignore=ignore)
+
+
+def _modelopt(quant: dict, where: str) -> Fp8Scheme | None:
+    """ModelOpt's two spellings: config.json's flat {quant_algo, ignore, kv_cache_scheme} and hf_quant_config.json's
+    {quantization: {quant_algo, kv_cache_quant_algo, exclude_modules}}."""
+    nested = quant.get("quantization")
+    if nested is not None and not isinstance(nested, dict):
+        raise ConfigError(f"{where}: ModelOpt 'quantization' must be a JSON object, got {_show(nested)}")
+    inner, ignore_key = (nested, "exclude_modules") if nested is not None else (quant, "ignore")
+    algo = inner.get("quant_algo")
+    if algo is None:
+        if declares_kv_cache_scales(quant, where, ""):
+            return None                  # the KV cache alone: 16-bit weights, k/v scales read
+        raise ConfigError(f"{where}: ModelOpt config without quant_algo quantizes nothing; remove it for 16-bit "
+                          "weights, or fix the config")
+    strategy = MODELOPT_ALGOS.get(str(algo).upper())
+    if strategy is None:
+        raise ConfigError(f"{where}: ModelOpt quant_algo {_show(algo)} is not supported; kvfit runs ModelOpt "
+                          f"{' and '.join(MODELOPT_ALGOS)} (no NVFP4, MXFP8 or FP8_PB_WO)")
+    names = inner.get(ignore_key) or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"{where}: {ignore_key!r} must be a list of module names, got {_show(names)}")
+    ignore = tuple(f"re:{fnmatch.translate(name)}" if any(c in name for c in "*?[") else name for name in names)
+    return Fp8Scheme(method="modelopt", weight_strategy=strategy[0], activation=strategy[1],
+                     ignore=_ignore_list(list(ignore), ignore_key, where))
 
 
 def _ignore_list(value, key: str, where: str) -> tuple[str, ...]:

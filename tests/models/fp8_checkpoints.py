@@ -79,13 +79,15 @@ def write_fp8_copy(src: str, dst, fmt: str, block=(128, 128), skip=()) -> tuple[
     return fp8_dir, ref_dir
 
 
-def fake_quant_hooks(hf_model, fmt: str, block=(128, 128)) -> list:
+def fake_quant_hooks(hf_model, fmt: str, block=(128, 128), skip=()) -> list:
     """Forward pre-hooks on hf_model's quantized nn.Linear layers that quantize their input as kvfit's FP8 GEMM
-    does (per token, per token and block group, or static), so the fp32 reference computes kvfit's numbers."""
+    does (per token, per token and block group, or static), so the fp32 reference computes kvfit's numbers;
+    names matching `skip` are left alone (write_fp8_copy's skip)."""
     from kvfit.kernels.fp8 import Fp8Weight, dequantize_activations, quantize_activations
     handles = []
     for name, module in hf_model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or not LINEAR.fullmatch(f"{name}.weight"):
+        if not isinstance(module, torch.nn.Linear) or not LINEAR.fullmatch(f"{name}.weight") \
+                or any(s in name for s in skip):
             continue
         probe = Fp8Weight(torch.empty(0), torch.empty(0), block if fmt == "block" else None,
                           torch.tensor([STATIC_INPUT_SCALE]) if fmt == "ct-static" else None)

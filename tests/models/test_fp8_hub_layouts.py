@@ -66,6 +66,12 @@ HUB = {
                        "ct-static"),
     "autofp8-dynamic": ({"activation_scheme": "dynamic", "ignored_layers": ["lm_head"], "quant_method": "fp8"},
                         "ct-tensor"),
+    # nvidia/*-FP8 (ModelOpt): per tensor, static per tensor, 0-dim scales; wildcard exclude patterns
+    "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "*.mlp.gate"],
+                      "kv_cache_scheme": None, "producer": {"name": "modelopt", "version": "0.35.0"}}, "ct-static"),
+    # ModelOpt's per-channel weights ([N] scales), dynamic per-token activations
+    "modelopt-pcpt": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": ["lm_head"]},
+                      "ct-channel"),
 }
 SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -78,8 +84,8 @@ def _hub_copy(src: str, dst, layout: str, scale_dtype=torch.bfloat16, flat: bool
     tensors = load_file(path)
     for name in [n for n in tensors if n.endswith(SCALE_NAMES)]:
         scale = tensors.pop(name).to(scale_dtype)
-        if layout.startswith("autofp8"):
-            scale = scale.reshape(())                          # AutoFP8 saves per-tensor scales 0-dim
+        if layout.startswith(("autofp8", "modelopt-fp8")):
+            scale = scale.reshape(())                          # AutoFP8, ModelOpt save per-tensor scales 0-dim
         elif flat and scale.shape[-1:] == (1,):
             scale = scale.reshape(-1)                          # per-channel [N] (some compressed-tensors versions)
         if layout.startswith("ct-") and name.endswith("_inv"):
@@ -119,11 +125,11 @@ def _logits(folder: str, quantization: str | None = None):
         return model.compute_logits(model(input_ids, positions, None, meta)), tokens
 
 
-def _reference(folder: str, tokens, layout: str, experts: bool = False) -> torch.Tensor:
+def _reference(folder: str, tokens, layout: str, experts: bool = False, skip=()) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     fmt = HUB[layout][1]
-    fake_quant_hooks(hf, fmt)
+    fake_quant_hooks(hf, fmt, skip=skip)
     if experts:
         assert fake_quant_experts(hf, fmt) > 0
     return hf_logits(hf, tokens)
@@ -146,7 +152,8 @@ def tiny(tmp_path_factory):
     ("ct-fp8-static", "llama", torch.bfloat16, False), ("ct-fp8-block", "qwen3", torch.bfloat16, False),
     ("fp8-block", "qwen3", torch.float16, False), ("fp8-block", "tied", torch.bfloat16, False),
     ("fp8-block-minimax", "llama", torch.float32, False), ("autofp8-static", "llama", torch.float32, False),
-    ("autofp8-dynamic", "tied", torch.float32, False)])
+    ("autofp8-dynamic", "tied", torch.float32, False), ("modelopt-fp8", "llama", torch.float32, False),
+    ("modelopt-pcpt", "qwen3", torch.float32, True)])
 def test_hub_layouts_load_like_the_dequantized_reference(tiny, layout, arch, scale_dtype, flat):
     root, src = tiny
     fp8, deq = _hub_copy(src[arch], root / f"{layout}-{arch}-{flat}", layout, scale_dtype, flat)
@@ -223,12 +230,6 @@ def _int4_tensors(folder: str, awq: bool) -> None:
 def _declared_elsewhere(tiny, name: str) -> str:
     """A checkpoint whose quantization is declared outside config.json's quantization_config, as the Hub has them."""
     root, src = tiny
-    if name == "hf_quant_config.json":          # ModelOpt FP8: per-tensor FP8, config.json without quantization_config
-        fp8, _ = _hub_copy(src["llama"], root / name, "autofp8-static")
-        _edit_config(fp8, lambda config: config.pop("quantization_config"))
-        _write_json(fp8, name, {"producer": {"name": "modelopt", "version": "0.19.0"},
-                                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}})
-        return fp8
     folder = str(root / name)
     shutil.copytree(src["llama"], folder)
     _int4_tensors(folder, awq=name == "quant_config.json")
@@ -253,7 +254,6 @@ def _edit_config(folder: str, edit) -> None:
 @pytest.mark.parametrize("name,message", [
     ("quantize_config.json", r"quantize_config.json declares quantized weights \(quant_method 'gptq'\)"),
     ("quant_config.json", r"quant_config.json declares quantized weights \(4-bit\)"),
-    ("hf_quant_config.json", r"hf_quant_config.json declares quantized weights \(modelopt FP8\)"),
 ])
 def test_quantization_declared_outside_quantization_config_is_named(tiny, name, message):
     """These failed as 'missing tensor ...q_proj.weight' or 'restore the checkpoint's config.json' (it is as
@@ -283,3 +283,83 @@ def test_a_stray_quantization_file_beside_16_bit_weights_is_not_an_error(tiny):
     _write_json(folder, "quantize_config.json", {"bits": 4, "quant_method": "gptq"})
     got, _ = _logits(folder)
     assert torch.equal(got, _logits(src["llama"])[0])
+
+
+def _modelopt_file_copy(tiny, dst, quantization: dict) -> tuple[str, str]:
+    """NVIDIA's older ModelOpt export: FP8 tensors, config.json without quantization_config, hf_quant_config.json."""
+    fp8, deq = _hub_copy(tiny[1]["llama"], dst, "modelopt-fp8")
+    _edit_config(fp8, lambda config: config.pop("quantization_config"))
+    _write_json(fp8, "hf_quant_config.json", {"producer": {"name": "modelopt", "version": "0.19.0"},
+                                              "quantization": quantization})
+    return fp8, deq
+
+
+def test_modelopt_declared_in_hf_quant_config_json_loads(tiny, tmp_path):
+    """It was refused ('declares quantized weights (modelopt FP8)'); vLLM reads the file, and so does kvfit: the
+    same logits as the dequantized reference; --quantization modelopt names it, fp8 contradicts it."""
+    fp8, deq = _modelopt_file_copy(tiny, tmp_path, {"quant_algo": "FP8", "kv_cache_quant_algo": None,
+                                                           "exclude_modules": ["lm_head"]})
+    scheme = load_model_facts(fp8).quantization
+    assert (scheme.method, scheme.weight_strategy, scheme.activation) == ("modelopt", "tensor", "static")
+    got, tokens = _logits(fp8)
+    _assert_matches(got, _reference(deq, tokens, "modelopt-fp8"))
+    assert torch.equal(_logits(fp8, "modelopt")[0], got)
+    with pytest.raises(ConfigError, match="does not match the checkpoint's quant_method 'modelopt'"):
+        _logits(fp8, "fp8")
+
+
+@pytest.mark.parametrize("quantization,message", [
+    ({"quant_algo": "NVFP4", "kv_cache_quant_algo": None}, r"ModelOpt quant_algo 'NVFP4' is not supported"),
+    ({"quant_algo": "FP8_PB_WO"}, r"ModelOpt quant_algo 'FP8_PB_WO' is not supported"),
+    ({"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}, r"kv_cache_quant_algo 'NVFP4' is not supported"),
+    ({"quant_algo": None, "kv_cache_quant_algo": None}, r"quantizes nothing"),
+    ({"quant_algo": "FP8", "exclude_modules": "lm_head"}, r"'exclude_modules' must be a list")])
+def test_modelopt_schemes_kvfit_cannot_run_are_named(tiny, tmp_path, quantization, message):
+    fp8, _ = _modelopt_file_copy(tiny, tmp_path, quantization)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_model_facts(fp8)
+    assert "\n" not in str(info.value)
+
+
+def test_modelopt_exclude_wildcards_keep_their_layers_16_bit(tiny):
+    """ModelOpt writes exclude_modules as fnmatch wildcards ('model.layers.0.self_attn*'): those layers load
+    16-bit, the others FP8, and the model equals the reference with exactly those layers dequantized."""
+    from fp8_checkpoints import write_fp8_copy
+    root, src = tiny
+    fp8, _ = write_fp8_copy(src["llama"], root / "modelopt-wild", "ct-static", skip=("layers.0.self_attn",))
+    _edit_config(fp8, lambda config: config.update(quantization_config={
+        "quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "model.layers.0.self_attn*"]}))
+    scheme = load_model_facts(fp8).quantization
+    assert not scheme.quantizes("model.layers.0.self_attn.q_proj") and not scheme.quantizes("lm_head")
+    assert scheme.quantizes("model.layers.1.self_attn.q_proj") and scheme.quantizes("model.layers.0.mlp.up_proj")
+    tensors = load_file(os.path.join(fp8, "model.safetensors"))
+    got, tokens = _logits(fp8)
+    deq = _dequantized(fp8, str(root / "modelopt-wild-deq"), tensors, None)
+    _assert_matches(got, _reference(deq, tokens, "modelopt-fp8", skip=("layers.0.self_attn",)))
+
+
+def test_a_modelopt_kv_cache_only_export_loads_its_16_bit_weights(tiny):
+    """hf_quant_config.json with quant_algo null and kv_cache_quant_algo FP8: the weights are 16-bit and the
+    config declares k/v scales (models/kv_scales.py reads them)."""
+    root, src = tiny
+    folder = str(root / "modelopt-kv-only")
+    shutil.copytree(src["llama"], folder)
+    _write_json(folder, "hf_quant_config.json", {"producer": {"name": "modelopt"},
+                                                 "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}})
+    facts = load_model_facts(folder)
+    assert facts.quantization is None and facts.kv_cache_scales
+    assert torch.equal(_logits(folder)[0], _logits(src["llama"])[0])
+
+
+def test_quantization_names_a_checkpoint_method_as_vllm_does(tiny):
+    """--quantization compressed-tensors / modelopt name an FP8 checkpoint's method (vLLM's values); on a 16-bit
+    checkpoint they are refused (only fp8 quantizes at load), never taken as online fp8."""
+    root, src = tiny
+    fp8, _ = _hub_copy(src["llama"], root / "ct-named", "ct-fp8-dynamic")
+    assert load_model_facts(fp8, "compressed-tensors").quantization == load_model_facts(fp8).quantization
+    with pytest.raises(ConfigError, match="does not match the checkpoint's quant_method 'compressed-tensors'"):
+        load_model_facts(fp8, "modelopt")
+    for method in ("compressed-tensors", "modelopt"):
+        with pytest.raises(ConfigError, match=f"--quantization {method} reads a {method} checkpoint") as info:
+            load_model_facts(src["llama"], method)
+        assert "--quantization fp8" in str(info.value)

@@ -223,7 +223,8 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None,
                    help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output channel, "
-                        "activations per token; default: the checkpoint's own, e.g. an FP8 checkpoint's)")
+                        "activations per token); fp8, compressed-tensors or modelopt on an FP8 checkpoint: its "
+                        "quant_method (default: the checkpoint's own)")
     p.add_argument("--attention-backend", default=None, help="torch or triton (default: the platform's)")
 
 

@@ -14,7 +14,8 @@ from kvfit.model_facts.architectures import FamilyRules, architecture_of_config,
 from kvfit.model_facts.facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
 from kvfit.model_facts.fields import read_config_json, read_field, read_positive_int
 from kvfit.model_facts.rope import rope_config_from_raw
-from kvfit.quant_scheme import declares_kv_cache_scales, parse_quantization_config, resolve_scheme
+from kvfit.quant_scheme import (MODELOPT_FILE, declares_kv_cache_scales, parse_quantization_config,
+                                resolve_scheme)
 
 # Bounds far past any published model (widest hidden size about 25,600, intermediate about 53,248, vocabularies about
 # 1M, depth about 200): a config past one is corrupt, and planning it would report millions of GiB of weights as if
@@ -144,11 +145,24 @@ def load_model_facts(model: str, quantization: str | None = None) -> ModelFacts:
     return with_quantization(_load_model_facts(model), quantization)
 
 
+def _with_modelopt_file(cfg: dict, folder: str) -> dict:
+    """cfg with the quantization NVIDIA's older ModelOpt exports declare in hf_quant_config.json (as vLLM reads
+    it) where config.json declares none."""
+    path = os.path.join(folder, MODELOPT_FILE)
+    if not isinstance(cfg, dict) or cfg.get("quantization_config") or cfg.get("compression_config") \
+            or not os.path.isfile(path):
+        return cfg
+    declared = read_config_json(path)
+    if not isinstance(declared.get("quantization"), dict):
+        return cfg                       # not ModelOpt's form: the loader names it if the weights need it
+    return dict(cfg, quantization_config={"quant_method": "modelopt", "quantization": declared["quantization"]})
+
+
 def _load_model_facts(model: str) -> ModelFacts:
     from kvfit import catalog
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
-        return facts_from_config(read_config_json(path), path)
+        return facts_from_config(_with_modelopt_file(read_config_json(path), model), path)
     if os.path.isfile(model) or model.endswith(".json"):
         return facts_from_config(read_config_json(model), model)
     if os.sep in model or model.startswith("."):
