@@ -363,3 +363,14 @@ def test_quantization_names_a_checkpoint_method_as_vllm_does(tiny):
         with pytest.raises(ConfigError, match=f"--quantization {method} reads a {method} checkpoint") as info:
             load_model_facts(src["llama"], method)
         assert "--quantization fp8" in str(info.value)
+
+
+def test_modelopt_fp8_experts_load_with_their_static_scales(tmp_path):
+    """nvidia's ModelOpt FP8 MoE exports: every expert's gate/up/down with 0-dim weight_scale and input_scale, the
+    router left out by a wildcard; the experts read their scales as the static FP8 experts do."""
+    src = make_tiny_model(tmp_path, arch="qwen3_moe")
+    fp8, deq = _hub_copy(src, tmp_path / "qwen3-moe", "modelopt-fp8")
+    assert load_file(os.path.join(fp8, "model.safetensors"))[
+        "model.layers.0.mlp.experts.0.gate_proj.input_scale"].dim() == 0
+    got, tokens = _logits(fp8)
+    _assert_matches(got, _reference(deq, tokens, "modelopt-fp8", experts=True))
