@@ -253,3 +253,30 @@ def test_workers_exit_when_the_server_is_killed(tiny_llama, tmp_path):
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)
+
+
+SLOW_BRANCH = "{% if slow %}{% for i in range(400) %}{% for j in range(400) %}{% endfor %}{% endfor %}{% endif %}"
+LOOP_BRANCH = ("{% if loop_forever %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+               "{% endif %}")
+
+
+def test_a_chat_template_that_runs_long_on_a_thread_is_rendered_in_a_worker(engine):
+    """A template past THREAD_RENDER_CPU_SECONDS on a prepare thread held the server's GIL for its whole run
+    (a 2 s loop held streams 100-350 ms at a time): it is stopped there and rendered in a worker, with the
+    same result; an ordinary chat starts no worker; one past the full bound is still a one-line 400."""
+    from tiny_models import CHAT_TEMPLATE
+    template = SLOW_BRANCH + LOOP_BRANCH + CHAT_TEMPLATE
+    with running_server(engine, MODEL, prepare_processes=1, chat_template=template) as (url, app):
+        pool = app.state.kvfit.prepare_pool
+        fast = httpx.post(f"{url}/v1/chat/completions", json=chat(temperature=0), timeout=60)
+        assert fast.status_code == 200 and pool.worker_pids() == []
+        slow = httpx.post(f"{url}/v1/chat/completions", json=chat(temperature=0, chat_template_kwargs={"slow": True}),
+                          timeout=60)
+        assert slow.status_code == 200, slow.text
+        assert len(pool.worker_pids()) == 1
+        assert slow.json()["usage"] == fast.json()["usage"]
+        assert slow.json()["choices"][0]["message"] == fast.json()["choices"][0]["message"]
+        looping = httpx.post(f"{url}/v1/chat/completions", json=chat(chat_template_kwargs={"loop_forever": True}),
+                             timeout=60)
+        assert looping.status_code == 400 and "CPU time" in openai_error(looping)["message"]
+        assert "\n" not in openai_error(looping)["message"]

@@ -38,11 +38,13 @@ from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.params import NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, completion_inputs
 from kvfit.server.prepare import (INLINE_BODY_BYTES, PrepareContext, Prepared, check_model, finish_request,
                                   needs_finishing, no_tokenizer_error, parse_request, prepare_request)
-from kvfit.server.prepare_pool import LARGE_BODY_BYTES, PreparePool, default_num_processes
+from kvfit.server.prepare_pool import (LARGE_BODY_BYTES, THREAD_RENDER_CPU_SECONDS, PreparePool,
+                                      default_num_processes)
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, sse)
 from kvfit.server.responses import ResponseBuilder, usage
 from kvfit.server.tools import NO_TOOLS, ToolOptions, apply_tools
+from kvfit.text.chat_template import RenderOnProcess, thread_share
 from kvfit.version import __version__
 
 logger = logging.getLogger("kvfit")
@@ -262,8 +264,13 @@ async def _prepare(request: Request, state: ServerState, model_class) -> Prepare
             return Prepared(body)
         return await state.engine.prepare(finish_request, body, model_class, state.prepare_context,
                                           state.engine.tokenizer, state.template_variables)
-    return await state.engine.prepare(prepare_request, raw, model_class, state.prepare_context,
-                                      state.engine.tokenizer, state.template_variables)
+    args = (raw, model_class, state.prepare_context, state.engine.tokenizer, state.template_variables)
+    if state.prepare_pool is None:
+        return await state.engine.prepare(prepare_request, *args)
+    try:        # a chat template that runs long on a thread holds this process's GIL: it goes on in a worker
+        return await state.engine.prepare(thread_share, THREAD_RENDER_CPU_SECONDS, prepare_request, *args)
+    except RenderOnProcess:
+        return await state.prepare_pool.prepare(raw, model_class)
 
 
 def _prepare_pool(engine: ServingEngine, context: PrepareContext, num_processes: int) -> PreparePool | None:

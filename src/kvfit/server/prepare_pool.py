@@ -5,10 +5,14 @@ process's GIL, which the event loop (/health, every stream) and the engine threa
 Threads are not enough: json.loads of 1 MB, pydantic's validation and jinja's rendering hold the
 GIL for tens of milliseconds at a time, and four such bodies kept /health waiting 150-240 ms.
 Small bodies (up to LARGE_BODY_BYTES) stay on the prepare threads: no inter-process hop for the
-requests almost every client sends.
+requests almost every client sends; one whose chat template runs past THREAD_RENDER_CPU_SECONDS there is
+stopped and prepared again here.
 
 Workers are started with `spawn` (never fork: the server has threads and may hold CUDA), on the
-first large body (a server that never gets one starts none); each loads the model's tokenizer from
+first large body (a server that never gets one starts none), at nice WORKER_NICENESS: when the CPUs are
+busy, a body's preparation waits rather than the streams (a 2 s chat template in a worker at nice 0 held
+streams 74-130 ms at a time on 2 cores, at nice 10 42-111 ms, while the stream ran 2x as many events);
+each loads the model's tokenizer from
 its folder once, ignores SIGINT (a Ctrl-C reaches the whole process group; the server stops them)
 and exits when the server process is gone. A worker that dies fails the requests it held with an
 internal error (500) and the pool is replaced; the server goes on serving.
@@ -33,7 +37,11 @@ from kvfit.server.protocol import APIError
 logger = logging.getLogger("kvfit")
 
 LARGE_BODY_BYTES = 64 * 1024      # bodies over this are prepared in a worker process
+# and so is a chat whose template runs past this much CPU time on a prepare thread (text/chat_template.py's
+# thread_share): a 25,000-message chat renders in about 0.1 s, an ordinary one in well under a millisecond
+THREAD_RENDER_CPU_SECONDS = 0.02
 MAX_PREPARE_PROCESSES = 4
+WORKER_NICENESS = 10              # workers run at a lower CPU priority than the server and the engine core
 PARENT_CHECK_SECONDS = 1.0        # how often a worker checks that the server process is still there
 SHUTDOWN_GRACE_SECONDS = 2.0      # then workers still busy are killed
 
@@ -73,6 +81,10 @@ _worker: dict = {}
 
 def _init_worker(model_path: str | None, context: PrepareContext, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.nice(WORKER_NICENESS)       # a body's preparation yields the CPU to the streams and the engine
+    except OSError:
+        pass
     from kvfit.text.tokenizer import load_tokenizer
     capture = _LogCapture()
     log = logging.getLogger("kvfit")

@@ -7,6 +7,11 @@ a loop is stopped where it runs), MAX_RENDERED_CHARS of output, and no single op
 value past MAX_RENDERED_CHARS (`'a' * n`, `x ** n`, a filter or method given a huge width or count).
 Past a bound, a recursing macro, an include/import (kvfit loads no other templates) or any error the
 template raises is a RequestError (a 400) saying what happened, never a hung prepare thread or a 500.
+
+A rendering on a thread of a process that also runs an event loop holds that process's GIL: a template that
+runs long there slows every stream (a 2 s loop held streams 100-350 ms at a time on 2 cores). Inside
+`thread_share(seconds, fn, ...)` a rendering past `seconds` of CPU time stops with RenderOnProcess, and the
+server prepares the request again in a worker process (server/prepare_pool.py), where the full bound applies.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 import json
 import re
 import sys
+import threading
 import time
 from datetime import datetime
 
@@ -30,6 +36,23 @@ _DIGIT_RUNS = re.compile(r"\d+")
 
 class TemplateBudgetError(Exception):
     """A rendering went past one of this module's bounds."""
+
+
+class RenderOnProcess(Exception):
+    """A rendering inside thread_share ran past the thread's share of CPU time: render it in a process."""
+
+
+_thread = threading.local()         # share: CPU seconds a rendering on this thread may take (thread_share)
+
+
+def thread_share(cpu_seconds: float, fn, *args):
+    """fn(*args) with every chat template it renders on this thread stopped after cpu_seconds of CPU time
+    (RenderOnProcess) instead of MAX_RENDER_CPU_SECONDS."""
+    _thread.share = cpu_seconds
+    try:
+        return fn(*args)
+    finally:
+        _thread.share = None
 
 
 def _check_size(what: str, size: int) -> None:
@@ -249,7 +272,7 @@ def _render_bounded(template, variables: dict) -> str:
     """template rendered with variables (one dict: a kwarg named like render's own parameters is just a
     variable) within this module's bounds; every way it fails is a one-line RequestError."""
     import jinja2
-    budget = _Budget(MAX_RENDER_CPU_SECONDS)
+    budget = _Budget(MAX_RENDER_CPU_SECONDS, getattr(_thread, "share", None))
     previous = sys.gettrace()
     sys.settrace(budget.trace)
     try:
@@ -267,6 +290,8 @@ def _render_bounded(template, variables: dict) -> str:
                            "templates; inline it into the chat template") from None
     except jinja2.TemplateError as exc:
         raise RequestError(f"the chat template rejected these messages: {_one_line(exc)}") from None
+    except RenderOnProcess:
+        raise
     except RecursionError:
         raise RequestError("the chat template recursed too deeply rendering these messages (a macro or a recursive "
                            "loop that does not end); the template must be fixed") from None
@@ -283,11 +308,13 @@ def _one_line(exc: BaseException) -> str:
 
 class _Budget:
     """A per-thread trace hook that stops a template running past its CPU time: it traces only the template's
-    own frames, and reads the clock every _STEPS_PER_CLOCK_READ lines."""
+    own frames, and reads the clock every _STEPS_PER_CLOCK_READ lines. With a thread share (shorter), past the
+    share it raises RenderOnProcess instead."""
 
-    def __init__(self, cpu_seconds: float):
-        self.deadline = time.thread_time() + cpu_seconds
-        self.cpu_seconds = cpu_seconds
+    def __init__(self, cpu_seconds: float, share: float | None = None):
+        start = time.thread_time()
+        self.deadline = start + (cpu_seconds if share is None else min(share, cpu_seconds))
+        self.cpu_seconds, self.share = cpu_seconds, share
         self.steps = 0
 
     def trace(self, frame, event, arg):
@@ -296,6 +323,8 @@ class _Budget:
     def _line(self, frame, event, arg):
         self.steps += 1
         if self.steps % _STEPS_PER_CLOCK_READ == 0 and time.thread_time() > self.deadline:
+            if self.share is not None and self.share < self.cpu_seconds:
+                raise RenderOnProcess()
             raise TemplateBudgetError(f"it ran for more than kvfit's limit of {self.cpu_seconds:g} s of CPU time")
         return self._line
 
