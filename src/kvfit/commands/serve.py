@@ -11,7 +11,7 @@ WAITING_REQUESTS_PER_SEQ = 16     # the default --max-waiting-requests is this m
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags, add_model_argument, add_vllm_server_flags
+    from kvfit.commands.flags import add_engine_flags, add_model_argument, add_vllm_server_flags, refuse
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="the tool-call format of the model: hermes (Qwen), llama3_json, mistral (default: none)")
     add_vllm_server_flags(p)
+    refuse(p, "--response-role", "chat replies always have the role assistant", ("assistant",))
+    refuse(p, "--root-path", "the routes are served at the root (/v1, /health); put kvfit behind a proxy that "
+           "strips the prefix")
     add_engine_flags(p)
     p.set_defaults(run=run)
 

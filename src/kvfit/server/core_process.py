@@ -14,8 +14,9 @@ pyzmq carries the messages (maintained, no broker, ipc:// sockets in a private t
 msgspec encodes them (core_protocol.py): per round, only what is new. The core process is spawned (a
 fresh interpreter: CUDA cannot be forked), builds the engine from a picklable factory, and reports
 Ready with the facts the front-end needs, or StartFailed. It dies with the front-end (PR_SET_PDEATHSIG
-on Linux, and a parent check while idle) and ignores SIGINT: a Ctrl-C reaches the whole process group,
-and the front-end shuts the core down in order (close: every request ends with a 503; stop: exit).
+on Linux, and a parent check while idle) and ignores SIGINT (and, once serving, SIGTERM): a Ctrl-C or a
+supervisor's stop reaches the whole process group, and the front-end shuts the core down in order (close:
+every request ends with a 503; stop: exit).
 
 Health: the core is dead once it reports a dead_reason (a step it cannot recover from) or its process
 is gone; the client then fails every pending request with a 503, /health answers 503, and `kvfit
@@ -111,6 +112,9 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
                        dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
                        core.stats, list(engine.eos_token_ids)))
             tune_gc_after_startup("engine core")
+            # a SIGTERM to the whole process group (systemd's stop, `timeout`, `kill -- -PGID`) reaches us too:
+            # as with a Ctrl-C, the front-end drains and stops us in order (we die with it: _die_with_parent)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             with sampling(CORE_ROLE):       # $KVFIT_STACK_SAMPLES: this process's stacks, from here on
                 _CoreLoop(core, commands, send, parent_pid).run()
         finally:

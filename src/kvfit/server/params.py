@@ -221,6 +221,9 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     """One GenerateInput per prompt (vLLM: each prompt of a batch is its own engine request, same params).
     max_tokens: the request's, else 16 (vLLM's CompletionRequest default), lowered to defaults' cap."""
     prompts = completion_prompts(req)
+    if req.max_completion_tokens is not None:     # vLLM ignores it here, so a client's limit would be lost
+        raise bad_request("max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
+                          "max_tokens", param="max_completion_tokens")
     _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs)
     _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
     max_tokens = defaults.max_tokens(DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
@@ -238,8 +241,9 @@ def chat_messages(req) -> list[dict]:
         raise bad_request("messages must hold at least one message", param="messages")
     out = []
     for m in req.messages:
+        # text parts: one string, a line between parts (vLLM's "string" content format)
         content = m.content if isinstance(m.content, str) or m.content is None \
-            else "".join(part.text for part in m.content)
+            else "\n".join(part.text for part in m.content)
         message = {"role": m.role, "content": content or ""}
         # as transformers: fields left out (None) are not there for the template
         message.update({k: getattr(m, k) for k in TEMPLATE_MESSAGE_FIELDS if getattr(m, k) is not None})

@@ -74,7 +74,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "reasoning_effort": ((), "pass what the template reads in chat_template_kwargs"),
     "mm_processor_kwargs": ((), "kvfit serves text models only"),
     "chat_template": ((), "a request may not bring its own template (vLLM's --trust-request-chat-template is "
-                          "not implemented); start the server with --chat-template")}
+                          "not implemented); start the server with --chat-template"),
+    # OpenAI chat fields vLLM ignores, whose silent no-op would change what the client gets
+    "functions": (([],), "the legacy functions API is not implemented; send them as tools"),
+    "function_call": (("none",), "the legacy functions API is not implemented; send tool_choice with tools"),
+    "audio": ((), "audio output is not implemented; kvfit serves text models only"),
+    "modalities": ((["text"],), "audio output is not implemented; leave it out or send [\"text\"]"),
+    "web_search_options": ((), "web search is not implemented")}
 # vLLM 0.12 removed these (vLLM now ignores them, so a constraint silently does nothing): refuse them
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                          "guided_whitespace_pattern")
@@ -143,6 +149,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | _Ints | _Strs | _IntLists
     logprobs: int | None = None         # top-k count, 0-20
     suffix: Any = None
+    max_completion_tokens: Any = None   # chat's name for max_tokens: a 400 here (params.completion_inputs)
 
 
 class TextPart(_Body):
@@ -185,6 +192,11 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     mm_processor_kwargs: Any = None
     chat_template: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
 
 
 class TokenizeRequest(_Body):
