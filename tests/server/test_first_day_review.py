@@ -107,3 +107,16 @@ def test_a_sigterm_to_the_process_group_is_a_clean_stop(tiny_llama, tmp_path):
                 proc.wait()
     log = (tmp_path / "stderr.txt").read_text()
     assert "engine stopped" not in log and "Traceback" not in log and "leaked" not in log, log
+
+
+def test_the_reply_role_is_the_last_messages_without_add_generation_prompt(server):
+    """vLLM's rule: with add_generation_prompt the reply is the assistant's, else it continues the last message in
+    that message's role (it was always 'assistant'), in the full response and in the stream's first chunk."""
+    url = f"{server}/v1/chat/completions"
+    base = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url, json=base).json()["choices"][0]["message"]["role"] == "assistant"
+    open_turn = dict(base, add_generation_prompt=False)
+    assert httpx.post(url, json=open_turn).json()["choices"][0]["message"]["role"] == "user"
+    with httpx.stream("POST", url, json=dict(open_turn, stream=True)) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert '"role":"user"' in first.replace(" ", "")

@@ -52,6 +52,7 @@ class GenerateInput:
     continuous_usage: bool = False  # every stream chunk carries the usage so far (vLLM's continuous_usage_stats)
     cache_salt: str | None = None   # vLLM's prefix-cache isolation: blocks are shared only with the same salt
     tools: object = None            # chat: a server.tools.ToolPlan when the output becomes tool calls
+    role: str = "assistant"         # chat: the reply's role (vLLM: the last message's without add_generation_prompt)
 
     @property
     def n(self) -> int:
@@ -272,4 +273,5 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
-                         cache_salt=_cache_salt(req))
+                         cache_salt=_cache_salt(req),
+                         role="assistant" if req.add_generation_prompt else messages[-1]["role"])

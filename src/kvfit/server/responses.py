@@ -180,7 +180,7 @@ class ResponseBuilder:
             if prefix_text:
                 choice["message"]["content"] = prefix_text + (choice["message"]["content"] or "")
         elif self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": self.inp.role, "content": text}
         else:
             choice["text"] = text
         choice.update({"logprobs": logprobs, "finish_reason": reason,
@@ -195,7 +195,7 @@ class ResponseBuilder:
         if not self.chat:
             return []
         so_far = usage(num_prompt_tokens, 0)
-        return [self._chunk_body(i, {"role": "assistant", "content": ""}, None, None, None, so_far)
+        return [self._chunk_body(i, {"role": self.inp.role, "content": ""}, None, None, None, so_far)
                 for i in range(self.inp.n)]
 
     def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None, so_far: dict | None = None) -> dict:
