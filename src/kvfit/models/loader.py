@@ -61,8 +61,9 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
                             "(kv_cache_scheme): an fp8 KV cache (--kv-cache-dtype fp8) uses them, a 16-bit one "
                             "does not need them", loaded, len(layers))
             else:
-                logger.warning("config.json declares a kv_cache_scheme but the checkpoint holds no k/v scale "
-                               "tensors: an fp8 KV cache would use scale 1.0 (add --calculate-kv-scales)")
+                logger.warning("the quantization config declares fp8 KV cache scales (kv_cache_scheme, or ModelOpt's "
+                               "kv_cache_quant_algo) but the checkpoint holds no k/v scale tensors: an fp8 KV cache "
+                               "would use scale 1.0 (add --calculate-kv-scales)")
     except (RuntimeError, MemoryError, TypeError) as exc:   # torch.OutOfMemoryError is a RuntimeError; a size
         # past int64 is a TypeError from torch.empty
         if not _is_allocation_failure(exc):
