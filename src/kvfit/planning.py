@@ -21,20 +21,27 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int
     """The requested context length, or the model's; longer than the model's is an error, and so is a model
     length past MAX_SEQUENCE_TOKENS taken by default. For "auto" the model's too (at most MAX_SEQUENCE_TOKENS):
     the upper bound that sizing (block-table rows, graphs) may use; the plan lowers it to what one request can
-    hold (KVPlan.max_model_len)."""
+    hold (KVPlan.max_model_len). A model with a sliding window (facts.sliding_window) is limited to it:
+    kvfit attends over the whole context, which gives the model's outputs only while a sequence fits the window."""
+    window = facts.sliding_window
+    longest = facts.max_position_embeddings if window is None else min(window, facts.max_position_embeddings)
     if requested == AUTO_MAX_MODEL_LEN:
-        return min(facts.max_position_embeddings, MAX_SEQUENCE_TOKENS)
+        return min(longest, MAX_SEQUENCE_TOKENS)
     if requested is None:
-        if facts.max_position_embeddings > MAX_SEQUENCE_TOKENS:
+        if longest > MAX_SEQUENCE_TOKENS:
             raise ConfigError(
                 f"the model's max_position_embeddings {facts.max_position_embeddings} is longer than the "
                 f"{MAX_SEQUENCE_TOKENS:,} tokens a sequence can have here (int32 sequence lengths); pass "
                 "--max-model-len (or --max-model-len auto)")
-        return facts.max_position_embeddings
+        return longest
     if requested > facts.max_position_embeddings:
         raise ConfigError(
             f"--max-model-len {requested} is longer than the model's max_position_embeddings "
             f"{facts.max_position_embeddings}; use at most {facts.max_position_embeddings}")
+    if requested > longest:
+        raise ConfigError(
+            f"--max-model-len {requested} is longer than the model's sliding_window {window}: kvfit attends over the "
+            f"whole context, not a window, so longer sequences would not get the model's outputs; use at most {window}")
     if requested > MAX_SEQUENCE_TOKENS:
         raise ConfigError(f"--max-model-len {requested} is longer than the {MAX_SEQUENCE_TOKENS:,} tokens a sequence "
                           f"can have here (int32 sequence lengths); use at most {MAX_SEQUENCE_TOKENS}")

@@ -123,14 +123,22 @@ def parse_quantization_config(quant: dict, source: str = "config.json", key: str
                       "(compressed-tensors float8, fp8, or ModelOpt FP8) and --quantization fp8 on 16-bit ones")
 
 
-def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, source: str = "config.json"
-                   ) -> Fp8Scheme | None:
+def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, source: str = "config.json",
+                   kv_cache_only: str | None = None) -> Fp8Scheme | None:
     """The scheme to run: the checkpoint's, or --quantization fp8 on a 16-bit checkpoint (online); a
-    --quantization that contradicts the checkpoint's method is a ConfigError (as vLLM)."""
+    --quantization that contradicts the checkpoint's method is a ConfigError (as vLLM). kv_cache_only: the
+    quant_method of a config that quantizes only the KV cache (checkpoint None: 16-bit weights)."""
     if quantization is None:
         return checkpoint
     if quantization not in QUANTIZATION_METHODS:
-        raise ConfigError(f"--quantization {quantization!r} is not supported; use fp8 (or leave it out)")
+        raise ConfigError(f"--quantization {quantization!r} is not supported; use one of "
+                          f"{', '.join(QUANTIZATION_METHODS)} (or leave it out)")
+    if checkpoint is None and kv_cache_only is not None:     # its method names it; fp8 contradicts it, as in vLLM
+        if quantization != kv_cache_only:
+            raise ConfigError(f"--quantization {quantization} does not match the checkpoint's quant_method "
+                              f"{kv_cache_only!r} ({source}; it quantizes only the KV cache, the weights are "
+                              "16-bit); leave --quantization out to use the checkpoint's")
+        return None
     if checkpoint is None:
         if quantization not in ONLINE_METHODS:
             raise ConfigError(f"--quantization {quantization} reads a {quantization} checkpoint, and {source} declares "

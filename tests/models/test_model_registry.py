@@ -84,4 +84,4 @@ def test_a_window_kvfit_does_not_apply_is_a_warning(caplog):
         decoder_config(facts_from_config({**cfg, "sliding_window": 64}))      # the whole context: no warning
     assert [r.getMessage() for r in caplog.records] == [
         "MistralForCausalLM has sliding_window 32; kvfit attends to the whole context, so outputs past 32 tokens "
-        "differ from the reference (use --max-model-len 32 to stay exact)"]
+        "would differ from the reference: --max-model-len is at most 32"]

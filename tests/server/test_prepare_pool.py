@@ -280,3 +280,18 @@ def test_a_chat_template_that_runs_long_on_a_thread_is_rendered_in_a_worker(engi
                              timeout=60)
         assert looping.status_code == 400 and "CPU time" in openai_error(looping)["message"]
         assert "\n" not in openai_error(looping)["message"]
+
+
+def test_a_chat_prepared_again_in_a_worker_logs_its_warnings_once(engine, caplog):
+    """The thread logged the ignored fields and unread chat_template_kwargs before the template ran past its
+    share, and the worker's copies were replayed: every such request logged each warning twice."""
+    from tiny_models import CHAT_TEMPLATE
+    with running_server(engine, MODEL, prepare_processes=1, chat_template=SLOW_BRANCH + CHAT_TEMPLATE) as (url, app):
+        with caplog.at_level(logging.WARNING, logger="kvfit"):
+            slow = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=chat(
+                temperature=0, colour="blue", chat_template_kwargs={"slow": True, "nobody_reads_this": 1}))
+        assert slow.status_code == 200, slow.text
+        assert len(app.state.kvfit.prepare_pool.worker_pids()) == 1          # it was prepared again in a worker
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("'colour'" in line for line in lines) == 1, lines
+    assert sum("nobody_reads_this" in line for line in lines) == 1, lines

@@ -35,5 +35,5 @@ def rank_pids(llm) -> list[int]:
 
 
 def rank_exit_codes(workers) -> list[int | None]:
-    """Exit codes of ranks 1..N-1 of a TensorParallelWorkers (0: stopped when told to; -15: terminated)."""
+    """Exit codes of ranks 1..N-1 of a TensorParallelWorkers (0: stopped when told to; -9: killed)."""
     return [p.exitcode for p in workers._ranks.procs]

@@ -7,6 +7,7 @@ so `kvfit plan` runs anywhere.
 - loading.py: facts_from_config / load_model_facts (the entry applied to config.json), count_parameters
 - fields.py: the typed JSON field reader (read_field) and JSON file reading
 - rope.py: RoPE settings (RopeConfig)
+- windows.py: which layers of each family attend over a sliding window
 """
 
 from kvfit.model_facts.architectures import (ARCHITECTURES, Architecture, FamilyRules, all_architectures,

@@ -20,6 +20,7 @@ from kvfit.model_facts.experts import (MoEConfig, deepseek_mlp_params, dense_mlp
                                        mixtral_mlp_params, qwen_moe_experts, qwen_moe_mlp_params)
 from kvfit.model_facts.facts import ModelFacts
 from kvfit.model_facts.fields import read_field, show
+from kvfit.model_facts.windows import every_layer, qwen2_moe_layers, qwen_layers, when_used
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,12 @@ class FamilyRules:
     """What a family's layers have beyond the shared decoder, as transformers builds them."""
 
     qkv_bias: bool = False               # q/k/v biases whatever config.json says (Qwen2)
+    reads_qkv_bias: bool = False         # config.json's qkv_bias (default: qkv_bias above) decides them (Qwen2-MoE)
     reads_attention_bias: bool = False   # config.json's attention_bias puts biases on q, k, v and o_proj
     reads_mlp_bias: bool = False         # config.json's mlp_bias puts biases on gate, up and down
     qk_norm: bool = False                # per-head RMSNorm of q and k before RoPE
-    reads_sliding_window: bool = False   # config.json's sliding_window limits attention
+    # the window some layer attends over ((config.json, num_layers, source) -> tokens; windows.py), or None
+    sliding_window: Callable[[dict, int, str], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Architecture:
     # config.json's width of one routed expert when it is not intermediate_size: the capacity estimate's
     # MLP peak is num_experts_per_tok experts of that width
     expert_width_key: str | None = None
+    # transformers' defaults for what config.json may leave out
+    default_rms_norm_eps: float = 1e-6
+    default_rope_theta: float = 10000.0
 
 
 _DECODER = "kvfit.models.llama:CausalLM"
@@ -63,17 +69,21 @@ def _table(*entries: Architecture) -> Mapping[str, Architecture]:
 # config.json architecture -> its entry; the order is the order error messages list them in
 ARCHITECTURES = _table(
     Architecture("LlamaForCausalLM", "llama", _DECODER, FamilyRules(reads_attention_bias=True, reads_mlp_bias=True)),
-    Architecture("MistralForCausalLM", "mistral", _DECODER, FamilyRules(reads_sliding_window=True)),
-    Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, FamilyRules(qkv_bias=True)),
-    Architecture("Qwen3ForCausalLM", "qwen3", _DECODER, FamilyRules(reads_attention_bias=True, qk_norm=True)),
-    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", _MOE_DECODER, FamilyRules(qkv_bias=True),
+    Architecture("MistralForCausalLM", "mistral", _DECODER, FamilyRules(sliding_window=every_layer)),
+    Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, FamilyRules(qkv_bias=True, sliding_window=qwen_layers)),
+    Architecture("Qwen3ForCausalLM", "qwen3", _DECODER, FamilyRules(reads_attention_bias=True, qk_norm=True,
+                                                                    sliding_window=qwen_layers)),
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", _MOE_DECODER,
+                 FamilyRules(qkv_bias=True, reads_qkv_bias=True, sliding_window=qwen2_moe_layers),
                  mlp_params=partial(qwen_moe_mlp_params, shared_expert=True),
                  moe=partial(qwen_moe_experts, shared_expert=True), expert_width_key="moe_intermediate_size"),
-    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _MOE_DECODER, FamilyRules(reads_attention_bias=True, qk_norm=True),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _MOE_DECODER,
+                 FamilyRules(reads_attention_bias=True, qk_norm=True, sliding_window=when_used),
                  mlp_params=partial(qwen_moe_mlp_params, shared_expert=False),
                  moe=partial(qwen_moe_experts, shared_expert=False), expert_width_key="moe_intermediate_size"),
-    Architecture("MixtralForCausalLM", "mixtral", _MOE_DECODER, FamilyRules(reads_sliding_window=True),
-                 mlp_params=mixtral_mlp_params, moe=mixtral_experts),
+    Architecture("MixtralForCausalLM", "mixtral", _MOE_DECODER, FamilyRules(sliding_window=every_layer),
+                 mlp_params=mixtral_mlp_params, moe=mixtral_experts, default_rms_norm_eps=1e-5,
+                 default_rope_theta=1e6),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", mla=True,
                  mlp_params=partial(deepseek_mlp_params, router_bias=False), expert_width_key="moe_intermediate_size"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", mla=True,

@@ -28,20 +28,22 @@ MAX_NUM_PARAMS = 10**14        # 50x the largest published model (about 2e12): a
 
 
 def _dtype(cfg: dict, source: str) -> str:
-    name = read_field(cfg, "torch_dtype", "str", source) or read_field(cfg, "dtype", "str", source) or "bfloat16"
+    # transformers >= 4.56 writes "dtype"; where both are present it wins, as transformers reads them
+    name = read_field(cfg, "dtype", "str", source) or read_field(cfg, "torch_dtype", "str", source) or "bfloat16"
     name = name.replace("torch.", "")
     if name not in DTYPE_ALIASES:
         raise ConfigError(f"{source}: torch_dtype {name!r} is not one of float32, bfloat16, float16")
     return DTYPE_ALIASES[name]
 
 
-def _structure(rules: FamilyRules, cfg: dict, source: str) -> dict:
+def _structure(rules: FamilyRules, cfg: dict, num_layers: int, source: str) -> dict:
     """The structure fields of ModelFacts: the family's rules applied to config.json."""
     attention_bias = rules.reads_attention_bias and read_field(cfg, "attention_bias", "bool", source, default=False)
-    window = None
-    if rules.reads_sliding_window and cfg.get("sliding_window") is not None:
-        window = read_positive_int(cfg, "sliding_window", source)
-    return dict(qkv_bias=rules.qkv_bias or attention_bias, o_bias=attention_bias,
+    window = rules.sliding_window(cfg, num_layers, source) if rules.sliding_window is not None else None
+    qkv_bias = rules.qkv_bias
+    if rules.reads_qkv_bias:
+        qkv_bias = read_field(cfg, "qkv_bias", "bool", source, default=rules.qkv_bias)
+    return dict(qkv_bias=qkv_bias or attention_bias, o_bias=attention_bias,
                 mlp_bias=rules.reads_mlp_bias and read_field(cfg, "mlp_bias", "bool", source, default=False),
                 qk_norm=rules.qk_norm,
                 sliding_window=window)
@@ -74,7 +76,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     if arch.mla:
         kv_lora = read_positive_int(cfg, "kv_lora_rank", source)
         rope_dim = read_positive_int(cfg, "qk_rope_head_dim", source)
-    rope = rope_config_from_raw(cfg, head_dim, source) if kv_lora is None else None
+    rope = rope_config_from_raw(cfg, head_dim, source, arch.default_rope_theta) if kv_lora is None else None
     quant_key = "quantization_config"
     quant = read_field(cfg, quant_key, "object", source, default={})
     if not quant:       # older llm-compressor releases wrote the scheme under compression_config (vLLM reads both)
@@ -90,7 +92,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
         kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme,
         kv_cache_scales=kv_cache_scales, raw=dict(cfg),
-        **_structure(arch.rules, cfg, source))
+        **_structure(arch.rules, cfg, layers, source))
     num_params = count_parameters(facts, cfg, source)
     if num_params > MAX_NUM_PARAMS:
         raise ConfigError(f"{source} describes {num_params:.3g} parameters, far more than any published model (about "
@@ -101,8 +103,12 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
 
 def with_quantization(facts: ModelFacts, quantization: str | None) -> ModelFacts:
     """facts with --quantization applied: fp8 on a 16-bit checkpoint quantizes its weights at load; on an
-    FP8 checkpoint it must name the checkpoint's method (ConfigError otherwise)."""
-    scheme = resolve_scheme(facts.quantization, quantization)
+    FP8 checkpoint (or one that quantizes only the KV cache) it must name the checkpoint's method (ConfigError
+    otherwise)."""
+    quant = facts.raw.get("quantization_config") or facts.raw.get("compression_config")
+    kv_only = (str(quant["quant_method"]).lower() if facts.quantization is None and isinstance(quant, dict)
+               and quant.get("quant_method") else None)      # a config that quantizes only the KV cache
+    scheme = resolve_scheme(facts.quantization, quantization, kv_cache_only=kv_only)
     if scheme is facts.quantization:
         return facts
     return replace(facts, quantization=scheme, weight_dtype_bytes=1)
@@ -155,7 +161,10 @@ def _with_modelopt_file(cfg: dict, folder: str) -> dict:
     declared = read_config_json(path)
     if not isinstance(declared.get("quantization"), dict):
         return cfg                       # not ModelOpt's form: the loader names it if the weights need it
-    return dict(cfg, quantization_config={"quant_method": "modelopt", "quantization": declared["quantization"]})
+    quant = {"quant_method": "modelopt", "quantization": declared["quantization"]}
+    parse_quantization_config(quant, path, "quantization")        # its errors name the file that declares it,
+    declares_kv_cache_scales(quant, path, "quantization")         # not config.json
+    return dict(cfg, quantization_config=quant)
 
 
 def _load_model_facts(model: str) -> ModelFacts:

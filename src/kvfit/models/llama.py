@@ -22,7 +22,7 @@ import torch
 from kvfit.attention.base import AttentionBackend, AttentionHeads, AttentionMetadata
 from kvfit.errors import ConfigError
 from kvfit.kernels.gemv import linear
-from kvfit.model_facts import ModelFacts
+from kvfit.model_facts import ModelFacts, get_architecture
 from kvfit.models.kv_scales import KVScales, is_fp8_cache, kv_scale_targets
 from kvfit.models.layers import RMSNorm, SwiGLU
 from kvfit.models.linear import make_column, make_row
@@ -31,7 +31,7 @@ from kvfit.models.parallel import (OutputPart, Shard, VocabEmbedding, gather_voc
 from kvfit.models.quant.linear import check_unloaded_tensor
 from kvfit.models.rope import RopeConfig, RotaryStep, inv_freq, rope_config_from_raw
 
-DEFAULT_RMS_NORM_EPS = 1e-6
+SILU_NAMES = ("silu", "swish")     # transformers' ACT2FN: both are SiLU
 logger = logging.getLogger("kvfit")
 
 
@@ -57,21 +57,22 @@ class DecoderConfig:
 
 def decoder_config(facts: ModelFacts) -> DecoderConfig:
     """The structure flags of facts (which biases, q/k norm) plus eps and RoPE from config.json."""
-    raw = facts.raw
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    raw, entry = facts.raw, get_architecture(facts.architecture)
+    act = raw.get("hidden_act") or "silu"
+    if act not in SILU_NAMES:
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported; the {facts.family} decoder needs 'silu'")
     window = facts.sliding_window
     if window is not None and window < facts.max_position_embeddings:
         logger.warning("%s has sliding_window %d; kvfit attends to the whole context, so outputs past %d tokens "
-                       "differ from the reference (use --max-model-len %d to stay exact)",
+                       "would differ from the reference: --max-model-len is at most %d",
                        facts.architecture, window, window, window)
     return DecoderConfig(
         num_layers=facts.num_layers, hidden_size=facts.hidden_size, num_heads=facts.num_attention_heads,
         num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, intermediate_size=facts.intermediate_size,
-        vocab_size=facts.vocab_size, rms_norm_eps=float(raw.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS),
+        vocab_size=facts.vocab_size, rms_norm_eps=float(raw.get("rms_norm_eps") or entry.default_rms_norm_eps),
         qkv_bias=facts.qkv_bias, o_bias=facts.o_bias, mlp_bias=facts.mlp_bias, qk_norm=facts.qk_norm,
-        tie_word_embeddings=facts.tie_word_embeddings, rope=rope_config_from_raw(raw, facts.head_dim))
+        tie_word_embeddings=facts.tie_word_embeddings,
+        rope=rope_config_from_raw(raw, facts.head_dim, default_theta=entry.default_rope_theta))
 
 
 class Attention(torch.nn.Module):
@@ -86,7 +87,8 @@ class Attention(torch.nn.Module):
         d = cfg.head_dim
         q_start, self.num_heads = split_evenly(cfg.num_heads, tp_rank, tp_size, "attention heads")
         kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp_rank, tp_size)
-        self.head_dim, self.backend, self.scale = d, backend, d ** -0.5
+        # YaRN scales cos and sin (so q and k) by attention_factor: the same as scaling q . k by its square
+        self.head_dim, self.backend, self.scale = d, backend, d ** -0.5 * cfg.rope.attention_factor ** 2
         self.heads = AttentionHeads(self.num_heads, self.num_kv_heads, d)
         h = cfg.hidden_size
         parts = [OutputPart(f"{prefix}.q_proj", cfg.num_heads * d, q_start * d, self.num_heads * d),

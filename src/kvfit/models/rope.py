@@ -28,7 +28,9 @@ def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
         return freqs / cfg.factor
     if cfg.rope_type == "llama3":
         return _llama3_scale(freqs, cfg)
-    return freqs
+    if cfg.rope_type == "yarn":
+        return _yarn_scale(cfg, device)
+    return freqs        # default, and dynamic within max_position_embeddings (model_facts/rope.py)
 
 
 def _llama3_scale(freqs: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
@@ -42,6 +44,26 @@ def _llama3_scale(freqs: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_scale(cfg: RopeConfig, device) -> torch.Tensor:
+    # dimensions turning fewer than beta_slow times over the original context are divided by factor, those
+    # turning more than beta_fast times kept, a linear ramp between (YaRN; transformers' _compute_yarn_parameters)
+    dim, base, old_len = cfg.head_dim, cfg.theta, cfg.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001      # the ramp divides by high - low
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)    # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    extrapolation = 1 - ramp
+    return 1.0 / (cfg.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def _rank_main(rank, launch: Launch, config, facts, backend_name, spec, hooks: RankHooks, errors) -> None:
     """Entry point of ranks 1..N-1 (spawned)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C reaches rank 0, which stops the ranks
+    # a Ctrl-C or a supervisor's SIGTERM to the process group reaches rank 0 too, which stops the ranks in order
+    # (or, killed, leaves them to _exit_with_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(launch.parent_pid)
     try:
         torch.set_num_threads(launch.num_threads)
@@ -264,21 +267,18 @@ class _Ranks:
         return [pickle.loads(self.store.get(key)) for key in keys]
 
     def close(self, graceful: bool = True) -> None:
-        """Stop every rank (STOP if they can hear it, else terminate), then leave the process group."""
+        """Stop every rank (STOP if they can hear it, else kill: they ignore SIGTERM), then leave the process
+        group."""
         if self.closed:
             return
         self.closed = True
         if graceful:
-            with contextlib.suppress(Exception):   # a dead peer: fall through to terminate
+            with contextlib.suppress(Exception):   # a dead peer: fall through to kill
                 self._send_stop()
         deadline = time.monotonic() + (JOIN_S if graceful else 0.0)
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.0))
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -270,7 +270,9 @@ async def _prepare(request: Request, state: ServerState, model_class) -> Prepare
     try:        # a chat template that runs long on a thread holds this process's GIL: it goes on in a worker
         return await state.engine.prepare(thread_share, THREAD_RENDER_CPU_SECONDS, prepare_request, *args)
     except RenderOnProcess:
-        return await state.prepare_pool.prepare(raw, model_class)
+        # the thread logged what preparing logs (ignored fields, unread chat_template_kwargs: all before the
+        # template renders); the worker's copies of those lines would log them twice
+        return await state.prepare_pool.prepare(raw, model_class, replay_logs=False)
 
 
 def _prepare_pool(engine: ServingEngine, context: PrepareContext, num_processes: int) -> PreparePool | None:

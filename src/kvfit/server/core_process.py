@@ -528,11 +528,8 @@ def _end_process(process, timeout: float) -> None:
     process.join(timeout)
     if process.is_alive():
         if timeout > 0:              # 0: ended at once on purpose (an interrupted start-up)
-            logger.warning("the engine core process did not exit within %.0f s; terminating it", timeout)
-        process.terminate()
-        process.join(5)
-    if process.is_alive():
-        process.kill()
+            logger.warning("the engine core process did not exit within %.0f s; killing it", timeout)
+        process.kill()               # not SIGTERM: once serving the core ignores it (run_engine_core)
         process.join()
 
 

@@ -12,9 +12,9 @@ Workers are started with `spawn` (never fork: the server has threads and may hol
 first large body (a server that never gets one starts none), at nice WORKER_NICENESS: when the CPUs are
 busy, a body's preparation waits rather than the streams (a 2 s chat template in a worker at nice 0 held
 streams 74-130 ms at a time on 2 cores, at nice 10 42-111 ms, while the stream ran 2x as many events);
-each loads the model's tokenizer from
-its folder once, ignores SIGINT (a Ctrl-C reaches the whole process group; the server stops them)
-and exits when the server process is gone. A worker that dies fails the requests it held with an
+each loads the model's tokenizer from its folder once, ignores SIGINT and SIGTERM (a Ctrl-C or a
+supervisor's stop reaches the whole process group; the server drains, then stops them) and exits when
+the server process is gone. A worker that dies fails the requests it held with an
 internal error (500) and the pool is replaced; the server goes on serving.
 """
 
@@ -80,7 +80,9 @@ _worker: dict = {}
 
 
 def _init_worker(model_path: str | None, context: PrepareContext, parent_pid: int) -> None:
+    # a Ctrl-C or a supervisor's SIGTERM reaches the whole process group: the server drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         os.nice(WORKER_NICENESS)       # a body's preparation yields the CPU to the streams and the engine
     except OSError:
@@ -128,8 +130,9 @@ class PreparePool:
         self._executor: ProcessPoolExecutor | None = None
         self._closed = False
 
-    async def prepare(self, raw: bytes, model_class) -> Prepared:
-        """prepare_request(raw, model_class) in a worker; raises its APIError, or PrepareWorkerDied."""
+    async def prepare(self, raw: bytes, model_class, replay_logs: bool = True) -> Prepared:
+        """prepare_request(raw, model_class) in a worker; raises its APIError, or PrepareWorkerDied.
+        replay_logs: log here the lines the worker logged (False: a prepare thread logged them already)."""
         executor, future = self._submit(raw, model_class)
         self.num_in_flight += 1
         try:
@@ -140,7 +143,7 @@ class PreparePool:
                                     "the worker pool was replaced") from None
         finally:
             self.num_in_flight -= 1
-        for level, line in outcome.logs:
+        for level, line in outcome.logs if replay_logs else ():
             logger.log(level, "%s", line)
         if outcome.error is not None:
             raise outcome.error

@@ -177,6 +177,7 @@ class ResponseBuilder:
         reason = sample.finish_reason
         if self.chat and self.inp.tools is not None:        # the text may be tool calls (server/tools.py)
             choice["message"], reason = self.inp.tools.message(sample.text, reason)
+            choice["message"]["role"] = self.inp.role          # as without tools (vLLM: one role per request)
             if prefix_text:
                 choice["message"]["content"] = prefix_text + (choice["message"]["content"] or "")
         elif self.chat:
