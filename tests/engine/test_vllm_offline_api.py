@@ -115,3 +115,16 @@ def test_chat_renders_tools_and_tool_call_history(llm):
     out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template, tools=tools)[0]
     assert out.prompt == "TOOL w;user: weather?;CALL Oslo;assistant: ;tool: sunny;"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'      # the caller's as given
+
+
+def test_chat_joins_text_parts_as_the_server_and_vllm_do(llm):
+    """A message's content as OpenAI text parts reached the template as a list; it is one string, the parts
+    joined by a line break (the server's rendering too); a part other than text is a one-line RequestError."""
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "[a\nb]"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(RequestError, match=r"messages\[0\].content holds a 'image_url' part") as info:
+        llm.chat(image, GREEDY, use_tqdm=False, chat_template=template)
+    assert "\n" not in str(info.value)

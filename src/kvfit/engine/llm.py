@@ -16,7 +16,7 @@ from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams, as_python
 from kvfit.errors import ConfigError, RequestError
-from kvfit.text.chat_template import tool_arguments_as_objects
+from kvfit.text.chat_template import text_parts_joined, tool_arguments_as_objects
 
 # vLLM's LLM(...) keyword arguments that kvfit has no setting for: the values that ask for what kvfit
 # does anyway (accepted), and why another value cannot be honoured (a ConfigError). tokenizer and
@@ -127,7 +127,7 @@ class LLM:
                 raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
                                    "messages")
             text = tokenizer.apply_chat_template(
-                tool_arguments_as_objects(list(conversation)), add_generation_prompt,
+                tool_arguments_as_objects(text_parts_joined(list(conversation))), add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs, **({"tools": tools} if tools is not None else {}))
             texts.append(text)

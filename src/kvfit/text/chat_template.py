@@ -329,6 +329,27 @@ class _Budget:
         return self._line
 
 
+def text_parts_joined(messages: list[dict]) -> list[dict]:
+    """messages with a content given as OpenAI parts ([{"type": "text", "text": ...}]) made one string, the parts
+    joined by a line break, as vLLM gives them to a template (and as the server does); a part other than text is
+    a RequestError (kvfit serves text models)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise RequestError(f"messages[{i}].content holds a {kind!r} part; kvfit serves text models, so "
+                                       "content is a string or a list of {'type': 'text', 'text': ...} parts",
+                                       "messages")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        out.append(message)
+    return out
+
+
 def tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
     """messages with each assistant tool call's function.arguments as an object, as vLLM hands them to
     Hugging Face templates (which read `tool_call.arguments | tojson`): a JSON string is parsed, an empty
