@@ -107,7 +107,10 @@ def test_structure_follows_the_family_rules(arch, bias, expected):
 
 def test_sliding_window_only_where_the_family_reads_it():
     assert facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window=32)).sliding_window == 32
-    assert facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window=None)).sliding_window is None
+    null_window = {**tiny(architectures=["MistralForCausalLM"]), "sliding_window": None}
+    assert facts_from_config(null_window).sliding_window is None
+    # left out: transformers' MistralConfig default
+    assert facts_from_config(tiny(architectures=["MistralForCausalLM"])).sliding_window == 4096
     assert facts_from_config(tiny(sliding_window=32)).sliding_window is None      # Llama has none
     with pytest.raises(ConfigError, match="'sliding_window' must be a positive integer"):
         facts_from_config(tiny(architectures=["MistralForCausalLM"], sliding_window="4k"))

@@ -176,3 +176,18 @@ def test_what_kvfit_does_not_implement_is_refused_in_one_line(fields, named):
     with pytest.raises(ConfigError) as err:
         decoder_config(facts_from_config({**_BASE, "architectures": ["LlamaForCausalLM"], **fields}))
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                                  "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
+def test_what_a_config_leaves_out_takes_transformers_defaults_for_its_family(arch):
+    """A hand-written config.json without max_position_embeddings or sliding_window gets what transformers' config
+    class of that family gives (was 2048 and no window for every family)."""
+    import transformers
+    moe = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32} if "Mo" in arch or "Mixtral" in arch else {}
+    fields = {k: v for k, v in _BASE.items() if k != "max_position_embeddings"}
+    facts = facts_from_config({**fields, **moe, "architectures": [arch]})
+    reference = getattr(transformers, arch.replace("ForCausalLM", "Config"))()
+    assert facts.max_position_embeddings == reference.max_position_embeddings
+    assert facts.sliding_window == (reference.sliding_window or None if arch == "MistralForCausalLM" else None)

@@ -20,7 +20,7 @@ from kvfit.model_facts.experts import (MoEConfig, deepseek_mlp_params, dense_mlp
                                        mixtral_mlp_params, qwen_moe_experts, qwen_moe_mlp_params)
 from kvfit.model_facts.facts import ModelFacts
 from kvfit.model_facts.fields import read_field, show
-from kvfit.model_facts.windows import every_layer, qwen2_moe_layers, qwen_layers, when_used
+from kvfit.model_facts.windows import every_layer, mistral_layers, qwen2_moe_layers, qwen_layers, when_used
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Architecture:
     # transformers' defaults for what config.json may leave out
     default_rms_norm_eps: float = 1e-6
     default_rope_theta: float = 10000.0
+    default_max_position_embeddings: int = 2048
 
 
 _DECODER = "kvfit.models.llama:CausalLM"
@@ -69,21 +70,26 @@ def _table(*entries: Architecture) -> Mapping[str, Architecture]:
 # config.json architecture -> its entry; the order is the order error messages list them in
 ARCHITECTURES = _table(
     Architecture("LlamaForCausalLM", "llama", _DECODER, FamilyRules(reads_attention_bias=True, reads_mlp_bias=True)),
-    Architecture("MistralForCausalLM", "mistral", _DECODER, FamilyRules(sliding_window=every_layer)),
-    Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, FamilyRules(qkv_bias=True, sliding_window=qwen_layers)),
+    Architecture("MistralForCausalLM", "mistral", _DECODER, FamilyRules(sliding_window=mistral_layers),
+                 default_max_position_embeddings=131072),
+    Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, FamilyRules(qkv_bias=True, sliding_window=qwen_layers),
+                 default_max_position_embeddings=32768),
     Architecture("Qwen3ForCausalLM", "qwen3", _DECODER, FamilyRules(reads_attention_bias=True, qk_norm=True,
-                                                                    sliding_window=qwen_layers)),
+                                                                    sliding_window=qwen_layers),
+                 default_max_position_embeddings=32768),
     Architecture("Qwen2MoeForCausalLM", "qwen2_moe", _MOE_DECODER,
                  FamilyRules(qkv_bias=True, reads_qkv_bias=True, sliding_window=qwen2_moe_layers),
                  mlp_params=partial(qwen_moe_mlp_params, shared_expert=True),
-                 moe=partial(qwen_moe_experts, shared_expert=True), expert_width_key="moe_intermediate_size"),
+                 moe=partial(qwen_moe_experts, shared_expert=True), expert_width_key="moe_intermediate_size",
+                 default_max_position_embeddings=32768),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _MOE_DECODER,
                  FamilyRules(reads_attention_bias=True, qk_norm=True, sliding_window=when_used),
                  mlp_params=partial(qwen_moe_mlp_params, shared_expert=False),
-                 moe=partial(qwen_moe_experts, shared_expert=False), expert_width_key="moe_intermediate_size"),
+                 moe=partial(qwen_moe_experts, shared_expert=False), expert_width_key="moe_intermediate_size",
+                 default_max_position_embeddings=32768),
     Architecture("MixtralForCausalLM", "mixtral", _MOE_DECODER, FamilyRules(sliding_window=every_layer),
                  mlp_params=mixtral_mlp_params, moe=mixtral_experts, default_rms_norm_eps=1e-5,
-                 default_rope_theta=1e6),
+                 default_rope_theta=1e6, default_max_position_embeddings=131072),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", mla=True,
                  mlp_params=partial(deepseek_mlp_params, router_bias=False), expert_width_key="moe_intermediate_size"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", mla=True,

@@ -66,7 +66,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
         head_dim = hidden // heads
     vocab = read_positive_int(cfg, "vocab_size", source, maximum=MAX_VOCAB_SIZE)
-    max_pos = read_positive_int(cfg, "max_position_embeddings", source, default=2048)
+    max_pos = read_positive_int(cfg, "max_position_embeddings", source, default=arch.default_max_position_embeddings)
     inter = read_positive_int(cfg, "intermediate_size", source, maximum=MAX_INTERMEDIATE_SIZE)
     tie = read_field(cfg, "tie_word_embeddings", "bool", source, default=False)
     # the models read these from raw; checked here so every command (plan included) rejects them
@@ -76,7 +76,8 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     if arch.mla:
         kv_lora = read_positive_int(cfg, "kv_lora_rank", source)
         rope_dim = read_positive_int(cfg, "qk_rope_head_dim", source)
-    rope = rope_config_from_raw(cfg, head_dim, source, arch.default_rope_theta) if kv_lora is None else None
+    rope = rope_config_from_raw(cfg, head_dim, source, arch.default_rope_theta,
+                                arch.default_max_position_embeddings) if kv_lora is None else None
     quant_key = "quantization_config"
     quant = read_field(cfg, quant_key, "object", source, default={})
     if not quant:       # older llm-compressor releases wrote the scheme under compression_config (vLLM reads both)

@@ -15,7 +15,7 @@ from kvfit.model_facts.fields import read_field
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
-DEFAULT_MAX_POSITION_EMBEDDINGS = 2048    # facts_from_config's default too
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048    # transformers' LlamaConfig default (architectures.py has each family's)
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,10 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json",
-                         default_theta: float = DEFAULT_ROPE_THETA) -> RopeConfig:
-    """Read RoPE settings from a config.json dict (default_theta: the architecture's, where it gives none);
-    unsupported or out-of-range settings are a ConfigError."""
+                         default_theta: float = DEFAULT_ROPE_THETA,
+                         default_max_position: int = DEFAULT_MAX_POSITION_EMBEDDINGS) -> RopeConfig:
+    """Read RoPE settings from a config.json dict (default_theta, default_max_position: the architecture's, where
+    it gives none); unsupported or out-of-range settings are a ConfigError."""
     d = _rope_dict(raw, source)
     where = f"{source} (rope_theta / rope_scaling / rope_parameters)"
     # a top-level rope_theta shadowed by rope_parameters' is still checked: a malformed one is a corrupt file
@@ -71,8 +72,7 @@ def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json",
     theta = read_field(d, "rope_theta", "number", where, default=default_theta, above=0)
     if rope_type == "default":
         return RopeConfig(head_dim=head_dim, theta=theta)
-    max_pos = read_field(raw, "max_position_embeddings", "int", source, default=DEFAULT_MAX_POSITION_EMBEDDINGS,
-                         minimum=1)
+    max_pos = read_field(raw, "max_position_embeddings", "int", source, default=default_max_position, minimum=1)
     # transformers: a top-level original_max_position_embeddings wins, else rope's, else max_position_embeddings
     original = read_field(raw, "original_max_position_embeddings", "int", source, minimum=1) or read_field(
         d, "original_max_position_embeddings", "int", where, default=max_pos, minimum=1)

@@ -14,9 +14,19 @@ QWEN_DEFAULT_WINDOW = 4096             # transformers' sliding_window where a Qw
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
+MISTRAL_DEFAULT_WINDOW = 4096          # transformers' MistralConfig sliding_window where config.json leaves it out
+
+
 def every_layer(cfg: dict, num_layers: int, source: str) -> int | None:
-    """Mistral, Mixtral: sliding_window on every layer (null: none)."""
+    """Mixtral: sliding_window on every layer (null or left out: none)."""
     return read_field(cfg, "sliding_window", "int", source, minimum=1)
+
+
+def mistral_layers(cfg: dict, num_layers: int, source: str) -> int | None:
+    """Mistral: sliding_window on every layer (null: none; left out: transformers' default)."""
+    if "sliding_window" not in cfg:
+        return MISTRAL_DEFAULT_WINDOW
+    return every_layer(cfg, num_layers, source)
 
 
 def _used_window(cfg: dict, source: str) -> int | None:

@@ -72,7 +72,8 @@ def decoder_config(facts: ModelFacts) -> DecoderConfig:
         vocab_size=facts.vocab_size, rms_norm_eps=float(raw.get("rms_norm_eps") or entry.default_rms_norm_eps),
         qkv_bias=facts.qkv_bias, o_bias=facts.o_bias, mlp_bias=facts.mlp_bias, qk_norm=facts.qk_norm,
         tie_word_embeddings=facts.tie_word_embeddings,
-        rope=rope_config_from_raw(raw, facts.head_dim, default_theta=entry.default_rope_theta))
+        rope=rope_config_from_raw(raw, facts.head_dim, default_theta=entry.default_rope_theta,
+                                  default_max_position=entry.default_max_position_embeddings))
 
 
 class Attention(torch.nn.Module):
