@@ -64,6 +64,8 @@ class ServerState:
     defaults: RequestDefaults = NO_DEFAULTS  # --generation-config's, for what a request leaves out
     template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
     tool_options: ToolOptions = NO_TOOLS    # --enable-auto-tool-choice, --tool-call-parser
+    # a batch of prompts is queued whole before the next batch starts (_add_all)
+    batch_admission: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def model_name(self) -> str:
@@ -371,7 +373,15 @@ async def _until_finished_or_gone(request: Request, streams: list[RequestStream]
 
 async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
     """Queue every prompt's request; if one is refused, abort those queued and fail the whole request
-    with that prompt's error (its index named in a batch)."""
+    with that prompt's error (its index named in a batch). Batches are queued one at a time: interleaved, each
+    took the queue for its first prompts and all failed on their later ones where some of them would fit."""
+    if len(inputs) == 1:
+        return await _add_each(state, response_id, inputs)
+    async with state.batch_admission:
+        return await _add_each(state, response_id, inputs)
+
+
+async def _add_each(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
     streams: list[RequestStream] = []
     batch = len(inputs) > 1
     try:
