@@ -23,21 +23,21 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int
     the upper bound that sizing (block-table rows, graphs) may use; the plan lowers it to what one request can
     hold (KVPlan.max_model_len). A model with a sliding window (facts.sliding_window) is limited to it:
     kvfit attends over the whole context, which gives the model's outputs only while a sequence fits the window."""
-    window = facts.sliding_window
-    longest = facts.max_position_embeddings if window is None else min(window, facts.max_position_embeddings)
+    window, context = facts.sliding_window, facts.context_len
+    longest = context if window is None else min(window, context)
+    what = (f"max_position_embeddings {facts.max_position_embeddings}" if facts.rope_context is None
+            else f"rope-scaled context {context}")
     if requested == AUTO_MAX_MODEL_LEN:
         return min(longest, MAX_SEQUENCE_TOKENS)
     if requested is None:
         if longest > MAX_SEQUENCE_TOKENS:
             raise ConfigError(
-                f"the model's max_position_embeddings {facts.max_position_embeddings} is longer than the "
+                f"the model's {what} is longer than the "
                 f"{MAX_SEQUENCE_TOKENS:,} tokens a sequence can have here (int32 sequence lengths); pass "
                 "--max-model-len (or --max-model-len auto)")
         return longest
-    if requested > facts.max_position_embeddings:
-        raise ConfigError(
-            f"--max-model-len {requested} is longer than the model's max_position_embeddings "
-            f"{facts.max_position_embeddings}; use at most {facts.max_position_embeddings}")
+    if requested > context:
+        raise ConfigError(f"--max-model-len {requested} is longer than the model's {what}; use at most {context}")
     if requested > longest:
         raise ConfigError(
             f"--max-model-len {requested} is longer than the model's sliding_window {window}: kvfit attends over the "

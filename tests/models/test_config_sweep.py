@@ -191,3 +191,20 @@ def test_what_a_config_leaves_out_takes_transformers_defaults_for_its_family(arc
     reference = getattr(transformers, arch.replace("ForCausalLM", "Config"))()
     assert facts.max_position_embeddings == reference.max_position_embeddings
     assert facts.sliding_window == (reference.sliding_window or None if arch == "MistralForCausalLM" else None)
+
+
+@pytest.mark.parametrize("rope, context", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048),   # Qwen's model cards
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"rope_type": "dynamic", "factor": 2.0}, None),       # kvfit runs dynamic within max_position_embeddings
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 512}, None)])
+def test_a_rope_scaling_extends_the_context_as_vllm_derives_it(rope, context):
+    """yarn's original_max_position_embeddings x factor, linear's max_position_embeddings x factor (vLLM's derived
+    max_model_len): the long context a model card's rope_scaling is added for (--max-model-len past
+    max_position_embeddings was refused)."""
+    facts = facts_from_config({**_BASE, "rope_scaling": rope})
+    assert facts.rope_context == context
+    longest = context or 512
+    assert resolve_max_model_len(facts, None) == longest and resolve_max_model_len(facts, longest) == longest
+    with pytest.raises(ConfigError, match=f"use at most {longest}"):
+        resolve_max_model_len(facts, longest + 1)

@@ -80,7 +80,7 @@ def explain(config: EngineConfig, facts: ModelFacts, total: int, backend: str, p
     def plan_with(changed: dict) -> KVPlan:
         flat = dict(changed)
         return plan_of(EngineConfig.from_kwargs(flat.pop("model"), **flat), facts, total, backend)
-    return explanation(settings, plan, plan_with, facts.max_position_embeddings,
+    return explanation(settings, plan, plan_with, facts.context_len,
                        {"num_params": facts.num_params, "weight_dtype": weights_dtype(config, facts)})
 
 

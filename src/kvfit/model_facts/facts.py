@@ -51,7 +51,15 @@ class ModelFacts:
     # FP8 weights (the checkpoint's quantization_config, or --quantization fp8); None: 16-bit weights
     quantization: Fp8Scheme | None = None
     kv_cache_scales: bool = False    # quantization_config's kv_cache_scheme: the checkpoint carries fp8 k/v scales
+    # the context a yarn or linear rope scaling extends the model to (vLLM's derived max_model_len: yarn's
+    # original_max_position_embeddings x factor, linear's max_position_embeddings x factor); None: not extended
+    rope_context: int | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the model takes: its rope scaling's context, else max_position_embeddings."""
+        return self.rope_context or self.max_position_embeddings
 
     @property
     def is_mla(self) -> bool:

@@ -92,7 +92,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
         kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme,
-        kv_cache_scales=kv_cache_scales, raw=dict(cfg),
+        kv_cache_scales=kv_cache_scales, rope_context=_rope_context(rope, max_pos), raw=dict(cfg),
         **_structure(arch.rules, cfg, layers, source))
     num_params = count_parameters(facts, cfg, source)
     if num_params > MAX_NUM_PARAMS:
@@ -100,6 +100,17 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
                           f"2e12 at most); check its sizes (hidden_size, intermediate_size, num_hidden_layers, "
                           "vocab_size, the expert counts and widths)")
     return replace(facts, num_params=num_params)
+
+
+def _rope_context(rope, max_pos: int) -> int | None:
+    """The context a yarn or linear rope scaling extends the model to, as vLLM derives it (a longer one than
+    max_position_embeddings only); None for other rope types (llama3's config already says its length; kvfit
+    runs dynamic within max_position_embeddings, where its frequencies are exact)."""
+    if rope is None or rope.rope_type not in ("yarn", "linear"):
+        return None
+    base = rope.original_max_position_embeddings if rope.rope_type == "yarn" else max_pos
+    context = int(base * rope.factor)
+    return context if context > max_pos else None
 
 
 def with_quantization(facts: ModelFacts, quantization: str | None) -> ModelFacts:

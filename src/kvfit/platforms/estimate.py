@@ -82,7 +82,7 @@ def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sc
                      max_model_len: int | None = None) -> MemoryReading:
     """What a GPU of total_bytes would measure at start-up (rank 0), from documented formulas."""
     weights = estimate_weights_bytes(facts, dtype_bytes, tensor_parallel_size)
-    max_len = max_model_len or facts.max_position_embeddings
+    max_len = max_model_len or facts.context_len
     batch = persistent_batch_bytes(sched.max_num_seqs, num_blocks_for_tokens(max_len, cache.block_size),
                                    facts.vocab_size, max_row_tokens=max_len)
     act_bytes = dtype_bytes or (2 if facts.weight_dtype_bytes == 1 else facts.weight_dtype_bytes)
