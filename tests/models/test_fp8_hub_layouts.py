@@ -161,15 +161,19 @@ def test_hub_layouts_load_like_the_dequantized_reference(tiny, layout, arch, sca
     _assert_matches(got, _reference(deq, tokens, layout))
 
 
-def test_per_tensor_expert_scales_stored_as_0_dim_tensors_load(tmp_path):
-    """AutoFP8's Mixtral (activation_scheme dynamic) saves every expert's weight_scale 0-dim: the experts read
-    it as the linears do (it crashed with an IndexError from a slice of a 0-dim tensor)."""
-    src = make_tiny_model(tmp_path, arch="mixtral")
-    fp8, deq = _hub_copy(src, tmp_path / "mixtral", "autofp8-dynamic")
-    assert load_file(os.path.join(fp8, "model.safetensors"))[
-        "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale"].dim() == 0
+@pytest.mark.parametrize("arch, layout, scale", [
+    # AutoFP8's Mixtral (activation_scheme dynamic) saves every expert's weight_scale 0-dim: the experts read it as
+    # the linears do (it crashed with an IndexError from a slice of a 0-dim tensor)
+    ("mixtral", "autofp8-dynamic", "block_sparse_moe.experts.0.w1.weight_scale"),
+    # nvidia's ModelOpt FP8 MoE exports: every expert's gate/up/down with 0-dim weight_scale and input_scale, the
+    # router left out by a wildcard; the experts read their scales as the static FP8 experts do
+    ("qwen3_moe", "modelopt-fp8", "mlp.experts.0.gate_proj.input_scale")])
+def test_per_tensor_expert_scales_stored_as_0_dim_tensors_load(tmp_path, arch, layout, scale):
+    src = make_tiny_model(tmp_path, arch=arch)
+    fp8, deq = _hub_copy(src, tmp_path / arch, layout)
+    assert load_file(os.path.join(fp8, "model.safetensors"))[f"model.layers.0.{scale}"].dim() == 0
     got, tokens = _logits(fp8)
-    _assert_matches(got, _reference(deq, tokens, "autofp8-dynamic", experts=True))
+    _assert_matches(got, _reference(deq, tokens, layout, experts=True))
 
 
 def test_fp8_fmt_is_read_in_both_spellings():
@@ -364,13 +368,3 @@ def test_quantization_names_a_checkpoint_method_as_vllm_does(tiny):
             load_model_facts(src["llama"], method)
         assert "--quantization fp8" in str(info.value)
 
-
-def test_modelopt_fp8_experts_load_with_their_static_scales(tmp_path):
-    """nvidia's ModelOpt FP8 MoE exports: every expert's gate/up/down with 0-dim weight_scale and input_scale, the
-    router left out by a wildcard; the experts read their scales as the static FP8 experts do."""
-    src = make_tiny_model(tmp_path, arch="qwen3_moe")
-    fp8, deq = _hub_copy(src, tmp_path / "qwen3-moe", "modelopt-fp8")
-    assert load_file(os.path.join(fp8, "model.safetensors"))[
-        "model.layers.0.mlp.experts.0.gate_proj.input_scale"].dim() == 0
-    got, tokens = _logits(fp8)
-    _assert_matches(got, _reference(deq, tokens, "modelopt-fp8", experts=True))

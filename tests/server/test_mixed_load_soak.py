@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from server_testing import scrape, wait_healthy
+from test_tool_calling import TIME, WEATHER
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -40,11 +41,6 @@ TOOLS_TEMPLATE = (
     "{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}{{ eos_token }}\n"
     "{% endif %}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"unit": {"enum": ["c", "f"]}},
-                                                           "required": ["unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time"}}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "size": {"enum": ["small", "large"]}, "ok": {"type": "boolean"}},
           "required": ["name", "size", "ok"], "additionalProperties": False}

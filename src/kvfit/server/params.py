@@ -17,6 +17,7 @@ from kvfit.engine.admission import check_cache_salt, check_logprobs_count
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.structured_params import StructuredOutputsParams
+from kvfit.text.chat_template import TEXT_PART_SEPARATOR
 from kvfit.server.protocol import (REMOVED_GUIDED_FIELDS, TEMPLATE_MESSAGE_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                    CompletionRequest, bad_request)
 
@@ -242,9 +243,8 @@ def chat_messages(req) -> list[dict]:
         raise bad_request("messages must hold at least one message", param="messages")
     out = []
     for m in req.messages:
-        # text parts: one string, a line between parts (vLLM's "string" content format)
         content = m.content if isinstance(m.content, str) or m.content is None \
-            else "\n".join(part.text for part in m.content)
+            else TEXT_PART_SEPARATOR.join(part.text for part in m.content)
         message = {"role": m.role, "content": content or ""}
         # as transformers: fields left out (None) are not there for the template
         message.update({k: getattr(m, k) for k in TEMPLATE_MESSAGE_FIELDS if getattr(m, k) is not None})

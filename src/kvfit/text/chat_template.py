@@ -31,6 +31,7 @@ MAX_RENDERED_CHARS = 16 * 2**20       # output of one rendering (more than any -
 MAX_POWER_BITS = 4096                 # `x ** n` in a template: a result of at most this many bits
 _TEMPLATE_FILE = "<template>"         # the code file name of a template compiled from a string
 _STEPS_PER_CLOCK_READ = 1024
+TEXT_PART_SEPARATOR = "\n"           # a message's text parts become one string (vLLM's "string" content format)
 _DIGIT_RUNS = re.compile(r"\d+")
 
 
@@ -345,7 +346,7 @@ def text_parts_joined(messages: list[dict]) -> list[dict]:
                                        "content is a string or a list of {'type': 'text', 'text': ...} parts",
                                        "messages")
                 texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
+            message = {**message, "content": TEXT_PART_SEPARATOR.join(texts)}
         out.append(message)
     return out
 
