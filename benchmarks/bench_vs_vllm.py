@@ -50,6 +50,8 @@ GROUPS = {
                  workloads=("throughput", "latency")),
     "long": dict(max_model_len=8448, max_num_seqs=256, prefix_caching=True,
                  workloads=("shared-prefix", "long-context")),
+    # start-up and KV tokens alone (base's settings): #32's "KV tokens >= vLLM's at the same utilization"
+    "capacity": dict(max_model_len=2048, max_num_seqs=256, prefix_caching=False, workloads=()),
 }
 UTILIZATION = 0.9
 

@@ -65,5 +65,6 @@ for s in "$@"; do case $s in
   routing-30b) step routing-30b 500 python3 benchmarks/probe_moe_routing.py --model qwen3-30b-a3b --fp8-checkpoint block --engines kvfit vllm vllm-redrawn ;;
   fp8-quantize) step fp8-quantize 200 python3 benchmarks/bench_fp8_quantize.py ;;
   fp8-block-gemm) TAIL=${TAIL:-40} step fp8-block-gemm 300 python3 benchmarks/bench_fp8_block_gemm.py --model qwen3-30b-a3b ;;
+  kv-vs-vllm) step kv-vs-vllm 480 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups capacity --reps 1 --out "$OUT/kv-vs-vllm.json" ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -51,7 +51,18 @@ def tiny_mixtral(tmp_path_factory) -> str:
                            moe={"num_experts": 4, "top_k": 2, "moe_intermediate_size": 48})
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
+@pytest.fixture(scope="module")
+def tiny_llama_yarn(tmp_path_factory) -> str:
+    """YaRN with an attention factor: every GPU attention kernel (prefill, decode, cascade) must take the
+    layer's softmax scale, which here is not head_dim ** -0.5."""
+    from tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("yarn"), arch="llama", seed=13,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                         "mscale": 0.707, "mscale_all_dim": 1.0},
+                           max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_llama_yarn"])
 def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
     folder = request.getfixturevalue(fixture)
     expected = _hf_greedy(folder, PROMPTS, MAX_TOKENS)
