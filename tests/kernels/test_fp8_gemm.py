@@ -293,6 +293,20 @@ def test_act_quantized_in_gate_up_needs_a_tile_per_group():
             fe.check_fp8_config(config, block)
 
 
+def _compile_block_gemm(compile_sm90, kernel, types: dict, consts: dict, warps: int, stages: int) -> None:
+    if consts["SPLIT_K"] > 1:
+        types = {**types, "c_ptr": "*fp32", "bias_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")
+                 and n not in consts}
+    compiled, spills, report = compile_sm90(kernel, sig, consts, divisible, {"num_warps": warps, "num_stages": stages})
+    pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
+    print(f"block_fp8_gemm {consts['BLOCK_M']}x{consts['BLOCK_N']}x{consts['BLOCK_K']} split-K {consts['SPLIT_K']} "
+          f"per channel {consts['PER_CHANNEL']}: shared {compiled.metadata.shared} B, spills {spills} B, "
+          f"pipelined {pipelined}")
+    assert spills == 0 and compiled.metadata.shared <= 227 * 1024 and pipelined, report
+
+
 def _compile_check() -> None:
     """Compile the block GEMM for sm_90 as a launch specialises it (16-divisible pointers and strides, unit
     strides along K and N) with both configs and [128, 128] blocks; ptxas -v must report no register
@@ -306,18 +320,18 @@ def _compile_check() -> None:
     for block_m, block_n, warps, stages, split in ((*bg.SMALL_M_CONFIG, 1), (*bg.MID_M_CONFIG, 1), (*bg.LARGE_M_CONFIG, 1),
                                                    (*bg.SMALL_M_CONFIG, bg.SPLIT_K), (*bg.MID_M_CONFIG, bg.SPLIT_K)):
         consts = dict(K=4096, GROUP_N=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split,
-                      HAS_BIAS=False, DOT_FP32=False, stride_ak=1, stride_bk=1, stride_cn=1)
-        if split > 1:
-            types = {**types, "c_ptr": "*fp32", "bias_ptr": "*fp32"}
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-        divisible = {n for n in kernel.arg_names if sig[n].startswith("*") or n.startswith("stride_")
-                     and n not in consts}
-        compiled, spills, report = compile_sm90(kernel, sig, consts, divisible,
-                                                {"num_warps": warps, "num_stages": stages})
-        pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
-        print(f"block_fp8_gemm {block_m}x{block_n} split-K {split}: shared {compiled.metadata.shared} B, spills {spills} B, "
-              f"pipelined {pipelined}")
-        assert spills == 0 and compiled.metadata.shared <= 227 * 1024 and pipelined, report
+                      HAS_BIAS=False, DOT_FP32=False, PER_CHANNEL=False, stride_ak=1, stride_bk=1, stride_cn=1)
+        _compile_block_gemm(compile_sm90, kernel, types, consts, warps, stages)
+    # the per-channel GEMM (scales once, after the K loop) in configs the tuning sweep tries, at an 8B's K
+    for (block_m, block_n, warps, stages, split, block_k), k in (((16, 64, 4, 4, 4, 128), 4096),
+                                                                 ((64, 128, 4, 4, 1, 128), 14336),
+                                                                 ((64, 128, 4, 3, 1, 256), 4096),
+                                                                 ((128, 128, 8, 3, 1, 128), 14336),
+                                                                 ((64, 256, 8, 3, 1, 128), 4096), ((128, 128, 8, 3, 1, 256), 4096)):
+        consts = dict(K=k, GROUP_N=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                      HAS_BIAS=False, DOT_FP32=False, PER_CHANNEL=True, stride_ak=1, stride_bk=1, stride_cn=1,
+                      stride_ask=0, stride_bsk=0)
+        _compile_block_gemm(compile_sm90, kernel, types, consts, warps, stages)
     _compile_check_fused_experts(compile_sm90)
     for group, block in ((4096, 4096), (14336, 4096), (128, 128)):       # the quantize kernel, per token and group
         sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32",
@@ -478,3 +492,75 @@ def test_blockwise_scaled_mm_gate_admits_only_shapes_cublas_reads_right(monkeypa
     assert not gate(2048, 256, 384) and not gate(2048, 896, 896)        # K / 128 = 3, 7
     assert not gate(2048, 5120, 2048, dtype=torch.float16)              # bf16 out only: no second rounding
     assert not gate(2048, 5120, 2048, block=(64, 64)) and not gate(2048, 200, 2048)
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,k,config,static", [
+    (19, 200, 300, (16, 64, 4, 1, 1, 128), False),         # partial tiles along M, N and K
+    (5, 136, 512, (16, 32, 4, 1, 4, 128), False),          # K split over 4 programs, the bias after the sum
+    (33, 256, 384, (16, 128, 4, 1, 3, 64), False),         # BLOCK_K 64: 6 steps over 3 programs
+    (7, 64, 256, (16, 64, 4, 1, 1, 256), True)])           # a static input scale (expanded: stride 0)
+def test_channel_gemm_kernel_matches_the_reference(m, n, k, config, static):
+    """The per-channel Triton GEMM (one scale per row and output column, applied once after the K loop) against
+    the fp32 reference of the same quantized operands."""
+    torch.manual_seed(4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wq, ws = quantize_weight_per_channel(torch.randn(n, k))
+    input_scale = torch.tensor([0.02]) if static else None
+    w = Fp8Weight(wq.to(device), ws.to(device), None,
+                  input_scale.to(device) if static else None)
+    x, bias = torch.randn(m, k, device=device), torch.randn(n, device=device)
+    xq, xs = quantize_activations(x, w)
+    got = bg.channel_fp8_gemm(xq.contiguous(), xs, w, bias, torch.float32, config)
+    want = fp8_linear_reference(x, w, bias)
+    tol = 2e-3 * float(want.abs().max()) if got.is_cuda else 1e-3
+    assert float((got - want).abs().max()) <= tol, (got - want).abs().max()
+
+
+def test_channel_gemm_split_k_must_divide_the_k_steps():
+    wq, ws = quantize_weight_per_channel(torch.randn(64, 384))
+    xq, xs = quantize_activations(torch.randn(2, 384), Fp8Weight(wq, ws, None))
+    with pytest.raises(ValueError, match="SPLIT_K 2 does not divide the 3 K steps"):
+        bg.channel_fp8_gemm(xq, xs, Fp8Weight(wq, ws, None), None, torch.float32, (16, 64, 4, 1, 2, 128))
+
+
+def test_channel_configs_serve_the_rows_up_to_each_entry(tmp_path, monkeypatch):
+    """A tuned file's entry [M, config] serves batches of more rows than the entry before and at most M; past the
+    last, for another shape or device, on the CPU, or with KVFIT_FP8_GEMM_CONFIGS=off: None (_scaled_mm)."""
+    from kvfit.kernels import fp8_channel_configs as cc
+    path = tmp_path / "tuned.json"
+    path.write_text('{"GPU X": {"4096x4096": [[64, [16, 64, 4, 4, 4, 128]], [16, [16, 128, 4, 4, 1, 128]],'
+                    ' [256, null], [512, [64, 128, 4, 4, 1, 128]]]}}')
+    monkeypatch.setenv(cc.ENV, str(path))
+    monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    cuda = torch.device("cuda", 0)
+    assert cc.channel_config(cuda, 1, 4096, 4096) == (16, 128, 4, 4, 1, 128)
+    assert cc.channel_config(cuda, 16, 4096, 4096) == (16, 128, 4, 4, 1, 128)
+    assert cc.channel_config(cuda, 17, 4096, 4096) == (16, 64, 4, 4, 4, 128)
+    assert cc.channel_config(cuda, 100, 4096, 4096) is None
+    assert cc.channel_config(cuda, 512, 4096, 4096) == (64, 128, 4, 4, 1, 128)
+    assert cc.channel_config(cuda, 513, 4096, 4096) is None
+    assert cc.channel_config(cuda, 16, 4096, 14336) is None
+    assert cc.channel_config(torch.device("cpu"), 16, 4096, 4096) is None
+    monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda device=None: "GPU Y")
+    assert cc.channel_config(cuda, 16, 4096, 4096) is None
+    monkeypatch.setenv(cc.ENV, "off")
+    assert cc.config_file() is None
+
+
+def test_packaged_channel_configs_are_well_formed():
+    """Every entry of the packaged file is [M, null] or [M, 6 positive ints] whose SPLIT_K is 1 or its K's
+    steps divide (the launch would refuse it)."""
+    import json
+
+    from kvfit.kernels import fp8_channel_configs as cc
+    with open(cc.CONFIG_FILE) as f:
+        data = json.load(f)
+    for device, shapes in data.items():
+        for shape, entries in shapes.items():
+            n, k = (int(v) for v in shape.split("x"))
+            for m, config in entries:
+                assert isinstance(m, int) and m > 0, (device, shape, m)
+                if config is not None:
+                    assert len(config) == 6 and all(isinstance(v, int) and v > 0 for v in config), config
+                    assert -(-k // config[5]) % config[4] == 0, (device, shape, config)

@@ -56,9 +56,11 @@ if triton is not None:
                                stride_bsn, stride_bsk, stride_cs, stride_cm, stride_cn,
                                GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               DOT_FP32: tl.constexpr):
+                               DOT_FP32: tl.constexpr, PER_CHANNEL: tl.constexpr):
         # c[m, n] = sum_kb a_scale[m, kb] * b_scale[n // GROUP_N, kb] * (a[m, kb] . b[n, kb]); with SPLIT_K > 1
-        # program pid_k sums its share of the K steps into the fp32 partial c[pid_k] (block_fp8_gemm adds them)
+        # program pid_k sums its share of the K steps into the fp32 partial c[pid_k] (block_fp8_gemm adds them).
+        # PER_CHANNEL: one scale per row and per output column for all of K (a_scale [M, 1], b_scale [N, 1]),
+        # applied once to the sum: c[m, n] = a_scale[m] * b_scale[n] * (a[m, :] . b[n, :])
         pid_m = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2).to(tl.int64)
@@ -78,15 +80,22 @@ if triton is not None:
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < k_left)[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=(offs_k < k_left)[:, None] & n_mask[None, :], other=0.0)
-            a_s = tl.load(a_scale_ptrs + kb * stride_ask, mask=m_mask, other=0.0)
-            b_s = tl.load(b_scale_ptrs + kb * stride_bsk, mask=n_mask, other=0.0)
             if DOT_FP32:    # the interpreter has no fp8 dot: the same products, exact in fp32
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
             else:
                 part = tl.dot(a, b)
-            acc += part * a_s[:, None] * b_s[None, :]
+            if PER_CHANNEL:
+                acc += part
+            else:
+                a_s = tl.load(a_scale_ptrs + kb * stride_ask, mask=m_mask, other=0.0)
+                b_s = tl.load(b_scale_ptrs + kb * stride_bsk, mask=n_mask, other=0.0)
+                acc += part * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if PER_CHANNEL:
+            a_s = tl.load(a_scale_ptrs, mask=m_mask, other=0.0)
+            b_s = tl.load(b_scale_ptrs, mask=n_mask, other=0.0)
+            acc = acc * a_s[:, None] * b_s[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -122,13 +131,49 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: 
         xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), w.weight.stride(0), w.weight.stride(1),
         w.scale.stride(0), w.scale.stride(1), target.stride(0) if split > 1 else 0, target.stride(-2),
         target.stride(-1), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SPLIT_K=split,
-        HAS_BIAS=fused_bias, DOT_FP32=interpret, num_warps=warps, num_stages=stages)
+        HAS_BIAS=fused_bias, DOT_FP32=interpret, PER_CHANNEL=False, num_warps=warps, num_stages=stages)
+    return _finish(out, target, bias, split)
+
+
+def _finish(out: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, split: int) -> torch.Tensor:
+    """out as the kernel left it (split 1), or the sum of its SPLIT_K fp32 partials in fixed order, plus the bias."""
     if split > 1:
         total = target.sum(dim=0)
         if bias is not None:
             total += bias.float()
         out.copy_(total)
     return out
+
+
+def channel_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype, config: tuple[int, ...]) -> torch.Tensor:
+    """xq [M, K] fp8 with x_scale [M, 1] fp32 (per token, or a static scale expanded), w a per-channel Fp8Weight
+    (scale [N, 1]) -> [M, N] in out_dtype: the block kernel with one scale per row and column, applied once.
+
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K, BLOCK_K), a tuned entry of fp8_channel_configs
+    (cuBLASLt's _scaled_mm is the default: this runs only where a sweep on the device found it faster). SPLIT_K
+    must divide ceil(K / BLOCK_K)."""
+    assert w.block_size is None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
+    block_m, block_n, warps, stages, split, block_k = config
+    m, k = xq.shape
+    n = w.out_features
+    steps = -(-k // block_k)
+    if split < 1 or steps % split:
+        raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k} (BLOCK_K {block_k})")
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
+    fused_bias = bias is not None and split == 1
+    w_scale = w.scale.reshape(-1, 1).expand(n, 1) if w.scale.numel() == 1 else w.scale.reshape(n, 1)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    _block_fp8_gemm_kernel[grid](
+        xq, x_scale, w.weight, w_scale, target, bias if fused_bias else target, m, n, k,
+        xq.stride(0), xq.stride(1), x_scale.stride(0), 0, w.weight.stride(0), w.weight.stride(1),
+        w_scale.stride(0), 0, target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
+        GROUP_N=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=fused_bias,
+        DOT_FP32=not on_gpu(xq), PER_CHANNEL=True, num_warps=warps, num_stages=stages)
+    return _finish(out, target, bias, split)
 
 
 def block_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,

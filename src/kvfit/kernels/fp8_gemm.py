@@ -1,5 +1,7 @@
 """The FP8 GEMM a quantized linear runs, chosen per call: on CUDA the Triton FP8 GEMV for one token (batch-1
-decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales), and for block weights
+decode, fp8_gemv.py), cuBLASLt's torch._scaled_mm (per-channel weights, rowwise scales) or, for the shapes and
+batch sizes where a sweep on this device found it faster (fp8_channel_configs.py), the Triton GEMM with
+per-channel scales (fp8_block_gemm.channel_fp8_gemm), and for block weights
 cuBLASLt's blockwise-scaled _scaled_mm from BLOCK_SCALED_MM_MIN_ROWS rows of bf16 ([128, 128] weight blocks, 1 x
 128 activation groups, K / 128 a multiple of 4; about 2x the Triton block GEMM at 8,192 rows on an H100,
 2026-12-07) or the Triton block GEMM otherwise; the fp32 reference (fp8.py) elsewhere and for shapes cuBLASLt
@@ -11,7 +13,8 @@ import torch
 
 from kvfit.kernels.fp8 import (Fp8Weight, PreQuantized, activation_group, fp8_linear_reference, quantize_input,
                                split_prequantized)
-from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies
+from kvfit.kernels.fp8_block_gemm import block_fp8_linear, block_gemm_applies, channel_fp8_gemm
+from kvfit.kernels.fp8_channel_configs import channel_config
 from kvfit.kernels.fp8_gemv import fp8_gemv, fp8_gemv_applies
 from kvfit.platforms.gate import on_gpu
 
@@ -26,8 +29,9 @@ def scaled_mm_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 
 # fp8_linear's paths; the ones in QUANTIZING_PATHS quantize x dynamically before their GEMM
-GEMV, SCALED_MM, BLOCK_SCALED_MM, BLOCK_GEMM, REFERENCE = "gemv", "scaled_mm", "block_scaled_mm", "block_gemm", "ref"
-QUANTIZING_PATHS = (SCALED_MM, BLOCK_SCALED_MM, BLOCK_GEMM)
+GEMV, SCALED_MM, CHANNEL_GEMM, BLOCK_SCALED_MM, BLOCK_GEMM, REFERENCE = (
+    "gemv", "scaled_mm", "channel_gemm", "block_scaled_mm", "block_gemm", "ref")
+QUANTIZING_PATHS = (SCALED_MM, CHANNEL_GEMM, BLOCK_SCALED_MM, BLOCK_GEMM)
 
 
 def fp8_path(x: torch.Tensor, w: Fp8Weight) -> str:
@@ -35,7 +39,8 @@ def fp8_path(x: torch.Tensor, w: Fp8Weight) -> str:
     if fp8_gemv_applies(x, w):
         return GEMV
     if scaled_mm_applies(x, w):
-        return SCALED_MM
+        tuned = block_gemm_applies(x) and channel_config(x.device, x.shape[0], w.out_features, x.shape[1])
+        return CHANNEL_GEMM if tuned else SCALED_MM
     if block_scaled_mm_applies(x, w):
         return BLOCK_SCALED_MM
     if on_gpu(x) and w.block_size is not None and block_gemm_applies(x):
@@ -54,6 +59,10 @@ def fp8_linear(x: torch.Tensor | PreQuantized, w: Fp8Weight, bias: torch.Tensor 
         y = fp8_gemv(x2, w, bias)
     elif path in (SCALED_MM, BLOCK_SCALED_MM):
         y = _cublas_linear(x2, w, bias, pre, blockwise=path == BLOCK_SCALED_MM)
+    elif path == CHANNEL_GEMM:
+        xq, x_scale = quantize_input(x2, w, pre)                                     # [T, K] fp8, [T, 1]
+        config = channel_config(x2.device, x2.shape[0], w.out_features, x2.shape[1])
+        y = channel_fp8_gemm(xq, x_scale, w, bias, x2.dtype, config)
     elif path == BLOCK_GEMM:
         y = block_fp8_linear(x2, w, bias, pre)
     else:

@@ -1,0 +1,53 @@
+"""Tuned launch configs of the per-channel FP8 GEMM in Triton (fp8_block_gemm.channel_fp8_gemm), per device.
+
+cuBLASLt's rowwise-scaled torch._scaled_mm is the default per-channel GEMM. At decode batch sizes it picks one
+128 x 128 tile for every shape (H100, 2026-12-07: llama-3.1-8b's linears at 256 rows read their FP8 weights at
+about 1.9 TB/s; o_proj and down make 64 tiles for 132 SMs), so a sweep on the device
+(benchmarks/tune_fp8_channel_gemm.py) writes, per weight shape and batch size, the Triton config that beat
+_scaled_mm there, or null where none did. The file is configs/fp8_channel_gemm.json:
+
+    {"<torch.cuda.get_device_name()>": {"<N>x<K>": [[M, config or null], ...]}, ...}
+
+an entry [M, config] serving every batch of more rows than the entry before it and at most M (rows past the last
+entry: _scaled_mm). A device, a shape or a batch the file does not name runs _scaled_mm, as before any sweep.
+KVFIT_FP8_GEMM_CONFIGS names another file (the sweep's output, before it is committed) or `off` (none).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "fp8_channel_gemm.json")
+ENV = "KVFIT_FP8_GEMM_CONFIGS"
+
+
+def config_file() -> str | None:
+    """The file the configs come from (KVFIT_FP8_GEMM_CONFIGS, else the packaged one), or None for `off`."""
+    path = os.environ.get(ENV, "") or CONFIG_FILE
+    return None if path == "off" else path
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: str | None, device_name: str) -> dict[str, list[tuple[int, tuple[int, ...] | None]]]:
+    if path is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    shapes = data.get(device_name, {})
+    return {shape: sorted((int(m), tuple(c) if c else None) for m, c in entries) for shape, entries in shapes.items()}
+
+
+def channel_config(device: torch.device, m: int, n: int, k: int) -> tuple[int, ...] | None:
+    """The tuned (BLOCK_M, BLOCK_N, warps, stages, SPLIT_K, BLOCK_K) for m rows of an [n, k] weight on this CUDA
+    device, or None: _scaled_mm runs."""
+    if device.type != "cuda":
+        return None
+    entries = _table(config_file(), torch.cuda.get_device_name(device)).get(f"{n}x{k}")
+    for m_max, config in entries or ():
+        if m <= m_max:
+            return config
+    return None
