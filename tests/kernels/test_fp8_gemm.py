@@ -532,7 +532,7 @@ def test_channel_configs_serve_the_rows_up_to_each_entry(tmp_path, monkeypatch):
     path.write_text('{"GPU X": {"4096x4096": [[64, [16, 64, 4, 4, 4, 128]], [16, [16, 128, 4, 4, 1, 128]],'
                     ' [256, null], [512, [64, 128, 4, 4, 1, 128]]]}}')
     monkeypatch.setenv(cc.ENV, str(path))
-    monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    monkeypatch.setattr(cc, "_device_name", lambda index: "GPU X")
     cuda = torch.device("cuda", 0)
     assert cc.channel_config(cuda, 1, 4096, 4096) == (16, 128, 4, 4, 1, 128)
     assert cc.channel_config(cuda, 16, 4096, 4096) == (16, 128, 4, 4, 1, 128)
@@ -542,7 +542,7 @@ def test_channel_configs_serve_the_rows_up_to_each_entry(tmp_path, monkeypatch):
     assert cc.channel_config(cuda, 513, 4096, 4096) is None
     assert cc.channel_config(cuda, 16, 4096, 14336) is None
     assert cc.channel_config(torch.device("cpu"), 16, 4096, 4096) is None
-    monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda device=None: "GPU Y")
+    monkeypatch.setattr(cc, "_device_name", lambda index: "GPU Y")
     assert cc.channel_config(cuda, 16, 4096, 4096) is None
     monkeypatch.setenv(cc.ENV, "off")
     assert cc.config_file() is None

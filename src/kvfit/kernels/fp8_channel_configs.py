@@ -41,13 +41,23 @@ def _table(path: str | None, device_name: str) -> dict[str, list[tuple[int, tupl
     return {shape: sorted((int(m), tuple(c) if c else None) for m, c in entries) for shape, entries in shapes.items()}
 
 
-def channel_config(device: torch.device, m: int, n: int, k: int) -> tuple[int, ...] | None:
-    """The tuned (BLOCK_M, BLOCK_N, warps, stages, SPLIT_K, BLOCK_K) for m rows of an [n, k] weight on this CUDA
-    device, or None: _scaled_mm runs."""
-    if device.type != "cuda":
-        return None
-    entries = _table(config_file(), torch.cuda.get_device_name(device)).get(f"{n}x{k}")
-    for m_max, config in entries or ():
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(path: str | None, device_name: str, m: int, n: int, k: int) -> tuple[int, ...] | None:
+    for m_max, config in _table(path, device_name).get(f"{n}x{k}") or ():
         if m <= m_max:
             return config
     return None
+
+
+def channel_config(device: torch.device, m: int, n: int, k: int) -> tuple[int, ...] | None:
+    """The tuned (BLOCK_M, BLOCK_N, warps, stages, SPLIT_K, BLOCK_K) for m rows of an [n, k] weight on this CUDA
+    device, or None: _scaled_mm runs. Cached: fp8_linear asks on every eager call."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _lookup(config_file(), _device_name(index), m, n, k)
