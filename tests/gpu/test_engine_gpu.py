@@ -57,9 +57,9 @@ def tiny_llama_yarn(tmp_path_factory) -> str:
     layer's softmax scale, which here is not head_dim ** -0.5."""
     from tiny_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("yarn"), arch="llama", seed=13,
-                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                          "mscale": 0.707, "mscale_all_dim": 1.0},
-                           max_position_embeddings=128)
+                           max_position_embeddings=256)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_llama_yarn"])
