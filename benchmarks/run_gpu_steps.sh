@@ -69,6 +69,7 @@ for s in "$@"; do case $s in
   fp8-channel-tune) TAIL=${TAIL:-30} step fp8-channel-tune 330 python3 benchmarks/tune_fp8_channel_gemm.py --model llama-3.1-8b --write /root/fp8_channel_gemm.json --json "$OUT/fp8-channel-tune.json"; cp /root/fp8_channel_gemm.json "$OUT/" ;;
   fp8-channel-8b-kvfit) TAIL=${TAIL:-12} step fp8-channel-8b-kvfit 300 bash -c "KVFIT_FP8_GEMM_CONFIGS=/root/fp8_channel_gemm.json KVFIT_BENCH_FP8=channel python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out $OUT/fp8-8b-tuned.json && KVFIT_FP8_GEMM_CONFIGS=off KVFIT_BENCH_FP8=channel python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out $OUT/fp8-8b-scaled-mm.json" ;;
   gpu-short) TAIL=${TAIL:-15} step gpu-short 200 python3 -m pytest -q -p no:cacheprovider "tests/gpu/test_engine_gpu.py::test_cuda_graphs_and_multi_step_match_transformers[tiny_llama_yarn]" tests/gpu/test_capacity_gpu.py ;;
+  serve-policy) TAIL=${TAIL:-40} step serve-policy 580 bash -c "python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 512 --rates 30,54 --runs 2 --out $OUT/serve-policy-default.json && python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 512 --rates 30,54 --runs 2 --kvfit-args '--num-scheduler-steps 1' --out $OUT/serve-policy-1step.json" ;;
   kv-vs-vllm) step kv-vs-vllm 480 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups capacity --reps 1 --out "$OUT/kv-vs-vllm.json" ;;
   *) echo "unknown step $s" ;;
 esac; done
