@@ -17,7 +17,7 @@ from kvfit.units import parse_bytes
 
 # torch.manual_seed takes seeds up to 2**64 - 1; per-request seeds are taken mod 2**64 (sampling_state.py)
 MAX_SEED = 2**64 - 1
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")     # or a folder path
 # --max-model-len auto (vLLM's auto / -1): the longest request the KV cache holds, capped by the model's
 AUTO_MAX_MODEL_LEN = "auto"

@@ -232,7 +232,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Flags of a running engine (generate, serve, profile, demo)."""
     add_capacity_flags(p)
     p.add_argument("--device", default=None, help="auto, cpu or cuda (auto: a GPU if torch sees one)")
-    p.add_argument("--load-format", default=None, help="auto, safetensors or dummy (random weights)")
+    p.add_argument("--load-format", default=None,
+                   help="auto (safetensors, else pytorch_model.bin), safetensors, pt (PyTorch .bin state dicts) or "
+                        "dummy (random weights)")
     p.add_argument("--seed", type=_seed, default=None, help="seed of the engine's random numbers (0 to 2**64 - 1)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a shared prompt prefix")

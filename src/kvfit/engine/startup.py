@@ -88,10 +88,11 @@ def loading_line(config: EngineConfig, facts: ModelFacts) -> str:
         size = f", {gib(size_bytes)}" if size_bytes else ""
         return (f"loading: random weights (--load-format dummy) for {config.model.model}: "
                 f"{facts.num_params / 1e9:.2f}B parameters{size} in {dtype}{ranks}")
-    from kvfit.models.loader import safetensors_files
-    files = safetensors_files(config.model.model)
+    from kvfit.models.loader import checkpoint_files
+    files = checkpoint_files(config.model.model, config.model.load_format)
     size_bytes = sum(os.path.getsize(path) for path in files)
-    return (f"loading: {config.model.model}: {gib(size_bytes)} of safetensors in {len(files)} "
+    kind = "safetensors" if files[0].endswith(".safetensors") else "PyTorch state dicts"
+    return (f"loading: {config.model.model}: {gib(size_bytes)} of {kind} in {len(files)} "
             f"shard{'s' if len(files) > 1 else ''}, run in {dtype}{ranks}")
 
 

@@ -1,8 +1,15 @@
 """Build a model (its class found in models/registry.py) and fill its weights: from safetensors (one
-file or sharded) or at random ("dummy").
+file or sharded), from PyTorch's pickled state dicts (pytorch_model.bin, one file or sharded), or at random
+("dummy").
 
-With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice),
-so no rank ever holds a whole sharded tensor, let alone the whole model.
+--load-format (vLLM's): `auto` reads safetensors where the folder has them, else .bin files; `safetensors` and `pt`
+read only those; `dummy` reads nothing. The files of a format are those its index names (model.safetensors.index.json,
+pytorch_model.bin.index.json), else the single file (model.safetensors, pytorch_model.bin), else every file of that
+kind in the folder (vLLM globs them too), less training state (optimizer.bin, training_args.bin, ...).
+
+With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice), so no rank
+ever holds a whole sharded tensor, let alone the whole model. A .bin file is memory-mapped (torch.load(mmap=True);
+weights_only: no code in the pickle runs), so a rank's copy is still only its slice, read from the page cache.
 
 kvfit reads quantization from config.json's quantization_config (or, where that is absent, older
 compressed-tensors' `compression_config`, as vLLM). A checkpoint that fails to load while its quantization is
@@ -30,6 +37,11 @@ from kvfit.units import gib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PT_SINGLE_FILE = "pytorch_model.bin"
+PT_INDEX_FILE = "pytorch_model.bin.index.json"
+# files of a checkpoint folder that hold training state, not weights (vLLM leaves the same out)
+NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt",
+                         "rng_state.pth"})
 DUMMY_SEED = 0
 logger = logging.getLogger("kvfit")
 DUMMY_STD = 0.02
@@ -41,9 +53,7 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
     """facts.architecture's model on `device`, weights from model_path ("auto"/"safetensors") or random
     ("dummy"); an architecture that can only be planned is a ConfigError."""
     cls = model_class(facts.architecture)
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ConfigError(f"--load-format {load_format!r} is not supported; use auto, safetensors or dummy")
-    files = None if load_format == "dummy" else safetensors_files(model_path)
+    files = None if load_format == "dummy" else checkpoint_files(model_path, load_format)
     try:
         model = cls(facts, dtype, device, attention_backend, tp_rank=tp_rank, tp_size=tp_size)
         if files is None:
@@ -135,10 +145,31 @@ def _is_allocation_failure(exc: BaseException) -> bool:
     return any(words in message for words in _ALLOCATION_FAILURES)
 
 
-def safetensors_files(model_path: str) -> list[str]:
-    """The checkpoint's shard files: model.safetensors, or every file named in the index's weight_map."""
-    index = os.path.join(model_path, INDEX_FILE)
-    single = os.path.join(model_path, SINGLE_FILE)
+def checkpoint_files(model_path: str, load_format: str = "auto") -> list[str]:
+    """The checkpoint's weight files for --load-format auto, safetensors or pt (the module docstring's order)."""
+    if load_format not in ("auto", "safetensors", "pt"):
+        raise ConfigError(f"--load-format {load_format!r} is not supported; use auto, safetensors, pt or dummy")
+    if load_format in ("auto", "safetensors"):
+        files = _format_files(model_path, INDEX_FILE, SINGLE_FILE, (".safetensors",))
+        if files or load_format == "safetensors":
+            return files or _no_weights(model_path, f"{SINGLE_FILE}, {INDEX_FILE} or other *.safetensors files")
+    files = _format_files(model_path, PT_INDEX_FILE, PT_SINGLE_FILE, (".bin", ".pt"))
+    if files:
+        return files
+    what = (f"{PT_SINGLE_FILE}, {PT_INDEX_FILE} or other *.bin / *.pt files" if load_format == "pt" else
+            f"{SINGLE_FILE} or {PT_SINGLE_FILE} (or an index of either, or other *.safetensors / *.bin files)")
+    return _no_weights(model_path, what)
+
+
+def _no_weights(model_path: str, what: str) -> list[str]:
+    raise ConfigError(f"no {what} in {model_path}: kvfit found no weights to load; use --load-format dummy to run "
+                      "with random weights")
+
+
+def _format_files(model_path: str, index_name: str, single_name: str, suffixes: tuple[str, ...]) -> list[str]:
+    """One format's files: those its index names, else its single file, else every file with its suffix
+    (sorted; training state left out); [] where the folder has none."""
+    index = os.path.join(model_path, index_name)
     if os.path.isfile(index):
         weight_map = read_field(read_json_object(index), "weight_map", "object", index, required=True)
         for tensor, shard in weight_map.items():
@@ -148,35 +179,66 @@ def safetensors_files(model_path: str) -> list[str]:
         files = [os.path.join(model_path, name) for name in dict.fromkeys(weight_map.values())]
         for path in files:
             if not os.path.isfile(path):
-                raise ConfigError(f"{INDEX_FILE} names shard {os.path.basename(path)} but it is not in {model_path}; "
+                raise ConfigError(f"{index_name} names shard {os.path.basename(path)} but it is not in {model_path}; "
                                   "re-download the model")
         return files
+    single = os.path.join(model_path, single_name)
     if os.path.isfile(single):
         return [single]
-    raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_path}: kvfit loads safetensors weights; "
-                      "use --load-format dummy to run with random weights")
+    if not os.path.isdir(model_path):
+        return []
+    return [os.path.join(model_path, name) for name in sorted(os.listdir(model_path))
+            if name.endswith(suffixes) and name not in NOT_WEIGHTS and os.path.isfile(os.path.join(model_path, name))]
 
 
 def _iter_tensors(files: list[str]) -> Iterator[tuple[str, object]]:
-    """(name, lazy safetensors slice) over every file, with a progress bar over tensors (stderr, tty only).
-
-    A slice reads nothing until indexed; it is valid only until the next item (its file closes).
-    """
+    """(name, tensor) over every file, with a progress bar over tensors (stderr, tty only): a lazy safetensors
+    slice (it reads nothing until indexed, and is valid only until the next item: its file closes), or a tensor of
+    a memory-mapped .bin state dict (counted into the bar when its file opens)."""
     from safetensors import safe_open
     from tqdm import tqdm
     total = 0
     for path in files:
-        try:
-            with safe_open(path, framework="pt", device="cpu") as fh:
-                total += len(fh.keys())
-        except Exception as exc:   # safetensors raises its own error types for a bad header
-            raise ConfigError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
+        if path.endswith(".safetensors"):
+            try:
+                with safe_open(path, framework="pt", device="cpu") as fh:
+                    total += len(fh.keys())
+            except Exception as exc:   # safetensors raises its own error types for a bad header
+                raise ConfigError(f"{path} is not a readable safetensors file ({exc}); re-download it") from None
     with tqdm(total=total, desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
         for path in files:
-            with safe_open(path, framework="pt", device="cpu") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_slice(name)
-                    bar.update(1)
+            if path.endswith(".safetensors"):
+                with safe_open(path, framework="pt", device="cpu") as fh:
+                    for name in fh.keys():
+                        yield name, fh.get_slice(name)
+                        bar.update(1)
+                continue
+            state = _load_state_dict(path)
+            bar.total += len(state)
+            for name in list(state):
+                yield name, state.pop(name)
+                bar.update(1)
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """A .bin/.pt file's state dict, memory-mapped where its format allows (the zip format torch.save writes since
+    1.6), read with weights_only: a pickle that holds anything but tensors and plain containers is refused, never run."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)        # the legacy (pre-zip) format
+    except Exception as exc:
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise ConfigError(f"{path} is not a readable PyTorch state dict of tensors ({type(exc).__name__}: "
+                          f"{first_line}); re-download it, or convert it to safetensors") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ConfigError(f"{path} is not a state dict of named tensors; re-download it, or convert it to "
+                          "safetensors")
+    return state
 
 
 @torch.no_grad()

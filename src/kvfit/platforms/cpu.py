@@ -65,8 +65,8 @@ class CpuPlatform(Platform):
     def startup_estimate(self, config: EngineConfig) -> tuple[float, str] | None:
         # loading and profiling at host speed takes minutes for a large model (platforms/cpu_startup.py)
         if config.model.load_format != "dummy":     # missing weights fail at once (the loader's error): no wait
-            from kvfit.models.loader import safetensors_files
-            safetensors_files(config.model.model)
+            from kvfit.models.loader import checkpoint_files
+            checkpoint_files(config.model.model, config.model.load_format)
         from kvfit.model_facts import load_model_facts
         from kvfit.platforms.cpu_startup import cpu_startup_estimate
         facts = load_model_facts(config.model.model, config.model.quantization)
