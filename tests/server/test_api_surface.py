@@ -71,7 +71,7 @@ def test_unknown_fields_are_served_with_a_warning_naming_them(server, client, ca
 
 UNHONOURED = [("use_beam_search", True), ("best_of", 3), ("suffix", "x"), ("truncate_prompt_tokens", 5),
               ("priority", 1), ("logits_processors", ["x"]),
-              ("return_tokens_as_token_ids", True), ("length_penalty", 0.5), ("guided_json", {"type": "object"}),
+              ("length_penalty", 0.5), ("guided_json", {"type": "object"}),
               ("guided_choice", ["a", "b"]), ("guided_regex", "a+"), ("vllm_xargs", {"a": 1})]
 
 

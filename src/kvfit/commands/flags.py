@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from kvfit.errors import ConfigError
@@ -86,6 +87,10 @@ def add_model_argument(p: argparse.ArgumentParser, what: str) -> None:
     refuse(p, "--tokenizer-mode", "tokenizer.json is read as transformers' fast tokenizer reads it",
            ("auto", "hf"))
     refuse(p, "--download-dir", "models are never downloaded; fetch one with `hf download`")
+    refuse(p, "--model-impl", "kvfit runs its own implementation of each architecture (auto); it has no vLLM or "
+           "transformers backend", ("auto",))
+    refuse(p, "--config-format", "kvfit reads the model folder's Hugging Face config.json (auto, hf), not a "
+           "Mistral params.json", ("auto", "hf"))
 
 
 def model_argument(args: argparse.Namespace) -> None:
@@ -152,6 +157,12 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
     refuse(p, "--limit-mm-per-prompt", "only text models are served")
     refuse(p, "--task", "only text generation is served (no pooling or embedding models)", ("auto", "generate"))
     refuse(p, "--runner", "only text generation is served (no pooling or embedding models)", ("auto", "generate"))
+    refuse(p, "--scheduling-policy", "kvfit schedules first come, first served (fcfs); it has no request priorities",
+           ("fcfs",))
+    refuse(p, "--logprobs-mode", "logprobs are the model's raw fp32 log-softmax, before temperature, penalties and "
+           "any other processing (raw_logprobs)", ("raw_logprobs",))
+    refuse(p, "--max-parallel-loading-workers", "each tensor-parallel rank reads only its slice of each weight, "
+           "all ranks at once; there is no loading-worker setting")
 
 
 def add_vllm_server_flags(p: argparse.ArgumentParser) -> None:
@@ -171,12 +182,81 @@ def add_vllm_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-log-len", dest="vllm_max_log_len", type=int_flag, default=None, metavar="N",
                    help="vLLM's: the most prompt characters a log line shows; accepted, kvfit's log lines show no "
                         "prompt (default: none shown)")
-    refuse(p, "--ssl-keyfile", "the server speaks plain HTTP; put a TLS-terminating proxy in front")
-    refuse(p, "--ssl-certfile", "the server speaks plain HTTP; put a TLS-terminating proxy in front")
+    for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"):
+        refuse(p, flag, _NO_TLS)
+    refuse(p, "--ssl-cert-reqs", _NO_TLS, ("0",))
     refuse(p, "--reasoning-parser", "there are no reasoning parsers; the model's reasoning stays in content")
     refuse(p, "--tool-parser-plugin", "the tool-call parsers are built in (--tool-call-parser)")
     refuse(p, "--api-server-count", "kvfit serve runs one HTTP front-end process beside its engine core process "
            "(bench_serve.py reports the front-end's CPU per token, which says when more would help)", ("1",))
+    refuse(p, "--disable-frontend-multiprocessing", "the engine core always runs in its own process beside the HTTP "
+           "front-end, so that no client can stall it", None)
+    refuse(p, "--middleware", "kvfit imports no code named on the command line; its middleware is built in (CORS: "
+           "--allowed-origins)")
+
+
+_NO_TLS = "the server speaks plain HTTP; put a TLS-terminating proxy in front"
+
+
+class _Json(argparse.Action):
+    """A flag whose value is JSON, as vLLM's json.loads flags; check(value, flag) returns the value or raises a
+    one-line ConfigError."""
+
+    def __init__(self, option_strings, dest, check, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.check = check
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            value = json.loads(values)
+        except (ValueError, RecursionError):
+            raise ConfigError(f"{option_string} must be JSON, got {values[:60]!r}") from None
+        setattr(namespace, self.dest, self.check(value, option_string))
+
+
+def _strings(value, flag: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{flag} must be a JSON list of strings like '[\"*\"]', got {json.dumps(value)[:60]}")
+    return value
+
+
+def _generation_overrides(value, flag: str) -> dict:
+    from kvfit.text.generation_config import generation_overrides
+    return generation_overrides(value)
+
+
+def add_vllm_frontend_flags(p: argparse.ArgumentParser) -> None:
+    """`vllm serve`'s front-end flags that kvfit honours with vLLM's meaning (server/frontend.py)."""
+    on_off = argparse.BooleanOptionalAction
+    for name in ("origins", "methods", "headers"):
+        p.add_argument(f"--allowed-{name}", type=str, action=_Json, check=_strings, default=["*"], metavar="JSON",
+                       help=f"vLLM's: the CORS allowed {name}, a JSON list (default: [\"*\"], any)")
+    p.add_argument("--allow-credentials", action=on_off, default=False,
+                   help="vLLM's: CORS allows credentials (cookies, Authorization) from the allowed origins")
+    p.add_argument("--disable-fastapi-docs", action=on_off, default=False,
+                   help="vLLM's: no /docs, /redoc or /openapi.json; accepted and changes nothing: kvfit serves none "
+                        "of them")
+    p.add_argument("--enable-request-id-headers", action=on_off, default=False,
+                   help="vLLM's: every response carries an X-Request-Id header, the request's own X-Request-Id if "
+                        "it sent one, else a new random id")
+    p.add_argument("--enable-prompt-tokens-details", action=on_off, default=False,
+                   help="vLLM's: usage holds prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache "
+                        "served (null when none)")
+    p.add_argument("--enable-force-include-usage", action=on_off, default=False,
+                   help="vLLM's: every stream carries usage as if stream_options asked for include_usage and "
+                        "continuous_usage_stats (responses that are not streamed always have it)")
+    p.add_argument("--return-tokens-as-token-ids", action=on_off, default=False,
+                   help="vLLM's: logprobs show each token as 'token_id:<id>' (a request's return_tokens_as_token_ids "
+                        "wins)")
+    p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="vLLM's: how a message's content reaches the chat template: string (its text parts joined "
+                        "by a line break), openai (a list of {'type': 'text', 'text': ...} parts; a tool message's "
+                        "stays a string) or auto, which is string in kvfit (vLLM's auto inspects the template)")
+    p.add_argument("--override-generation-config", action=_Json, check=_generation_overrides, default=None,
+                   metavar="JSON",
+                   help="vLLM's: default sampling params (generation_config.json's names: temperature, top_p, top_k, "
+                        "min_p, repetition_penalty, max_new_tokens) merged over --generation-config's, or with "
+                        "--generation-config vllm the only ones; null removes one (default: none)")
 
 
 def apply_server_log_flags(args: argparse.Namespace) -> None:
@@ -191,6 +271,20 @@ class _ChunkedPrefill(argparse.Action):
         if option_string.startswith("--no-"):
             raise ConfigError("--no-enable-chunked-prefill is not supported by kvfit: it always splits long prompts "
                               "into chunks of --max-num-batched-tokens (raise it for fewer, larger chunks)")
+
+
+class _KVCacheMemory(argparse.Action):
+    """--kv-cache-memory, or vLLM's --kv-cache-memory-bytes (where a plain integer is bytes): one of them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "kv_cache_memory_flag", None)
+        if given not in (None, option_string):
+            raise ConfigError("give --kv-cache-memory or --kv-cache-memory-bytes (vLLM's name for it), not both")
+        namespace.kv_cache_memory_flag = option_string
+        if option_string == "--kv-cache-memory-bytes":
+            from kvfit.units import parse_bytes
+            values = parse_bytes(f"{values}B" if values.strip().isdigit() else values, option_string)
+        setattr(namespace, self.dest, values)
 
 
 def add_capacity_flags(p: argparse.ArgumentParser) -> None:
@@ -217,9 +311,10 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int_flag, default=None,
                    help="use exactly this many KV blocks, which must fit in memory (default: as many as fit)")
     p.add_argument("--max-num-blocks", type=int_flag, default=None, help="a cap on KV blocks (default: none)")
-    p.add_argument("--kv-cache-memory", default=None,
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", action=_KVCacheMemory, default=None, metavar="SIZE",
                    help="KV cache size with a unit, e.g. 20GiB; replaces the --gpu-memory-utilization budget "
-                        "(default: what the budget leaves on a GPU, 25%% of the available RAM on the CPU)")
+                        "(--kv-cache-memory-bytes, vLLM's name, also takes a plain number of bytes; default: what "
+                        "the budget leaves on a GPU, 25%% of the available RAM on the CPU)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None,
                    help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output channel, "

@@ -11,7 +11,8 @@ WAITING_REQUESTS_PER_SEQ = 16     # the default --max-waiting-requests is this m
 
 
 def register(sub) -> None:
-    from kvfit.commands.flags import add_engine_flags, add_model_argument, add_vllm_server_flags, refuse
+    from kvfit.commands.flags import (add_engine_flags, add_model_argument, add_vllm_frontend_flags,
+                                      add_vllm_server_flags, refuse)
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
@@ -54,6 +55,7 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="the tool-call format of the model: hermes (Qwen), llama3_json, mistral (default: none)")
     add_vllm_server_flags(p)
+    add_vllm_frontend_flags(p)
     refuse(p, "--response-role", "chat replies always have the role assistant", ("assistant",))
     refuse(p, "--root-path", "the routes are served at the root (/v1, /health); put kvfit behind a proxy that "
            "strips the prefix")
@@ -68,6 +70,13 @@ def _check_args(args) -> None:
         raise ConfigError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
+
+
+def frontend_options(args):
+    """FrontendOptions (server/frontend.py) from vLLM's front-end flags of the same names."""
+    from dataclasses import fields
+    from kvfit.server.frontend import FrontendOptions
+    return FrontendOptions(**{f.name: getattr(args, f.name) for f in fields(FrontendOptions)})
 
 
 def build_engine(config):
@@ -86,6 +95,7 @@ def run(args) -> int:
     _check_args(args)
     from kvfit.server.tools import ToolOptions
     tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)   # before loading
+    frontend = frontend_options(args)
     from kvfit.config import EngineConfig
     from kvfit.text.chat_template import load_chat_template
     from kvfit.text.tokenizer import load_tokenizer
@@ -118,9 +128,11 @@ def run(args) -> int:
             app = create_app(engine, names, api_key=api_key, chat_template=chat_template,
                              max_body_bytes=args.max_request_body_bytes,
                              metrics_require_key=args.metrics_require_key, tool_options=tool_options,
-                             stats_interval_s=0 if args.vllm_disable_log_stats else STATS_INTERVAL_SECONDS)
+                             stats_interval_s=0 if args.vllm_disable_log_stats else STATS_INTERVAL_SECONDS,
+                             frontend=frontend)
             install_guards(app, guards)
-            for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None):
+            for line in startup_warnings(args.host, api_key, key_on_command_line=args.api_key is not None,
+                                         any_origin="*" in frontend.allowed_origins):
                 logging.getLogger("kvfit").warning(line.removeprefix("warning: "))    # the log's one format
             # the capacity line is the engine core's, in the log (once); stdout: the URL, then "stopped"
             print(f"kvfit serve: model '{name}' listening on {url_of(sock)} (OpenAI API under /v1)", flush=True)

@@ -45,10 +45,10 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     Keyword arguments are the config settings (vLLM's names): dtype, device, max_model_len,
-    block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override, max_num_blocks,
-    kv_cache_dtype, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-    tensor_parallel_size, load_format, seed, attention_backend, enforce_eager, disable_cascade_attn, plan_json,
-    generation_config, max_logprobs, quantization.
+    block_size, gpu_memory_utilization, kv_cache_memory (or vLLM's kv_cache_memory_bytes),
+    num_gpu_blocks_override, max_num_blocks, kv_cache_dtype, enable_prefix_caching, max_num_seqs,
+    max_num_batched_tokens, tensor_parallel_size, load_format, seed, attention_backend, enforce_eager,
+    disable_cascade_attn, plan_json, generation_config, max_logprobs, quantization.
     """
 
     def __init__(self, model: str | os.PathLike, **kwargs):
@@ -60,6 +60,11 @@ class LLM:
         kwargs = {k: as_python(v) for k, v in kwargs.items() if v is not None or k not in setting_names()}
         vllm_kwargs = {k: kwargs.pop(k) for k in [*VLLM_KWARGS, "tokenizer", "swap_space"] if k in kwargs}
         _check_vllm_kwargs(vllm_kwargs)
+        memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)     # vLLM's name of kv_cache_memory
+        if memory_bytes is not None:
+            if "kv_cache_memory" in kwargs:
+                raise ConfigError("give kv_cache_memory or kv_cache_memory_bytes (vLLM's name for it), not both")
+            kwargs["kv_cache_memory"] = memory_bytes
         config = EngineConfig.from_kwargs(model, **kwargs)     # resolves the model once, at its revision
         _check_tokenizer(vllm_kwargs.get("tokenizer"), config.model.model)
         self._start(config)

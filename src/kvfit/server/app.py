@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfit.errors import ConfigError
 from kvfit.server.async_engine import AsyncEngine, RequestStream, ServingEngine
+from kvfit.server.frontend import DEFAULT_FRONTEND, FrontendOptions, install_frontend_middleware
 from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, DEFAULT_MAX_BODY_BYTES
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,7 +43,7 @@ from kvfit.server.prepare_pool import (LARGE_BODY_BYTES, THREAD_RENDER_CPU_SECON
                                       default_num_processes)
 from kvfit.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, bad_request, error_body, new_id, sse)
-from kvfit.server.responses import ResponseBuilder, usage
+from kvfit.server.responses import ResponseBuilder, cached_tokens, usage
 from kvfit.server.tools import NO_TOOLS, ToolOptions, apply_tools
 from kvfit.text.chat_template import RenderOnProcess, thread_share
 from kvfit.version import __version__
@@ -84,13 +85,14 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
                chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS,
                prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
-               tool_options: ToolOptions = NO_TOOLS) -> FastAPI:
+               tool_options: ToolOptions = NO_TOOLS, frontend: FrontendOptions = DEFAULT_FRONTEND) -> FastAPI:
     """The app for one LLMEngine; the engine thread runs between lifespan start-up and shutdown.
 
     served_model_name: one name or several (the first is reported); chat_template: a template text
     (see text.chat_template.load_chat_template) used instead of the model's; stats_interval_s:
     seconds between stats lines (0: none); prepare_processes: worker processes for bodies over
-    large_body_bytes (None: prepare_pool.default_num_processes(); 0: none, every body on the threads)."""
+    large_body_bytes (None: prepare_pool.default_num_processes(); 0: none, every body on the threads);
+    frontend: vLLM's front-end flags (server/frontend.py)."""
     names = _model_names(served_model_name)
     if prepare_processes is not None and prepare_processes < 0:
         raise ConfigError(f"prepare_processes must be >= 0, got {prepare_processes}")
@@ -100,9 +102,9 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
         raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json), which this model lacks")
     async_engine = serving
     metrics = ServerMetrics(serving.stats, metrics_require_key, names[0], serving.max_model_len)
-    defaults = RequestDefaults.from_config(serving.default_sampling_params, serving.generation_config,
-                                           serving.max_logprobs)
-    context = PrepareContext(names, chat_template, serving.max_prompt_chars, serving.max_model_len)
+    defaults = frontend.request_defaults(serving)
+    context = PrepareContext(names, chat_template, serving.max_prompt_chars, serving.max_model_len,
+                             frontend.content_format)
     num_processes = default_num_processes() if prepare_processes is None else prepare_processes
     pool = _prepare_pool(serving, context, num_processes) if num_processes > 0 else None
     state = ServerState(serving, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
@@ -131,6 +133,7 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
     _add_error_handlers(app)
     _add_routes(app, state)
     _add_token_routes(app, state)
+    install_frontend_middleware(app, frontend)
     return app
 
 
@@ -339,7 +342,8 @@ def _full_response(builders: list[ResponseBuilder], outputs: list, streams: list
     if len(bodies) > 1:
         body["choices"] = [choice for b in bodies for choice in b["choices"]]
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
-                              sum(b["usage"]["completion_tokens"] for b in bodies))
+                              sum(b["usage"]["completion_tokens"] for b in bodies),
+                              cached_tokens(builders[0].inp, outputs))
     content = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     return Response(content, media_type="application/json")
 
@@ -457,7 +461,8 @@ async def _stream_events(state: ServerState, builders: list[ResponseBuilder], in
                     yield sse(body)
         if inp.include_usage:
             yield sse(builders[0].usage_chunk(sum(s.num_prompt_tokens for s in streams),
-                                              sum(_num_output_tokens(out) for out in outputs)))
+                                              sum(_num_output_tokens(out) for out in outputs),
+                                              cached_tokens(inp, outputs)))
         yield sse("[DONE]")
     finally:
         # CancelledError (client gone) or GeneratorExit lands here too

@@ -3,7 +3,7 @@
 GuardMiddleware, outermost inside Starlette's error middleware, checks in this order:
 - Host: on a loopback bind, a Host that is not a loopback name is a 403 (a browser page whose
   domain was rebound to 127.0.0.1 sends its own name, so it cannot reach the API);
-- /metrics: with a metrics key, the bearer key is required (401);
+- /metrics: with a metrics key, the bearer key is required (401), but not on a CORS preflight (OPTIONS);
 - Content-Type: a POST must say application/json (415), as the bodies are parsed as JSON;
 - the body must arrive within body_timeout_s of the request's headers (408, connection closed);
 - a client that goes away while sending its body is one debug line, not a traceback.
@@ -149,7 +149,8 @@ class GuardMiddleware:
             return (403, f"the Host '{host[:64]}' is not a loopback name; this server, bound to a loopback "
                          "address, answers only to localhost, 127.0.0.1 and [::1] (bind another --host to "
                          "serve other names)", "forbidden_host", None)
-        if (self.metrics_api_key is not None and scope["path"] == "/metrics"
+        # a CORS preflight (OPTIONS) carries no key, as in vLLM: the CORS middleware answers it
+        if (self.metrics_api_key is not None and scope["path"] == "/metrics" and scope["method"] != "OPTIONS"
                 and not bearer_matches(headers.get(b"authorization", b""), self.metrics_api_key)):
             return (401, "/metrics requires the API key (--metrics-require-key): send `Authorization: "
                          "Bearer <key>`", "invalid_api_key", {"www-authenticate": "Bearer"})

@@ -81,12 +81,16 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
     return key
 
 
-def startup_warnings(host: str, api_key: str | None, key_on_command_line: bool) -> list[str]:
-    """One line per unsafe choice, for `kvfit serve` to print before it listens."""
+def startup_warnings(host: str, api_key: str | None, key_on_command_line: bool,
+                     any_origin: bool = False) -> list[str]:
+    """One line per unsafe choice, for `kvfit serve` to print before it listens. any_origin: CORS lets every
+    web origin in (--allowed-origins with "*", vLLM's default), so a web page in a browser can use /v1 too."""
     warnings = []
     if api_key is None:
         reach = "this machine" if is_loopback_host(host) else f"the network at {host}"
-        warnings.append(f"warning: no API key is set, so any program on {reach} can use /v1; set "
+        pages = " (and, as --allowed-origins has \"*\", any web page open in a browser that reaches it)" \
+            if any_origin else ""
+        warnings.append(f"warning: no API key is set, so any program on {reach}{pages} can use /v1; set "
                         f"${API_KEY_ENV} or --api-key-file")
     elif key_on_command_line:
         warnings.append(f"warning: --api-key is visible to other users (ps, /proc); prefer --api-key-file "

@@ -54,6 +54,8 @@ class GenerateInput:
     cache_salt: str | None = None   # vLLM's prefix-cache isolation: blocks are shared only with the same salt
     tools: object = None            # chat: a server.tools.ToolPlan when the output becomes tool calls
     role: str = "assistant"         # chat: the reply's role (vLLM: the last message's without add_generation_prompt)
+    tokens_as_token_ids: bool = False   # logprobs tokens shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    prompt_tokens_details: bool = False  # usage shows cached_tokens (--enable-prompt-tokens-details)
 
     @property
     def n(self) -> int:
@@ -65,16 +67,24 @@ class RequestDefaults:
     """What --generation-config gives requests (vLLM's get_diff_sampling_param): params the request
     leaves out (DEFAULTED_FIELDS, and max_tokens where the request's own default is open: chat), and
     max_tokens_cap, vLLM's override_max_tokens (the max_new_tokens of a --generation-config folder given
-    by path) that lowers every request's max_tokens."""
+    by path) that lowers every request's max_tokens. The vLLM front-end flags that shape every request:
+    enable_force_include_usage (a stream's usage as if stream_options asked for it, continuous usage too: vLLM's
+    should_include_usage), return_tokens_as_token_ids (the default of the request field of that name),
+    enable_prompt_tokens_details."""
 
     params: dict = field(default_factory=dict)
     max_tokens_cap: int | None = None
     max_logprobs: int = MAX_LOGPROBS        # the engine's --max-logprobs (resolved), for the field's own 400
+    enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
 
     @classmethod
-    def from_config(cls, params: dict, generation_config: str, max_logprobs: int = MAX_LOGPROBS) -> "RequestDefaults":
+    def from_config(cls, params: dict, generation_config: str, max_logprobs: int = MAX_LOGPROBS,
+                    **frontend) -> "RequestDefaults":
+        """frontend: the front-end flags above, by name."""
         cap = params.get("max_tokens") if generation_config not in ("auto", "vllm") else None
-        return cls(dict(params), cap, max_logprobs)
+        return cls(dict(params), cap, max_logprobs, **frontend)
 
     def max_tokens(self, requested: int | None) -> int | None:
         if requested is None:
@@ -197,13 +207,23 @@ def _cache_salt(req) -> str | None:
         raise bad_request(str(exc), param=exc.param) from None
 
 
-def _stream_flags(req) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage_stats)."""
+def _stream_flags(req, force_usage: bool = False) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); force_usage (--enable-force-include-usage) turns both
+    usage flags on for a stream, whatever stream_options says (vLLM's should_include_usage)."""
     stream, options = bool(req.stream), req.stream_options
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+    if stream and force_usage:
+        return stream, True, True
     include_usage = bool(stream and options and options.include_usage)
     return stream, include_usage, include_usage and options.continuous_usage_stats
+
+
+def _rendering(req, defaults: RequestDefaults) -> dict:
+    """GenerateInput's logprobs and usage rendering: the request's return_tokens_as_token_ids, else the server's."""
+    as_ids = req.return_tokens_as_token_ids
+    return {"tokens_as_token_ids": defaults.return_tokens_as_token_ids if as_ids is None else as_ids,
+            "prompt_tokens_details": defaults.enable_prompt_tokens_details}
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -229,23 +249,37 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs)
     _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
     max_tokens = defaults.max_tokens(DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
-    stream, include_usage, continuous_usage = _stream_flags(req)
+    stream, include_usage, continuous_usage = _stream_flags(req, defaults.enable_force_include_usage)
     params = sampling_params(req, max_tokens, req.logprobs, defaults.params)
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                           prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
-                          cache_salt=salt) for prompt in prompts]
+                          cache_salt=salt, **_rendering(req, defaults)) for prompt in prompts]
 
 
-def chat_messages(req) -> list[dict]:
-    """Messages as the chat template wants them: role and one string of content."""
+def _template_content(message, content_format: str) -> str | list[dict]:
+    """A message's content as the template gets it (vLLM's --chat-template-content-format): string, its text
+    parts joined by a line break; openai, a list of {"type": "text", "text": ...} parts (a text is one part;
+    a tool message's content stays a string, as vLLM gives it)."""
+    content = message.content
+    texts = [] if content is None else [content] if isinstance(content, str) else [part.text for part in content]
+    if content_format == "openai" and message.role != "tool":
+        return [{"type": "text", "text": text} for text in texts]
+    return TEXT_PART_SEPARATOR.join(texts)
+
+
+def content_text(content: str | list[dict]) -> str:
+    """A template message's content as one text (openai parts joined by a line break, as vLLM's chat echo)."""
+    return content if isinstance(content, str) else TEXT_PART_SEPARATOR.join(part["text"] for part in content)
+
+
+def chat_messages(req, content_format: str = "string") -> list[dict]:
+    """Messages as the chat template wants them: role and content (see _template_content)."""
     if not req.messages:
         raise bad_request("messages must hold at least one message", param="messages")
     out = []
     for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None \
-            else TEXT_PART_SEPARATOR.join(part.text for part in m.content)
-        message = {"role": m.role, "content": content or ""}
+        message = {"role": m.role, "content": _template_content(m, content_format)}
         # as transformers: fields left out (None) are not there for the template
         message.update({k: getattr(m, k) for k in TEMPLATE_MESSAGE_FIELDS if getattr(m, k) is not None})
         out.append(message)
@@ -265,13 +299,13 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     if req.top_logprobs is not None and not req.logprobs:       # vLLM's rule, 0 included
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    stream, include_usage, continuous_usage = _stream_flags(req)
+    stream, include_usage, continuous_usage = _stream_flags(req, defaults.enable_force_include_usage)
     params = sampling_params(req, defaults.max_tokens(max_tokens), top_logprobs, defaults.params)
     # vLLM's chat echo: the last message is repeated before the reply when it is the assistant's
-    echo_text = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else None
+    echo_text = content_text(messages[-1]["content"]) if req.echo and messages[-1]["role"] == "assistant" else None
     # a default max_tokens is cut at the context (vLLM's min), a requested one past it is a 400
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
-                         cache_salt=_cache_salt(req),
+                         cache_salt=_cache_salt(req), **_rendering(req, defaults),
                          role="assistant" if req.add_generation_prompt else messages[-1]["role"])

@@ -32,12 +32,13 @@ class PrepareContext:
     """What preparing a body needs besides the tokenizer; plain data, so a worker process gets a copy.
 
     chat_template: --chat-template's text (None: the model's own); max_prompt_chars: see
-    async_engine.max_prompt_chars."""
+    async_engine.max_prompt_chars; content_format: string or openai (params.chat_messages)."""
 
     model_names: tuple[str, ...]
     chat_template: str | None
     max_prompt_chars: int
     max_model_len: int
+    content_format: str = "string"
 
 
 @dataclass
@@ -92,7 +93,7 @@ def finish_request(body, model_class, context: PrepareContext, tokenizer, templa
     check_tool_constraint(body)                         # tool_choice required or named: the tools' schemas
     if getattr(body, "messages", None) is None:         # completions, /detokenize, a /tokenize prompt
         return Prepared(body)
-    messages = chat_messages(body)
+    messages = chat_messages(body, context.content_format)
     check_unsupported(body)
     text = _render_chat(context, tokenizer, body, messages, template_variables)
     check_prompt_chars(text, context.max_prompt_chars, context.max_model_len)

@@ -65,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "priority": ((0,), "requests are served first come, first served"),
     "request_id": ((), "the server picks the id"),
     "logits_processors": ((), "custom logits processors are not loaded"),
-    "return_tokens_as_token_ids": ((False,), "leave it out"),
     "return_token_ids": ((False,), "leave it out"),
     "kv_transfer_params": ((), "KV transfer is not implemented"),
     "vllm_xargs": ((), "leave it out"),
@@ -125,6 +124,7 @@ class _SamplingFields(_Body):
     structured_outputs: dict | None = None
     add_special_tokens: bool | None = None
     cache_salt: Any = None              # any type, so params.py's check gives the one-line 400 naming it
+    return_tokens_as_token_ids: bool | None = None   # None: the server's --return-tokens-as-token-ids
     # known, not honoured (UNSUPPORTED_FIELDS, REMOVED_GUIDED_FIELDS): any type, so the 400 names them
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -133,7 +133,6 @@ class _SamplingFields(_Body):
     priority: Any = None
     request_id: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None

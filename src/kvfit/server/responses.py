@@ -6,6 +6,8 @@ Shapes are OpenAI's, with vLLM's extras (stop_reason per choice, prompt_logprobs
   first token has no logprob: null);
 - chat logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 Logprobs are clamped at -9999.0 (vLLM's rule: -inf is not JSON). Usage sums the n choices.
+vLLM's front-end flags: --return-tokens-as-token-ids shows each logprobs token as "token_id:<id>"
+(TokenTexts), --enable-prompt-tokens-details adds usage.prompt_tokens_details (cached_tokens).
 """
 
 from __future__ import annotations
@@ -20,27 +22,49 @@ from kvfit.server.protocol import new_id
 MIN_LOGPROB = -9999.0
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with num_cached_tokens (--enable-prompt-tokens-details) its prompt_tokens_details, null
+    when no prompt token came from the prefix cache (vLLM's rule)."""
+    body = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens} if num_cached_tokens else None
+    return body
+
+
+def cached_tokens(inp: GenerateInput, outputs: list) -> int | None:
+    """The prompt tokens the prefix cache served, summed over the prompts' final outputs, when usage shows them
+    (--enable-prompt-tokens-details); else None."""
+    if not inp.prompt_tokens_details:
+        return None
+    return sum(output.num_cached_tokens for output in outputs if output is not None)
 
 
 def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-class TokenTexts:
-    """The text of one token for logprobs: the engine's decoded_token, else the tokenizer's
-    decode of that one id (special tokens shown), else `token_id:<id>` without a tokenizer."""
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's --return-tokens-as-token-ids shows it in logprobs."""
+    return f"token_id:{token_id}"
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+
+class TokenTexts:
+    """The text of one token for logprobs: `token_id:<id>` with as_token_ids (--return-tokens-as-token-ids),
+    else decoded(): the engine's decoded_token, else the tokenizer's decode of that one id (special tokens
+    shown), else `token_id:<id>` without a tokenizer."""
+
+    def __init__(self, tokenizer, as_token_ids: bool = False):
+        self.tokenizer, self.as_token_ids = tokenizer, as_token_ids
 
     def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        return token_id_text(token_id) if self.as_token_ids else self.decoded(token_id, logprob)
+
+    def decoded(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
-            return f"token_id:{token_id}"
+            return token_id_text(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
@@ -70,16 +94,21 @@ def completion_logprobs(token_ids: list[int], steps: list, k: int, text_of: Toke
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def _chat_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+def _chat_entry(token: str, logprob: float, text: str | None = None) -> dict:
+    """One chat logprobs entry; bytes are text's (default: the token's)."""
+    text = token if text is None else text
+    return {"token": token, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
 def chat_logprobs(token_ids: list[int], steps: list, k: int, text_of: TokenTexts) -> dict:
-    """OpenAI's chat logprobs object: one entry per generated token, each with its top k."""
+    """OpenAI's chat logprobs object: one entry per generated token, each with its top k. A chosen token's
+    bytes are its decoded text's, also when it is shown as `token_id:<id>` (vLLM's rule)."""
     content = []
     for token_id, step in zip(token_ids, steps):
         chosen = (step or {}).get(token_id)
-        entry = _chat_entry(text_of(token_id, chosen), chosen.logprob if chosen is not None else MIN_LOGPROB)
+        token = text_of(token_id, chosen)
+        entry = _chat_entry(token, chosen.logprob if chosen is not None else MIN_LOGPROB,
+                            text_of.decoded(token_id, chosen) if chosen is not None else token)
         entry["top_logprobs"] = [_chat_entry(text_of(t, lp), lp.logprob) for t, lp in _top(step or {}, k)]
         content.append(entry)
     return {"content": content}
@@ -117,7 +146,7 @@ class ResponseBuilder:
         self.id = response_id or new_id("chatcmpl" if chat else "cmpl")
         self.first_index = first_index
         self.created = int(time.time())
-        self.text_of = TokenTexts(tokenizer)
+        self.text_of = TokenTexts(tokenizer, inp.tokens_as_token_ids)
         self._tokenizer = tokenizer
         self._object = "chat.completion" if chat else "text_completion"
         self._chunk_object = "chat.completion.chunk" if chat else "text_completion"
@@ -163,7 +192,8 @@ class ResponseBuilder:
     # full response ------------------------------------------------------------------------------
     def full(self, output: RequestOutput, num_prompt_tokens: int) -> dict:
         choices = [self._full_choice(output, sample) for sample in sorted(output.outputs, key=lambda s: s.index)]
-        extra = {"usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in output.outputs))}
+        extra = {"usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in output.outputs),
+                                cached_tokens(self.inp, [output]))}
         if self.chat and self.inp.prompt_logprobs:       # vLLM: on the response for chat, per choice otherwise
             extra["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         return self._envelope(self._object, choices, extra)
@@ -252,5 +282,7 @@ class ResponseBuilder:
         sent.done = finished
         return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, reason, sample.stop_reason, so_far)
 
-    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-        return self._envelope(self._chunk_object, [], {"usage": usage(num_prompt_tokens, num_completion_tokens)})
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int,
+                    num_cached_tokens: int | None = None) -> dict:
+        return self._envelope(self._chunk_object, [],
+                              {"usage": usage(num_prompt_tokens, num_completion_tokens, num_cached_tokens)})

@@ -239,11 +239,10 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
     """Render messages as transformers' apply_chat_template(tokenize=False) does; an error the
     template raises (e.g. roles out of order) or a bad option is a RequestError.
 
-    continue_final_message: the last message is left open (no end-of-turn after it), so the model
-    continues it. template_kwargs: extra template variables (vLLM's chat_template_kwargs, e.g.
-    enable_thinking); they override the special tokens, as in transformers. tools: OpenAI function
-    tools, passed as transformers passes them (None: no tools)."""
-    import jinja2
+    continue_final_message: the last message (its content, or the last text part of a list of parts) is
+    left open (no end-of-turn after it), so the model continues it. template_kwargs: extra template
+    variables (vLLM's chat_template_kwargs, e.g. enable_thinking); they override the special tokens, as in
+    transformers. tools: OpenAI function tools, passed as transformers passes them (None: no tools)."""
     if continue_final_message and add_generation_prompt:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true; set "
                            "add_generation_prompt to false to continue the last message", "continue_final_message")
@@ -256,17 +255,27 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (variables the server sets from "
                            "the request's fields, or helpers the template calls)", "chat_template_kwargs")
     plain = [dict(m) for m in messages]
-    final = None
-    if continue_final_message:
-        if not plain or not isinstance(plain[-1].get("content"), str):
-            raise RequestError("continue_final_message needs a last message with text content",
-                               "continue_final_message")
-        final = plain[-1]["content"]
-        plain[-1]["content"] = final + _CONTINUE_TAG
+    final = _mark_final_message(plain) if continue_final_message else None
     variables = {**special_tokens, **(template_kwargs or {}), "messages": plain,
                  "add_generation_prompt": add_generation_prompt, "tools": tools, "documents": None}
     text = _render_bounded(template, variables)
     return text if final is None else _cut_at_continue_tag(text, final)
+
+
+def _mark_final_message(plain: list[dict]) -> str:
+    """The last message's text to continue, its end marked with _CONTINUE_TAG in `plain` (a copy): a string
+    content, or the last text part of a list of parts (transformers' rule)."""
+    content = plain[-1].get("content") if plain else None
+    if isinstance(content, str):
+        plain[-1]["content"] = content + _CONTINUE_TAG
+        return content
+    texts = [i for i, part in enumerate(content) if isinstance(part, dict) and isinstance(part.get("text"), str)] \
+        if isinstance(content, list) else []
+    if not texts:
+        raise RequestError("continue_final_message needs a last message with text content", "continue_final_message")
+    at, final = texts[-1], content[texts[-1]]["text"]
+    plain[-1]["content"] = [*content[:at], {**content[at], "text": final + _CONTINUE_TAG}, *content[at + 1:]]
+    return final
 
 
 def _render_bounded(template, variables: dict) -> str:

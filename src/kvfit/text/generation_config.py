@@ -1,5 +1,6 @@
 """generation_config.json, read the way vLLM reads it: the EOS ids a request stops on, and the default
-sampling params (--generation-config auto, a folder, or vllm for none).
+sampling params (--generation-config auto, a folder, or vllm for none), with --override-generation-config's
+fields merged over them.
 """
 
 from __future__ import annotations
@@ -60,6 +61,41 @@ def load_generation_defaults(path: str | None) -> dict:
         if value is not None and value != HF_GENERATION_DEFAULTS.get(name):
             defaults["max_tokens" if name == "max_new_tokens" else name] = value
     return defaults
+
+
+OVERRIDE_FLAG = "--override-generation-config"
+
+
+def generation_overrides(fields: dict) -> dict:
+    """--override-generation-config's fields checked (vLLM's names, GENERATION_DEFAULT_FIELDS' bounds); null
+    stays null (it removes that default, as in vLLM). An unknown key or a bad value is a one-line ConfigError."""
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{OVERRIDE_FLAG} must be a JSON object like '{{\"temperature\": 0.5}}', got {fields!r:.80}")
+    unknown = [k for k in fields if k not in GENERATION_DEFAULT_FIELDS]
+    if unknown:
+        hint = " (generation_config.json's name for max_tokens is max_new_tokens)" if "max_tokens" in unknown else ""
+        raise ConfigError(f"{OVERRIDE_FLAG} has no field {str(unknown[0])[:40]!r}{hint}; its fields are "
+                          f"{', '.join(GENERATION_DEFAULT_FIELDS)}")
+    checked = {}
+    for name, value in fields.items():
+        kind, bounds = GENERATION_DEFAULT_FIELDS[name]
+        checked[name] = None if value is None else read_field(fields, name, kind, source=OVERRIDE_FLAG, **bounds)
+    return checked
+
+
+def apply_generation_overrides(defaults: dict, overrides: dict | None) -> dict:
+    """vLLM's get_diff_sampling_param with override_generation_config: the overrides (generation_overrides'
+    output) merged over the generation config's defaults (load_generation_defaults' output, vLLM's names); a
+    null override removes that default. With --generation-config vllm the defaults are empty, so the overrides
+    alone are the defaults."""
+    merged = dict(defaults)
+    for name, value in (overrides or {}).items():
+        key = "max_tokens" if name == "max_new_tokens" else name
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _id_list(value, source: str) -> list[int]:
