@@ -531,7 +531,7 @@ def test_channel_configs_serve_the_rows_up_to_each_entry(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
     path.write_text('{"GPU X": {"4096x4096": [[64, [16, 64, 4, 4, 4, 128]], [16, [16, 128, 4, 4, 1, 128]],'
                     ' [256, null], [512, [64, 128, 4, 4, 1, 128]]]}}')
-    monkeypatch.setenv(cc.ENV, str(path))
+    monkeypatch.setattr(cc, "CONFIG_PATH", str(path))
     monkeypatch.setattr(cc, "_device_name", lambda index: "GPU X")
     cuda = torch.device("cuda", 0)
     assert cc.channel_config(cuda, 1, 4096, 4096) == (16, 128, 4, 4, 1, 128)
@@ -544,7 +544,7 @@ def test_channel_configs_serve_the_rows_up_to_each_entry(tmp_path, monkeypatch):
     assert cc.channel_config(torch.device("cpu"), 16, 4096, 4096) is None
     monkeypatch.setattr(cc, "_device_name", lambda index: "GPU Y")
     assert cc.channel_config(cuda, 16, 4096, 4096) is None
-    monkeypatch.setenv(cc.ENV, "off")
+    monkeypatch.setattr(cc, "CONFIG_PATH", "off")
     assert cc.config_file() is None
 
 

@@ -1,16 +1,18 @@
 """Tuned launch configs of the per-channel FP8 GEMM in Triton (fp8_block_gemm.channel_fp8_gemm), per device.
 
-cuBLASLt's rowwise-scaled torch._scaled_mm is the default per-channel GEMM. At decode batch sizes it picks one
-128 x 128 tile for every shape (H100, 2026-12-07: llama-3.1-8b's linears at 256 rows read their FP8 weights at
-about 1.9 TB/s; o_proj and down make 64 tiles for 132 SMs), so a sweep on the device
-(benchmarks/tune_fp8_channel_gemm.py) writes, per weight shape and batch size, the Triton config that beat
-_scaled_mm there, or null where none did. The file is configs/fp8_channel_gemm.json:
+cuBLASLt's rowwise-scaled torch._scaled_mm is the default per-channel GEMM. At small batches it leaves most of
+the device idle (one 128 x 128 tile for every shape: llama-3.1-8b's o_proj and down make 32 tiles a row block for
+132 SMs), so a sweep on the device (benchmarks/tune_fp8_channel_gemm.py) writes, per weight shape and batch size,
+the Triton config that beat _scaled_mm there, or null where none did. On an H100 (2026-12-07) Triton won from 4
+to 64 rows (the 8B's linears 1.07-1.22x faster) and lost from 96 (benchmarks/results/2026-12-07-h100-fp8-channel-
+tune.log). The file is configs/fp8_channel_gemm.json:
 
     {"<torch.cuda.get_device_name()>": {"<N>x<K>": [[M, config or null], ...]}, ...}
 
 an entry [M, config] serving every batch of more rows than the entry before it and at most M (rows past the last
 entry: _scaled_mm). A device, a shape or a batch the file does not name runs _scaled_mm, as before any sweep.
-KVFIT_FP8_GEMM_CONFIGS names another file (the sweep's output, before it is committed) or `off` (none).
+KVFIT_FP8_GEMM_CONFIGS, read once when the kernels are imported, names another file (the sweep's output, before
+it is committed) or `off` (none).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import torch
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "fp8_channel_gemm.json")
 ENV = "KVFIT_FP8_GEMM_CONFIGS"
+CONFIG_PATH = os.environ.get(ENV, "") or CONFIG_FILE      # read once, when the kernels are imported
 
 
 def config_file() -> str | None:
-    """The file the configs come from (KVFIT_FP8_GEMM_CONFIGS, else the packaged one), or None for `off`."""
-    path = os.environ.get(ENV, "") or CONFIG_FILE
-    return None if path == "off" else path
+    """The file the configs come from (KVFIT_FP8_GEMM_CONFIGS as the process started, else the packaged one), or
+    None for `off`."""
+    return None if CONFIG_PATH == "off" else CONFIG_PATH
 
 
 @functools.lru_cache(maxsize=None)
