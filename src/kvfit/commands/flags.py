@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 from kvfit.errors import ConfigError
 
@@ -283,7 +284,14 @@ class _KVCacheMemory(argparse.Action):
         namespace.kv_cache_memory_flag = option_string
         if option_string == "--kv-cache-memory-bytes":
             from kvfit.units import parse_bytes
-            values = parse_bytes(f"{values}B" if values.strip().isdigit() else values, option_string)
+            text = values.strip()
+            # vLLM's human_readable_int: a plain number is bytes; an upper-case K/M/G/T is binary (8G: 8 GiB), a
+            # lower-case one decimal (kvfit's k/m/g/t already)
+            if text.isdigit():
+                text += "B"
+            elif re.fullmatch(r"[0-9]+(\.[0-9]+)?[KMGT]", text):
+                text += "iB"
+            values = parse_bytes(text, option_string)
         setattr(namespace, self.dest, values)
 
 
@@ -313,8 +321,9 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-blocks", type=int_flag, default=None, help="a cap on KV blocks (default: none)")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", action=_KVCacheMemory, default=None, metavar="SIZE",
                    help="KV cache size with a unit, e.g. 20GiB; replaces the --gpu-memory-utilization budget "
-                        "(--kv-cache-memory-bytes, vLLM's name, also takes a plain number of bytes; default: what "
-                        "the budget leaves on a GPU, 25%% of the available RAM on the CPU)")
+                        "(--kv-cache-memory-bytes, vLLM's name, also takes a plain number of bytes and reads 8G as 8 "
+                        "GiB, 8g as 8 GB, as vLLM; default: what the budget leaves on a GPU, 25%% of the available RAM "
+                        "on the CPU)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (auto: the checkpoint's)")
     p.add_argument("--quantization", "-q", default=None,
                    help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 at load (per output channel, "

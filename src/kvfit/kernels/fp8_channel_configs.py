@@ -12,7 +12,7 @@ tune.log). The file is configs/fp8_channel_gemm.json:
 an entry [M, config] serving every batch of more rows than the entry before it and at most M (rows past the last
 entry: _scaled_mm). A device, a shape or a batch the file does not name runs _scaled_mm, as before any sweep.
 KVFIT_FP8_GEMM_CONFIGS, read once when the kernels are imported, names another file (the sweep's output, before
-it is committed) or `off` (none).
+it is committed; a name of no file is a ConfigError) or `off` (none).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import json
 import os
 
 import torch
+
+from kvfit.errors import ConfigError
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "fp8_channel_gemm.json")
 ENV = "KVFIT_FP8_GEMM_CONFIGS"
@@ -36,8 +38,10 @@ def config_file() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _table(path: str | None, device_name: str) -> dict[str, list[tuple[int, tuple[int, ...] | None]]]:
-    if path is None or not os.path.exists(path):
+    if path is None or (path == CONFIG_FILE and not os.path.exists(path)):
         return {}
+    if not os.path.isfile(path):      # a file the environment names must be there: never _scaled_mm in silence
+        raise ConfigError(f"{ENV}={path[:200]} names no file; give the tuned configs' JSON file, or off for none")
     with open(path) as f:
         data = json.load(f)
     shapes = data.get(device_name, {})

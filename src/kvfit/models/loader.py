@@ -8,8 +8,9 @@ pytorch_model.bin.index.json), else the single file (model.safetensors, pytorch_
 kind in the folder (vLLM globs them too), less training state (optimizer.bin, training_args.bin, ...).
 
 With tensor parallelism each rank reads only its slice of each tensor (safetensors' lazy get_slice), so no rank
-ever holds a whole sharded tensor, let alone the whole model. A .bin file is memory-mapped (torch.load(mmap=True);
-weights_only: no code in the pickle runs), so a rank's copy is still only its slice, read from the page cache.
+ever holds a whole sharded tensor, let alone the whole model. A .bin file in torch.save's zip format (PyTorch 1.6
+and later) is memory-mapped (torch.load(mmap=True); weights_only: no code in the pickle runs), so a rank's copy is
+still only its slice, read from the page cache; an older .bin cannot be mapped and each rank reads all of it.
 
 kvfit reads quantization from config.json's quantization_config (or, where that is absent, older
 compressed-tensors' `compression_config`, as vLLM). A checkpoint that fails to load while its quantization is
@@ -50,7 +51,7 @@ QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_con
 
 def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
                load_format: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
-    """facts.architecture's model on `device`, weights from model_path ("auto"/"safetensors") or random
+    """facts.architecture's model on `device`, weights from model_path ("auto"/"safetensors"/"pt") or random
     ("dummy"); an architecture that can only be planned is a ConfigError."""
     cls = model_class(facts.architecture)
     files = None if load_format == "dummy" else checkpoint_files(model_path, load_format)

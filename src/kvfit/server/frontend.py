@@ -57,6 +57,7 @@ class FrontendOptions:
         if self.override_generation_config is not None:
             object.__setattr__(self, "override_generation_config",
                                generation_overrides(self.override_generation_config))
+            _check_params(apply_generation_overrides({}, self.override_generation_config))   # before loading
 
     def request_defaults(self, serving) -> RequestDefaults:
         """What every request of `serving` (a ServingEngine) gets: its --generation-config defaults with
@@ -64,10 +65,7 @@ class FrontendOptions:
         params = serving.default_sampling_params
         if self.override_generation_config:
             params = apply_generation_overrides(params, self.override_generation_config)
-            try:
-                SamplingParams(**params)
-            except RequestError as exc:
-                raise ConfigError(f"--override-generation-config: {exc}") from None
+            _check_params(params)
             logger.info("default sampling params with --override-generation-config: %s",
                         ", ".join(f"{k}={v}" for k, v in params.items()) or "none")
         return RequestDefaults.from_config(params, serving.generation_config, serving.max_logprobs,
@@ -79,6 +77,14 @@ class FrontendOptions:
     def content_format(self) -> str:
         """The resolved content format: string or openai (auto is string, kvfit's join of text parts)."""
         return "openai" if self.chat_template_content_format == "openai" else "string"
+
+
+def _check_params(params: dict) -> None:
+    """Default sampling params (vLLM's names) with --override-generation-config's: SamplingParams' ranges."""
+    try:
+        SamplingParams(**params)
+    except RequestError as exc:
+        raise ConfigError(f"--override-generation-config: {exc}") from None
 
 
 DEFAULT_FRONTEND = FrontendOptions()
