@@ -7,6 +7,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/tiny_models.py importable everywhere
 
+# Without CUDA, Triton's kernels run in its interpreter (as the kernel test modules ask). Set here, before any test
+# module is collected: a module that imports the kernels first would otherwise pin Triton's compiled path for the
+# whole session, and every interpreted kernel test collected after it would fail (pytest tests/models tests/kernels).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 from tiny_models import make_tiny_model  # noqa: E402
 
 
