@@ -490,22 +490,43 @@ def median_spread(values: list[float]) -> tuple[float, float]:
     return med, (max(values) - min(values)) / med if med else 0.0
 
 
+def _apply_vllm_lengths(p: argparse.ArgumentParser, args) -> None:
+    """vLLM bench serve's --random-input-len / --random-output-len (and --random-range-ratio) as --input-len and
+    --output-len ranges: N when the ratio is 0, else from N(1 - R) to N(1 + R), as vLLM draws them."""
+    if not 0 <= args.random_range_ratio < 1:
+        p.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    for name in ("input", "output"):
+        n = getattr(args, f"random_{name}_len")
+        if n is None:
+            continue
+        if n < 1:
+            p.error(f"--random-{name}-len must be at least 1, got {n}")
+        lo, hi = max(1, round(n * (1 - args.random_range_ratio))), round(n * (1 + args.random_range_ratio))
+        setattr(args, f"{name}_len", f"{lo},{hi}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--engines", default="kvfit,vllm")
-    p.add_argument("--dataset", choices=("random", "chat"), default="random")
-    p.add_argument("--num-requests", type=int, default=512)
-    p.add_argument("--rates", default="inf", help="comma-separated: inf or requests/s (Poisson)")
+    # vLLM bench serve's names work too: --dataset-name, --num-prompts, --request-rate, --random-input-len,
+    # --random-output-len, --random-range-ratio, --result-filename
+    p.add_argument("--dataset", "--dataset-name", choices=("random", "chat"), default="random")
+    p.add_argument("--num-requests", "--num-prompts", type=int, default=512)
+    p.add_argument("--rates", "--request-rate", default="inf", help="comma-separated: inf or requests/s (Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", default="128,1024")
-    p.add_argument("--output-len", default="128,512")
+    p.add_argument("--input-len", default="128,1024", help="prompt lengths drawn from LO,HI (tokens)")
+    p.add_argument("--output-len", default="128,512", help="output lengths drawn from LO,HI (tokens)")
+    p.add_argument("--random-input-len", type=int, default=None,
+                   help="vLLM's: prompts of this length (with --random-range-ratio R: from N(1-R) to N(1+R))")
+    p.add_argument("--random-output-len", type=int, default=None, help="vLLM's: the same for outputs")
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--start-timeout", type=float, default=600)
-    p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--out", "--result-filename", default=None, help="write the JSON results here")
     p.add_argument("--kvfit-args", default="", help="more `kvfit serve` flags (e.g. '--device cpu')")
     p.add_argument("--py-spy", default=None, metavar="DIR",
                    help="sample each server and its children (py-spy, installed) for 8 s of each rate's last run; "
@@ -515,6 +536,7 @@ def main() -> None:
                         "the hottest functions of each over each rate's last run printed")
     p.add_argument("--offline-child", nargs=2, metavar=("FOLDER", "REQUESTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    _apply_vllm_lengths(p, args)
     if args.offline_child:
         offline_child(*args.offline_child, args)
         return
