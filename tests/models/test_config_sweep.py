@@ -77,6 +77,14 @@ MATCHING = {
     "mixtral-without-rope-theta": ("mixtral", {"rope_parameters": DROP}, False),
     "qwen2-moe-qkv-bias-false": ("qwen2_moe", {"qkv_bias": False}, False),
     "hidden-act-swish": ("llama", {"hidden_act": "swish"}, False),
+    # biases and widths a Hub config can set beyond the tiny model's defaults
+    "llama-mlp-and-attention-bias": ("llama", {"mlp_bias": True, "attention_bias": True}, False),
+    "llama-head-dim-wider-than-hidden-over-heads": ("llama", {"head_dim": 32}, False),
+    "mistral-head-dim": ("mistral", {"head_dim": 8}, False),
+    "qwen3-tied-embeddings": ("qwen3", {"tie_word_embeddings": True}, False),
+    "qwen2-tied-embeddings": ("qwen2", {"tie_word_embeddings": True}, False),
+    "mixtral-router-jitter-and-aux-loss": ("mixtral", {"router_jitter_noise": 0.1, "output_router_logits": True},
+                                           False),
 }
 
 
