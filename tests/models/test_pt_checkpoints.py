@@ -144,3 +144,20 @@ def test_the_loading_line_names_the_format(st_folder, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="kvfit"):
         _run(folder)
     assert any("of PyTorch state dicts in 1 shard" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_tensor_parallel_rank_reads_the_same_slices_from_a_bin(st_folder, tmp_path, tp_rank):
+    """Each rank slices a .bin's tensors as it slices safetensors' lazy ones: rank by rank, the same parameters."""
+    from kvfit.attention.torch_ref import TorchReferenceBackend
+    from kvfit.model_facts import load_model_facts
+    from kvfit.models.loader import load_model
+    folder = _copy_without_weights(st_folder, tmp_path / f"tp{tp_rank}")
+    torch.save(_state(st_folder), os.path.join(folder, "pytorch_model.bin"))
+    facts = load_model_facts(st_folder)
+    models = [load_model(path, facts, torch.float32, "cpu", TorchReferenceBackend(), tp_rank=tp_rank, tp_size=2)
+              for path in (st_folder, folder)]
+    want, got = (dict(m.named_parameters()) for m in models)
+    assert want.keys() == got.keys()
+    for name, param in want.items():
+        assert torch.equal(param, got[name]), name
