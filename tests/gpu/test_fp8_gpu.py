@@ -229,3 +229,43 @@ def test_block_weights_from_many_rows_take_cublas_blockwise_scaling(m, n, k):
     w3, x3 = Fp8Weight(wq3, ws3, (128, 128)), x[:, :384].contiguous()
     assert not block_scaled_mm_applies(x3, w3)
     assert _rel_err(fp8_linear(x3, w3), fp8_linear_reference(x3, w3)) < 1e-2
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_tuned_channel_gemm_in_the_engine_matches_scaled_mm(tmp_path, monkeypatch, eager):
+    """A tuned-config file naming every linear of a tiny per-channel FP8 llama on this device (split-K on down) puts
+    the Triton channel GEMM in the engine, CUDA graphs included; its tokens are _scaled_mm's, but for near-ties, and
+    its logprobs within the two GEMMs' rounding."""
+    from fp8_checkpoints import write_fp8_copy
+    from tiny_models import make_tiny_model
+
+    from kvfit import LLM, SamplingParams
+    from kvfit.kernels import fp8_channel_configs as cc
+    from kvfit.kernels import fp8_gemm
+    folder, _ = write_fp8_copy(make_tiny_model(tmp_path, arch="llama"), tmp_path, "ct-channel")
+    # the tiny llama: hidden 64, 4 heads of 16 (2 kv), intermediate 128: qkv [128, 64], o [64, 64], gate_up [256, 64],
+    # down [64, 128]
+    shapes = {"128x64": [16, 64, 4, 2, 1, 64], "64x64": [16, 32, 4, 2, 1, 32], "256x64": [32, 64, 4, 2, 1, 64],
+              "64x128": [16, 64, 4, 2, 2, 64]}
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({torch.cuda.get_device_name(): {s: [[512, c]] for s, c in shapes.items()}}))
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = ["The quick brown fox", "Hello world! How are you", "a b c d e f g"]
+    paths, runs, llms = [], {}, {}
+    path_of = fp8_gemm.fp8_path
+    monkeypatch.setattr(fp8_gemm, "fp8_path", lambda x, w: paths.append(path_of(x, w)) or paths[-1])
+    for name, source in (("scaled_mm", "off"), ("tuned", str(tuned))):
+        monkeypatch.setattr(cc, "CONFIG_PATH", source)
+        llms[name] = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", max_model_len=256,
+                         enforce_eager=eager)
+        runs[name] = llms[name].generate(prompts, params, use_tqdm=False)
+        if name == "tuned":
+            assert fp8_gemm.CHANNEL_GEMM in paths, sorted(set(paths))
+        else:
+            assert fp8_gemm.CHANNEL_GEMM not in paths and fp8_gemm.SCALED_MM in paths, sorted(set(paths))
+            paths.clear()
+    try:
+        _check_greedy_near_ties(runs["scaled_mm"], runs["tuned"], llms["tuned"], f"channel gemm eager={eager}")
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
