@@ -499,7 +499,8 @@ def test_blockwise_scaled_mm_gate_admits_only_shapes_cublas_reads_right(monkeypa
     (19, 200, 300, (16, 64, 4, 1, 1, 128), False),         # partial tiles along M, N and K
     (5, 136, 512, (16, 32, 4, 1, 4, 128), False),          # K split over 4 programs, the bias after the sum
     (33, 256, 384, (16, 128, 4, 1, 3, 64), False),         # BLOCK_K 64: 6 steps over 3 programs
-    (7, 64, 256, (16, 64, 4, 1, 1, 256), True)])           # a static input scale (expanded: stride 0)
+    (7, 64, 256, (16, 64, 4, 1, 1, 256), True),            # a static input scale (expanded: stride 0)
+    (8, 64, 14336, (16, 64, 4, 4, 4, 128), False)])        # llama-3.1-8b's down K with its H100 entry at 8 rows
 def test_channel_gemm_kernel_matches_the_reference(m, n, k, config, static):
     """The per-channel Triton GEMM (one scale per row and output column, applied once after the K loop) against
     the fp32 reference of the same quantized operands."""
