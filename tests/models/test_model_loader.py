@@ -124,7 +124,8 @@ def test_plannable_but_not_runnable_families_are_refused(arch):
            "v_head_dim": 8}
     with pytest.raises(ConfigError, match=rf"^{arch} can be planned but not run yet; runnable: LlamaForCausalLM, "
                                           r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                          r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM$"):
+                                          r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+                                          r"Phi3ForCausalLM$"):
         load_model("", facts_from_config(cfg), torch.float32, "cpu", BACKEND, load_format="dummy")
 
 

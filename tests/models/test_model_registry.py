@@ -21,7 +21,7 @@ PLANNABLE_ONLY = sorted(set(ARCHITECTURES) - set(RUNNABLE))
 def test_runnable_architectures_are_the_registry_and_all_supported():
     assert runnable_architectures() == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                         "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                                        "MixtralForCausalLM")
+                                        "MixtralForCausalLM", "Phi3ForCausalLM")
     assert set(runnable_architectures()) <= set(ARCHITECTURES)
     assert all(is_runnable(arch) for arch in runnable_architectures())
     assert PLANNABLE_ONLY and not any(is_runnable(arch) for arch in PLANNABLE_ONLY)
@@ -39,7 +39,7 @@ def test_a_plannable_only_architecture_names_the_runnable_ones(arch):
         model_class(arch)
     assert str(err.value) == (f"{arch} can be planned but not run yet; runnable: LlamaForCausalLM, "
                               "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
-                              "Qwen3MoeForCausalLM, MixtralForCausalLM")
+                              "Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM")
 
 
 def test_the_registry_imports_no_torch():
@@ -59,7 +59,8 @@ def test_the_class_builds_the_tensors_transformers_builds(arch, bias):
     (Mistral and Qwen2 ignore attention_bias and mlp_bias, Qwen3 ignores mlp_bias)."""
     transformers = pytest.importorskip("transformers")
     prefix = arch.removesuffix("ForCausalLM")
-    config = getattr(transformers, f"{prefix}Config")(**_BASE, attention_bias=bias, mlp_bias=bias)
+    # pad_token_id None: Phi3Config's default (32000) is past the tiny vocabulary
+    config = getattr(transformers, f"{prefix}Config")(**_BASE, attention_bias=bias, mlp_bias=bias, pad_token_id=None)
     with torch.device("meta"):
         hf = getattr(transformers, arch)(config)
     facts = facts_from_config({**config.to_dict(), "architectures": [arch]})
@@ -68,11 +69,18 @@ def test_the_class_builds_the_tensors_transformers_builds(arch, bias):
 
 
 def _checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
-    """The checkpoint tensors model reads, with their shapes: a fused parameter's parts (q/k/v, gate/up) each."""
+    """The checkpoint tensors model reads, with their shapes: a fused parameter's parts (q/k/v, gate/up) each, or
+    where the checkpoint stores them fused (the model's packed_modules, Phi-3), the fused tensor."""
     shapes = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         parts = getattr(param, "parts", None)
         shapes.update({part.name: part.full_shape for part in parts} if parts else {name: tuple(param.shape)})
+    for packed, part_names in getattr(model, "packed_modules", {}).items():
+        for name in [n for n in shapes if n.rpartition(".")[0].endswith(f".{part_names[0]}")]:
+            prefix, _, leaf = name.rpartition(".")
+            prefix = prefix.rpartition(".")[0]
+            stacked = [shapes.pop(f"{prefix}.{part}.{leaf}") for part in part_names]
+            shapes[f"{prefix}.{packed}.{leaf}"] = (sum(shape[0] for shape in stacked), *stacked[0][1:])
     return shapes
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from paged_batch import hf_logits, random_tokens
 from safetensors.torch import load_file
-from tp_ranks import rank_main
+from tp_ranks import rank_main, spy_safetensors_reads
 
 from kvfit.attention.torch_ref import TorchReferenceBackend
 from kvfit.errors import ConfigError
@@ -72,44 +72,8 @@ def test_vocab_ranges_cover_the_vocabulary_once():
 
 def test_a_rank_reads_only_its_slices(tmp_path, monkeypatch):
     """Rank 1 of 2, loaded in-process: every parameter is its slice of the checkpoint, read lazily."""
-    from safetensors import safe_open
     folder = make_tiny_model(tmp_path, arch="qwen2", num_kv_heads=1, vocab_size=321)
-    reads = []
-
-    class SpyFile:
-        def __init__(self, *args, **kwargs):
-            self.inner = safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.fh = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.fh.keys()
-
-        def get_tensor(self, name):
-            raise AssertionError(f"{name} was read whole")
-
-        def get_slice(self, name):
-            sl = self.fh.get_slice(name)
-
-            class Spy:
-                def get_shape(self):
-                    return sl.get_shape()
-
-                def get_dtype(self):
-                    return sl.get_dtype()
-
-                def __getitem__(self, index):
-                    out = sl[index]
-                    reads.append((name, tuple(out.shape)))
-                    return out
-            return Spy()
-
-    monkeypatch.setattr("safetensors.safe_open", SpyFile)
+    reads = spy_safetensors_reads(monkeypatch)
     facts = load_model_facts(folder)
     model = loader.load_model(folder, facts, torch.float32, "cpu", TorchReferenceBackend(), tp_rank=1, tp_size=2)
     full = load_file(f"{folder}/model.safetensors")

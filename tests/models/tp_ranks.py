@@ -53,3 +53,46 @@ def rank_main(rank: int, world: int, init_file: str, folders: list[str], tokens:
             torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
+
+
+def spy_safetensors_reads(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Patch safetensors.safe_open so the loader's files record each slice it reads, (tensor name, shape read),
+    and a whole-tensor read (get_tensor) fails; returns the list the reads land in."""
+    from safetensors import safe_open
+    reads = []
+
+    class SpyFile:
+        def __init__(self, *args, **kwargs):
+            self.inner = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.fh = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.fh.keys()
+
+        def get_tensor(self, name):
+            raise AssertionError(f"{name} was read whole")
+
+        def get_slice(self, name):
+            sl = self.fh.get_slice(name)
+
+            class Spy:
+                def get_shape(self):
+                    return sl.get_shape()
+
+                def get_dtype(self):
+                    return sl.get_dtype()
+
+                def __getitem__(self, index):
+                    out = sl[index]
+                    reads.append((name, tuple(out.shape)))
+                    return out
+            return Spy()
+
+    monkeypatch.setattr("safetensors.safe_open", SpyFile)
+    return reads

@@ -20,6 +20,7 @@ from kvfit.model_facts.experts import (MoEConfig, deepseek_mlp_params, dense_mlp
                                        mixtral_mlp_params, qwen_moe_experts, qwen_moe_mlp_params)
 from kvfit.model_facts.facts import ModelFacts
 from kvfit.model_facts.fields import read_field, show
+from kvfit.model_facts.rope import check_phi3_rope
 from kvfit.model_facts.windows import every_layer, mistral_layers, qwen2_moe_layers, qwen_layers, when_used
 
 
@@ -57,6 +58,9 @@ class Architecture:
     default_rms_norm_eps: float = 1e-6
     default_rope_theta: float = 10000.0
     default_max_position_embeddings: int = 2048
+    # (config.json, source) -> None: a ConfigError for settings the family's transformers class reads its own way,
+    # checked before the shared readers (rope.py's check_phi3_rope); None: none
+    check_config: Callable[[dict, str], None] | None = None
 
 
 _DECODER = "kvfit.models.llama:CausalLM"
@@ -90,6 +94,9 @@ ARCHITECTURES = _table(
     Architecture("MixtralForCausalLM", "mixtral", _MOE_DECODER, FamilyRules(sliding_window=every_layer),
                  mlp_params=mixtral_mlp_params, moe=mixtral_experts, default_rms_norm_eps=1e-5,
                  default_rope_theta=1e6, default_max_position_embeddings=131072),
+    # q/k/v and gate/up stored fused (the model splits them into kvfit's fused parameters' parts at load)
+    Architecture("Phi3ForCausalLM", "phi3", "kvfit.models.phi3:Phi3CausalLM", FamilyRules(sliding_window=every_layer),
+                 default_rms_norm_eps=1e-5, default_max_position_embeddings=4096, check_config=check_phi3_rope),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", mla=True,
                  mlp_params=partial(deepseek_mlp_params, router_bias=False), expert_width_key="moe_intermediate_size"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", mla=True,

@@ -54,6 +54,8 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
     arch = architecture_of_config(cfg, source)
+    if arch.check_config is not None:
+        arch.check_config(cfg, source)
     layers = read_positive_int(cfg, "num_hidden_layers", source, maximum=MAX_NUM_LAYERS)
     hidden = read_positive_int(cfg, "hidden_size", source, maximum=MAX_HIDDEN_SIZE)
     heads = read_positive_int(cfg, "num_attention_heads", source)

@@ -109,3 +109,28 @@ def _yarn(d: dict, where: str, head_dim: int, theta: float, max_pos: int, origin
                       original_max_position_embeddings=original, beta_fast=beta_fast, beta_slow=beta_slow,
                       truncate=read_field(d, "truncate", "bool", where, default=True),
                       attention_factor=attention_factor)
+
+
+PHI3_LONGROPE_NAMES = ("longrope", "su", "yarn")     # transformers' Phi3Config reads "su" and "yarn" as longrope
+
+
+def check_phi3_rope(raw: dict, source: str = "config.json") -> None:
+    """Phi-3's RoPE as transformers' Phi3Config reads it, refused where kvfit would run another model: a
+    rope_scaling (else rope_parameters) type other than default (Phi3Config takes only longrope besides, which
+    kvfit does not implement), and a partial_rotary_factor (rope's, else config.json's top-level one, where
+    Phi-4-mini writes 0.75) other than 1.0."""
+    d = _rope_dict(raw, source)
+    where = f"{source} (rope_scaling / rope_parameters)"
+    rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
+    if rope_type in PHI3_LONGROPE_NAMES:
+        raise ConfigError(f"{source}: rope_scaling type {rope_type!r} (Phi-3's longrope, the 128k-context models) is "
+                          "not supported; kvfit runs Phi-3 models without rope_scaling (the 4k-context ones)")
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not one Phi3ForCausalLM takes (transformers: "
+                          "default or longrope); remove rope_scaling")
+    factor = read_field(d, "partial_rotary_factor", "number", where)
+    if factor is None:
+        factor = read_field(raw, "partial_rotary_factor", "number", source, default=1.0)
+    if factor != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor {factor} is not supported (kvfit rotates every dimension "
+                          "of a head: only 1.0); use a model with full RoPE")
