@@ -274,8 +274,10 @@ class CausalLM(torch.nn.Module):
             # FP8 weights and scales check and read their own tensors
             getattr(param, "weight_loader", load_part)(param, index, name, source)
             loaded.add((param_name, index))
-        missing = [self.missing_name(checkpoint_name) for checkpoint_name, (param_name, param, index) in targets.items()
-                   if (param_name, index) not in loaded and not getattr(param, "derived", False)]
+        # distinct names: parts a checkpoint stores as one tensor (Phi-3's qkv_proj) name that tensor once
+        missing = list(dict.fromkeys(
+            self.missing_name(checkpoint_name) for checkpoint_name, (param_name, param, index) in targets.items()
+            if (param_name, index) not in loaded and not getattr(param, "derived", False)))
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ConfigError(f"checkpoint is missing tensor {missing[0]}{more}; re-download the model or use "

@@ -82,6 +82,15 @@ class Phi3CausalLM(CausalLM):
                 yield f"{prefix}.{part}.{leaf}", row_block(source, start, size)
                 start += size
 
+    def missing_name(self, param_name: str) -> str:
+        """A part's name as the checkpoint stores it: ...self_attn.q_proj.weight -> ...self_attn.qkv_proj.weight."""
+        module, _, leaf = param_name.rpartition(".")
+        prefix, _, part = module.rpartition(".")
+        for packed, parts in self.packed_modules.items():
+            if part in parts and leaf == "weight":
+                return f"{prefix}.{packed}.{leaf}"
+        return param_name
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """CausalLM.load_weights over the checkpoint with its fused tensors split into their parts."""
