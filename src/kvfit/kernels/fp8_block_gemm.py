@@ -113,25 +113,34 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: 
     assert w.block_size is not None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
     bn, bk = w.block_size
     m, k = xq.shape
+    block_m, block_n, warps, stages, *rest = config or config_for(m, w.out_features, -(-k // bk))
+    return _launch(xq, x_scale, x_scale.stride(1), w.scale, w.scale.stride(1), w, bias, out_dtype,
+                   (block_m, block_n, warps, stages, rest[0] if rest else 1, bk), group_n=bn, per_channel=False)
+
+
+def _launch(xq: torch.Tensor, x_scale: torch.Tensor, x_scale_k_stride: int, w_scale: torch.Tensor,
+            w_scale_k_stride: int, w: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            config: tuple[int, ...], group_n: int, per_channel: bool) -> torch.Tensor:
+    """The kernel's launch for both scale layouts: config (BLOCK_M, BLOCK_N, warps, stages, SPLIT_K, BLOCK_K);
+    SPLIT_K must divide the K steps, ceil(K / BLOCK_K)."""
+    block_m, block_n, warps, stages, split, block_k = config
+    m, k = xq.shape
     n = w.out_features
-    steps = -(-k // bk)
-    block_m, block_n, warps, stages, *rest = config or config_for(m, n, steps)
-    split = rest[0] if rest else 1
+    steps = -(-k // block_k)
     if split < 1 or steps % split:
-        raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k}")
+        raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k} (BLOCK_K {block_k})")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
     fused_bias = bias is not None and split == 1
-    interpret = not on_gpu(xq)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _block_fp8_gemm_kernel[grid](
-        xq, x_scale, w.weight, w.scale, target, bias if fused_bias else target, m, n, k,
-        xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1), w.weight.stride(0), w.weight.stride(1),
-        w.scale.stride(0), w.scale.stride(1), target.stride(0) if split > 1 else 0, target.stride(-2),
-        target.stride(-1), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SPLIT_K=split,
-        HAS_BIAS=fused_bias, DOT_FP32=interpret, PER_CHANNEL=False, num_warps=warps, num_stages=stages)
+        xq, x_scale, w.weight, w_scale, target, bias if fused_bias else target, m, n, k,
+        xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale_k_stride, w.weight.stride(0), w.weight.stride(1),
+        w_scale.stride(0), w_scale_k_stride, target.stride(0) if split > 1 else 0, target.stride(-2),
+        target.stride(-1), GROUP_N=group_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        HAS_BIAS=fused_bias, DOT_FP32=not on_gpu(xq), PER_CHANNEL=per_channel, num_warps=warps, num_stages=stages)
     return _finish(out, target, bias, split)
 
 
@@ -154,26 +163,9 @@ def channel_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias
     (cuBLASLt's _scaled_mm is the default: this runs only where a sweep on the device found it faster). SPLIT_K
     must divide ceil(K / BLOCK_K)."""
     assert w.block_size is None and xq.shape[1] == w.weight.shape[1], (xq.shape, w.weight.shape)
-    block_m, block_n, warps, stages, split, block_k = config
-    m, k = xq.shape
     n = w.out_features
-    steps = -(-k // block_k)
-    if split < 1 or steps % split:
-        raise ValueError(f"SPLIT_K {split} does not divide the {steps} K steps of K={k} (BLOCK_K {block_k})")
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    if m == 0:
-        return out
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
-    fused_bias = bias is not None and split == 1
     w_scale = w.scale.reshape(-1, 1).expand(n, 1) if w.scale.numel() == 1 else w.scale.reshape(n, 1)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _block_fp8_gemm_kernel[grid](
-        xq, x_scale, w.weight, w_scale, target, bias if fused_bias else target, m, n, k,
-        xq.stride(0), xq.stride(1), x_scale.stride(0), 0, w.weight.stride(0), w.weight.stride(1),
-        w_scale.stride(0), 0, target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        GROUP_N=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=fused_bias,
-        DOT_FP32=not on_gpu(xq), PER_CHANNEL=True, num_warps=warps, num_stages=stages)
-    return _finish(out, target, bias, split)
+    return _launch(xq, x_scale, 0, w_scale, 0, w, bias, out_dtype, tuple(config), group_n=1, per_channel=True)
 
 
 def block_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
