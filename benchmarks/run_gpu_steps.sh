@@ -71,6 +71,7 @@ for s in "$@"; do case $s in
   gpu-short) TAIL=${TAIL:-15} step gpu-short 200 python3 -m pytest -q -p no:cacheprovider "tests/gpu/test_engine_gpu.py::test_cuda_graphs_and_multi_step_match_transformers[tiny_llama_yarn]" tests/gpu/test_capacity_gpu.py ;;
   serve-policy) TAIL=${TAIL:-40} step serve-policy 580 bash -c "python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 512 --rates 30,54 --runs 2 --out $OUT/serve-policy-default.json && python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 512 --rates 30,54 --runs 2 --kvfit-args '--num-scheduler-steps 1' --out $OUT/serve-policy-1step.json" ;;
   fp8-kv-8b) TAIL=${TAIL:-20} step fp8-kv-8b 420 bash -c "KVFIT_BENCH_FP8=channel KVFIT_BENCH_ARGS='{\"kv_cache_dtype\": \"fp8\", \"calculate_kv_scales\": true}' python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out $OUT/fp8-w-fp8-kv-8b.json && python3 benchmarks/bench_vs_vllm.py --models llama-3.1-8b --engines kvfit --reps 2 --out $OUT/bf16-8b-same-call.json && python3 benchmarks/bench_kv_fp8_accuracy.py --device cuda" ;;
+  mixed-probe) TAIL=${TAIL:-30} step mixed-probe 300 bash -c "python3 benchmarks/probe_mixed_step.py --model qwen3-0.6b && python3 benchmarks/probe_mixed_step.py --model llama-3.1-8b --chunks 0 128 512 1024" ;;
   kv-vs-vllm) step kv-vs-vllm 480 python3 benchmarks/bench_vs_vllm.py --models qwen3-0.6b llama-3.1-8b --groups capacity --reps 1 --out "$OUT/kv-vs-vllm.json" ;;
   *) echo "unknown step $s" ;;
 esac; done
