@@ -330,6 +330,41 @@ def test_sequences_without_queries_are_skipped():
     check_attend(TritonBackend(), [3, 0, 1], [9, 4, 17], 4, 2, 16, 8, torch.float32, seed=33)
 
 
+@pytest.mark.parametrize("q_lens,seq_lens", [([7, 5, 1, 21], [7, 30, 12, 26]), ([1, 0, 40, 0, 1, 3], [9, 4, 70, 2, 17, 3]),
+                                              ([33], [33]), ([1, 1, 1], [5, 9, 2])],
+                         ids=["mixed", "empty-seqs", "one-prefill", "decodes"])
+def test_prefill_with_a_tile_map_matches_the_reference(q_lens, seq_lens):
+    # a CUDA graph's grid: programs over tiles numbered across sequences (meta.tile_maps), not (seq, row tile);
+    # the map is built once and reused by the next call (the next layer)
+    gen = torch.Generator().manual_seed(35)
+    k_cache, v_cache, table = filled_caches(seq_lens, 8, 2, 16, torch.float32, gen)
+    # as a graph sets it: max_query_len is the step's token count (so decodes alone take this kernel too)
+    meta = dataclasses.replace(make_meta(q_lens, seq_lens, table), tile_maps={}, max_query_len=sum(q_lens))
+    query = torch.randn(sum(q_lens), 4, 16, generator=gen).to(DEVICE)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, 0.25)
+    for _ in range(2):
+        got = TritonBackend().attend(query, k_cache, v_cache, meta, 0.25)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert len(meta.tile_maps) == 1
+
+
+def test_tile_map_numbers_each_sequences_row_tiles():
+    from kvfit.kernels.attention_prefill import mapped_tiles, prefill_tile_map
+    starts = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32)         # q_lens 3, 0, 17, 1; group 2, 8 rows a tile
+    num_tiles = mapped_tiles(21, 4, 2, 8)
+    assert num_tiles == 6 + 4
+    seqs, rows = prefill_tile_map(starts, 2, 8, num_tiles)
+    # seq 0: 6 rows, one tile; seq 1: none; seq 2: 34 rows, 5 tiles; seq 3: one
+    assert seqs.tolist() == [0, 2, 2, 2, 2, 2, 3, -1, -1, -1]
+    assert rows.tolist() == [0, 0, 8, 16, 24, 32, 0, 0, 0, 0]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):     # the bound holds for any split of T tokens among B sequences
+        q = torch.randint(0, 40, (6,), generator=gen)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)]).to(torch.int32)
+        seqs, _ = prefill_tile_map(starts, 3, 16, mapped_tiles(int(q.sum()), 6, 3, 16))
+        assert int((seqs >= 0).sum()) == sum(-(-int(n) * 3 // 16) for n in q)
+
+
 def test_write_then_attend_end_to_end():
     gen = torch.Generator().manual_seed(40)
     num_q_heads, num_kv_heads, head_dim, page = 4, 2, 16, 8
@@ -441,7 +476,8 @@ def _compile_check() -> None:
 
     def build(kernel, qd, cd, consts, warps=4):
         ptr = {"q": qd, "out": qd, "key": qd, "value": qd, "k_cache": cd, "v_cache": cd, "slot": "i64",
-               "prefix_len": "i32", "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32"}
+               "prefix_len": "i32", "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32",
+               "tile_seqs": "i32", "tile_rows": "i32"}
         sig = {n: "constexpr" if n in consts else f"*{ptr.get(n[:-4], 'fp32')}" if n.endswith("_ptr")
                else "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
         divisible = {n for n in kernel.arg_names
@@ -465,9 +501,10 @@ def _compile_check() -> None:
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
             ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True))
-        build(pre._prefill_kernel, qd, cache, dict(
-            GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
-            BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32))
+        for mapped in (False, True):        # the grid of an eager step, and a CUDA graph's tile-mapped one
+            build(pre._prefill_kernel, qd, cache, dict(
+                GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
+                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped))
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

@@ -84,6 +84,44 @@ def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
     assert runs[4] == runs[1] and runs[8] == runs[1], "seeded sampling depends on the scheduler steps"
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe"])
+def test_steps_with_prefill_chunks_replay_graphs_and_match_transformers(fixture, request):
+    # a 64-token step budget chunks the long prompts, so most steps mix chunks and decodes: they replay the
+    # mixed-step graphs (padded to a bucket, the tile-mapped prefill grid); tokens equal transformers', and
+    # equal the eager engine's logprobs closely
+    folder = request.getfixturevalue(fixture)
+    prompts = PROMPTS + [list(range(200, 300)), [7] * 90]
+    max_tokens = MAX_TOKENS + [9, 13]
+    expected = _hf_greedy(folder, prompts, max_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in max_tokens]
+    results = {}
+    for eager in (False, True):
+        llm = LLM(folder, device="cuda", dtype="float32", kv_cache_memory="512MiB", max_model_len=256,
+                  max_num_seqs=8, max_num_batched_tokens=64, enforce_eager=eager)
+        runner = llm.engine.workers.runner
+        replayed = []
+        if not eager:
+            mixed = runner.mixed_graphs
+            assert mixed is not None and mixed.buckets, "no mixed-step graph was faster than the eager step"
+            replay = mixed.replay
+            mixed.replay = lambda *args: replayed.append(replay(*args)) or replayed[-1]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == expected, f"{fixture}, eager {eager}: tokens differ from transformers"
+        results[eager] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                          for o in outs]
+        if not eager:
+            assert sum(h is not None for h in replayed) >= 3, "the chunked steps did not replay mixed graphs"
+        assert llm.engine.stats()["kv_blocks_used"] == 0
+        llm.shutdown()
+        del llm, runner
+        replay = mixed = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    for a, b in zip(results[False], results[True]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+
+
 @pytest.mark.parametrize("mode", ["graphs-1-step", "graphs-8-steps", "eager"])
 def test_cascade_decode_matches_transformers(tiny_qwen3, mode, monkeypatch):
     # ten requests share a 300-token prompt prefix (prefix caching): decode attends it once for all of them

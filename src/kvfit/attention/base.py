@@ -40,6 +40,10 @@ class AttentionMetadata:
     # sequence has more tokens than that; a backend may attend them once for all sequences through row 0's
     # blocks. None: no such prefix (or the backend declined it).
     prefix_len: torch.Tensor | None = None
+    # a step inside a CUDA graph (runner/cuda_graphs.py MixedGraphs): launch grids may depend on the tensors'
+    # shapes only, never on this step's lengths (max_query_len is the graph's token count); a backend keeps
+    # per-step tensors it derives once for all layers here (the prefill kernel's tile map). None: eager.
+    tile_maps: dict | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -122,6 +126,9 @@ class AttentionBackend:
 
     name: str = "abstract"
     max_element_offset: int = 2**63 - 1
+    # whether attend takes any step in a CUDA graph, given AttentionMetadata.tile_maps (prefill and mixed
+    # steps too, not only decode)
+    graphs_any_step: bool = False
 
     def cascade_tokens(self, shared_tokens: int, num_seqs: int) -> int:
         """Of the shared_tokens every one of a decode step's num_seqs sequences has in the same blocks, how

@@ -40,6 +40,7 @@ class TritonBackend(FusedCacheWrite, AttentionBackend):
     name = "triton"
     # all kernels cast indices to int64 before multiplying by strides (declared in registry.py)
     max_element_offset = backend_max_offset("triton")
+    graphs_any_step = True          # the prefill kernel's tile-mapped grid (meta.tile_maps)
 
     def __init__(self, num_splits: int | None = None):
         if num_splits is not None and num_splits < 1:
@@ -97,4 +98,4 @@ class TritonBackend(FusedCacheWrite, AttentionBackend):
                 prefix_splits=prefix_splits)
         return paged_prefill_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            max_query_len=meta.max_query_len, scale=scale)
+            max_query_len=meta.max_query_len, scale=scale, tile_maps=meta.tile_maps)

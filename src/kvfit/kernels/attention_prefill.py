@@ -27,16 +27,24 @@ from kvfit.platforms.gate import on_gpu
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seqs_ptr, tile_rows_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    row_start = tl.program_id(1) * BLOCK_M
+    if MAPPED:      # program (tile, 0, kv head): its sequence and first row from the tile map (-1: no work)
+        tile_seq = tl.load(tile_seqs_ptr + tl.program_id(0))
+        if tile_seq < 0:
+            return
+        seq = tile_seq.to(tl.int64)
+        row_start = tl.load(tile_rows_ptr + tl.program_id(0))
+    else:           # program (sequence, row tile, kv head)
+        seq = tl.program_id(0).to(tl.int64)
+        row_start = tl.program_id(1) * BLOCK_M
     kv_head = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
@@ -104,18 +112,46 @@ def prefill_tile_rows(elem_bytes: int, gpu: bool) -> int:
 PREFILL_CONFIG: tuple[int, int, int, int] | None = None
 
 
+def prefill_tile_map(query_start_loc: torch.Tensor, group: int, block_m: int, num_tiles: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of num_tiles programs' (sequence, first row) for a launch grid fixed in advance (a CUDA graph).
+
+    Sequence i has cdiv(q_len_i * group, block_m) row tiles; they are numbered in sequence order, and tile t
+    gets its sequence's index and first row (t - the sequence's first tile) * block_m. Tiles past the last
+    sequence's get sequence -1 (no work). Device ops only, no host sync. query_start_loc: [B + 1] int32
+    -> (tile_seqs, tile_rows), each [num_tiles] int32."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)          # [B]
+    tiles = (q_lens * group + block_m - 1) // block_m                              # [B]
+    ends = torch.cumsum(tiles, 0)                                                  # [B]
+    tile = torch.arange(num_tiles, dtype=torch.int64, device=query_start_loc.device)
+    seq = torch.searchsorted(ends, tile, right=True)                              # [num_tiles]
+    valid = seq < ends.numel()
+    first = seq.clamp(max=ends.numel() - 1)
+    rows = (tile - (ends[first] - tiles[first])) * block_m
+    return torch.where(valid, seq, -1).to(torch.int32), torch.where(valid, rows, 0).to(torch.int32)
+
+
+def mapped_tiles(num_tokens: int, num_seqs: int, group: int, block_m: int) -> int:
+    """Programs (per KV head) a tile map needs for any split of num_tokens query tokens among num_seqs sequences:
+    the sum over sequences of cdiv(q_len_i * group, block_m) is at most cdiv(T * group, block_m) + B."""
+    return triton.cdiv(num_tokens * group, block_m) + num_seqs
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             max_query_len: int, scale: float, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             out: torch.Tensor | None = None, num_stages: int | None = None,
-                            split: bool | None = None) -> torch.Tensor:
+                            split: bool | None = None, tile_maps: dict | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32; query_start_loc: [B + 1] int32 -> out [T, Hq, D] in query's dtype.
     split: walk the tiles below the causal diagonal without masks (default: on, except fp32, whose IEEE
     dots spill with the second loop on Hopper).
+    tile_maps: a launch whose grid depends on T and B only (AttentionMetadata.tile_maps, a CUDA graph's step):
+    programs find their rows through prefill_tile_map, built once a step and kept in this dict for the
+    other layers; None: the grid is (B, row tiles of max_query_len, Hkv).
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -135,13 +171,22 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     stages = {} if num_stages is None else {"num_stages": num_stages}
     ieee = dot_ieee(query.dtype)
     split = not ieee if split is None else split
-    grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
+    if tile_maps is None:
+        grid = (num_seqs, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
+        tile_seqs = tile_rows = query_start_loc         # not read
+    else:
+        num_tiles = mapped_tiles(query.shape[0], num_seqs, group, block_m)
+        key = (group, block_m, num_tiles)
+        if key not in tile_maps:
+            tile_maps[key] = prefill_tile_map(query_start_loc, group, block_m, num_tiles)
+        tile_seqs, tile_rows = tile_maps[key]
+        grid = (num_tiles, 1, num_kv_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E,
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seqs, tile_rows, scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=ieee, SPLIT=split, num_warps=num_warps, **stages,
+        IEEE=ieee, SPLIT=split, MAPPED=tile_maps is not None, num_warps=num_warps, **stages,
     )
     return out

@@ -10,6 +10,7 @@ their output is dropped).
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -117,3 +118,158 @@ class DecodeGraphs:
         self.cascade_graphs.clear()
         self.hidden.clear()
         self.pool = None
+
+
+# Steps that carry prefill chunks (alone or with decodes) of up to this many tokens run as graphs too: eagerly,
+# launching one such step takes the host 10-13 ms on an H100 whatever its size (qwen3-0.6b, llama-3.1-8b), while
+# the device runs qwen3-0.6b's 1,080 tokens in 5.2 ms (benchmarks/probe_mixed_step.py, 2026-12-07). Buckets are
+# kept only where a graph is measured faster (choose_mixed_buckets), since a padded bucket costs device time.
+MIXED_BUCKETS = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+MIXED_TP_MAX_TOKENS = 512     # with tensor parallelism (every rank must pick the same graphs): vLLM's default
+MIXED_GRAPH_GAIN = 0.85       # a bucket is kept when its replay takes at most this share of the eager step
+
+
+def mixed_buckets(max_num_batched_tokens: int, tensor_parallel: bool) -> list[int]:
+    """Candidate token counts for mixed-step graphs, smallest first (the largest: the step's token budget, or
+    MIXED_BUCKETS' last; MIXED_TP_MAX_TOKENS under tensor parallelism)."""
+    cap = min(max_num_batched_tokens, MIXED_TP_MAX_TOKENS if tensor_parallel else MIXED_BUCKETS[-1])
+    return [b for b in MIXED_BUCKETS if b < cap] + ([cap] if cap > 1 else [])
+
+
+class MixedGraphs:
+    """One graph per token bucket for steps with prefill chunks: T tokens of B <= max_num_seqs sequences.
+
+    The attention grid depends on the bucket only (AttentionMetadata.tile_maps). At replay the T tokens fill the
+    bucket's first rows; the rest form one padding sequence (a fresh prompt of the remaining rows whose block
+    table row is all block 0, wide enough for the largest bucket; slots PADDING_SLOT_ID: valid memory, nothing
+    written, finite outputs that are dropped), and the sequences after it have no tokens.
+    """
+
+    def __init__(self, model, kv_caches, buckets: list[int], max_num_seqs: int, max_blocks_per_seq: int,
+                 max_model_len: int, block_size: int, device: torch.device):
+        self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
+        self.buckets = list(buckets)
+        self.max_num_seqs = max_num_seqs
+        size, rows = self.buckets[-1], max_num_seqs + 1           # + the padding sequence
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), PADDING_SLOT_ID, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        width = max(max_blocks_per_seq, -(-size // block_size))       # the padding sequence's blocks too
+        self.block_tables = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_tables=self.block_tables, max_query_len=size, max_seq_len=self.max_model_len, tile_maps={})
+
+    def run(self, size: int) -> torch.Tensor:
+        """The bucket's step over the static buffers, eagerly (warm-up, capture, tests) -> hidden [size, hidden]."""
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+
+    def fill_one_sequence(self, size: int) -> None:
+        """A warm-up step: every row of the bucket one fresh sequence over block 0, nothing written."""
+        self.slot_mapping.fill_(PADDING_SLOT_ID)
+        self.query_start_loc.fill_(size)
+        self.query_start_loc[0] = 0
+        self.seq_lens.zero_()
+        self.seq_lens[0] = size
+        self.block_tables.zero_()
+
+    def capture(self, size: int, stream: torch.cuda.Stream) -> None:
+        """Capture one bucket on `stream` (the caller's capture stream), into the shared pool."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.fill_one_sequence(size)
+            self.run(size)                          # warm-up: Triton compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self.hidden[size] = self.run(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+
+    @torch.inference_mode()
+    def capture_all(self, stream: torch.cuda.Stream) -> None:
+        for size in reversed(self.buckets):         # largest first: later graphs reuse its pool
+            self.capture(size, stream)
+        torch.cuda.synchronize()
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        if num_seqs > self.max_num_seqs:
+            return None
+        for size in self.buckets:
+            if size >= num_tokens:
+                return size
+        return None
+
+    def fill(self, size: int, input_ids, positions, meta: AttentionMetadata) -> None:
+        """The step's inputs into the static buffers, the bucket's remaining rows as the padding sequence."""
+        num_tokens, num_seqs = input_ids.shape[0], meta.seq_lens.shape[0]
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:size].fill_(PADDING_SLOT_ID)
+        self.query_start_loc[:num_seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[num_seqs + 1:].fill_(size)           # the padding sequence ends the bucket
+        self.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        self.seq_lens[num_seqs].fill_(size - num_tokens)
+        self.seq_lens[num_seqs + 1:].zero_()
+        width = meta.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        self.block_tables[num_seqs].zero_()
+
+    @torch.inference_mode()
+    def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of the step (a view of the graph's output: read it before the next step
+        is launched), or None when no bucket holds it (run it eagerly)."""
+        size = self.bucket_for(input_ids.shape[0], meta.seq_lens.shape[0])
+        if size is None:
+            return None
+        self.fill(size, input_ids, positions, meta)
+        self.graphs[size].replay()
+        return self.hidden[size][:input_ids.shape[0]]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.hidden.clear()
+        self.pool = None
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of fn, synchronised, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def choose_mixed_buckets(graphs: MixedGraphs, stream: torch.cuda.Stream) -> list[tuple[int, float, float]]:
+    """Time each candidate bucket eagerly and as a replayed graph, smallest first, and stop at the first whose
+    graph is not faster by MIXED_GRAPH_GAIN (the device's work, not the host's, bounds the step from there on).
+    Returns [(bucket, eager s, replay s)] of the kept buckets; the graphs are released."""
+    kept = []
+    try:
+        for size in graphs.buckets:
+            graphs.fill_one_sequence(size)
+            eager = _timed(lambda: graphs.run(size))
+            graphs.capture(size, stream)
+            replay = _timed(graphs.graphs[size].replay)
+            graphs.graphs.pop(size)
+            graphs.hidden.pop(size)
+            if replay > MIXED_GRAPH_GAIN * eager:
+                break
+            kept.append((size, eager, replay))
+    finally:
+        graphs.release()
+    return kept

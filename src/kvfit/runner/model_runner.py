@@ -7,6 +7,7 @@ and returns the sampled tokens.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import replace
 from typing import Callable
 
@@ -28,6 +29,8 @@ from kvfit.runner.sampling_state import NONFINITE_TOKEN, SampleResult
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfit.structured.bitmask import bitmask_words
 from kvfit.step import NewRequest, SampledTokens, StepDelta
+
+logger = logging.getLogger("kvfit")
 
 # The sampler's most expensive rows, for the profile: seeded (hashed noise) with top-p and no top-k
 # (a full sort of the vocabulary), min_p, every penalty (the edited fp32 copy and the counts' temporaries),
@@ -79,6 +82,10 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.kv_caches: KVCaches = []
         self.graphs = None
+        # steps with prefill chunks as graphs (runner/cuda_graphs.py MixedGraphs), where the backend's attention
+        # takes them; their buckets are chosen by timing at the trial capture (None: not chosen yet)
+        self.mixed_graphs = None
+        self._mixed_buckets: list[int] | None = None if getattr(backend, "graphs_any_step", False) else []
         self._kv_scales: list = []            # every attention layer's fp8 KV cache scales (models/kv_scales.py)
         self._kv_scales_pending = False       # --calculate-kv-scales set up, no batch has set the scales yet
         self._capture_stream = None
@@ -158,13 +165,46 @@ class ModelRunner:
                             self.spec.num_blocks_for_tokens(self.max_model_len), self.max_model_len, self.device,
                             self._cascade_tokens)
 
+    def _new_mixed_graphs(self, kv_caches: KVCaches, buckets: list[int]):
+        from kvfit.runner.cuda_graphs import MixedGraphs
+        return MixedGraphs(self.model, kv_caches, buckets, self.config.scheduler.max_num_seqs,
+                           self.spec.num_blocks_for_tokens(self.max_model_len), self.max_model_len,
+                           self.spec.block_size, self.device)
+
+    def _choose_mixed_buckets(self, kv_caches: KVCaches) -> list[int]:
+        """The token buckets whose mixed-step graphs beat the eager step here, timed on the trial cache."""
+        from kvfit.runner.cuda_graphs import choose_mixed_buckets, mixed_buckets
+        tp = self.config.parallel.tensor_parallel_size > 1
+        candidates = mixed_buckets(self.config.scheduler.max_num_batched_tokens, tp)
+        if not candidates:
+            return []
+        if tp:          # every rank must replay the same graphs (collectives): no per-rank timing
+            return candidates
+        kept = choose_mixed_buckets(self._new_mixed_graphs(kv_caches, candidates), self._stream())
+        self.platform.release_cached_memory()        # the timing's graphs are not part of the measured pool
+        logger.info("CUDA graphs for steps with prefill chunks: %s", ", ".join(
+            f"{size} tokens ({eager * 1e3:.1f} -> {replay * 1e3:.1f} ms)" for size, eager, replay in kept)
+            if kept else f"none (the {candidates[0]}-token graph was not faster than the eager step)")
+        return [size for size, _, _ in kept]
+
+    def _capture(self, kv_caches: KVCaches) -> None:
+        """Capture the mixed-step graphs (largest first), then the decode graphs, in one pool."""
+        stream = self._stream()
+        if self._mixed_buckets is None:
+            self._mixed_buckets = self._choose_mixed_buckets(kv_caches)
+        self.graphs = self._new_graphs(kv_caches)
+        if self._mixed_buckets:
+            self.mixed_graphs = self._new_mixed_graphs(kv_caches, self._mixed_buckets)
+            self.mixed_graphs.capture_all(stream)
+            self.graphs.pool = self.mixed_graphs.pool
+        self.graphs.capture(stream)
+
     @_pdl_as_configured
     def trial_capture_graphs(self) -> None:
         """Capture on a one-block scratch cache so the platform can measure the graphs' memory."""
         if not self.use_graphs:
             return
-        self.graphs = self._new_graphs(allocate_kv_caches(self.spec, 1, self.device))
-        self.graphs.capture(self._stream())
+        self._capture(allocate_kv_caches(self.spec, 1, self.device))
 
     def _stream(self):
         if self._capture_stream is None:
@@ -172,9 +212,10 @@ class ModelRunner:
         return self._capture_stream
 
     def release_graphs(self) -> None:
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.mixed_graphs = None
 
     def release(self) -> None:
         """Drop the weights, the KV cache, the graphs and the persistent batch (the engine shut down)."""
@@ -187,8 +228,7 @@ class ModelRunner:
         """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
         self.release_graphs()
         if self.use_graphs:
-            self.graphs = self._new_graphs(self.kv_caches)
-            self.graphs.capture(self._stream())
+            self._capture(self.kv_caches)
         if self.config.cache.calculate_kv_scales:       # the first batch from now on sets them (eagerly)
             for scales in self._kv_scales:
                 scales.calculate_next = True
@@ -277,7 +317,7 @@ class ModelRunner:
         """Launch one step (prefill chunks, with decodes or not); what it returns reads the sampled tokens (the
         one host sync, so async scheduling can launch the next step first: the sampled tokens stay on the
         device as the carry of a `continues` delta)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)   # [T, hidden]
+        hidden = self._forward(inputs, kv_caches)                                          # [T, hidden]
         read_prompt_logprobs = self._prompt_logprobs(delta, hidden)
         if not inputs.sample_seqs:
             done = self.platform.ready_event()
@@ -384,6 +424,17 @@ class ModelRunner:
             return _sampled_tokens({request_id: row[:n] for request_id, row, n in zip(delta.request_ids, sampled, steps)},
                                    logprobs)
         return finish
+
+    def _forward(self, inputs: ModelInputs, kv_caches: KVCaches) -> torch.Tensor:
+        """A step with prefill chunks -> hidden [T, hidden]: its bucket's graph where one holds it, else eagerly."""
+        if self._kv_scales_pending:         # --calculate-kv-scales: eager until a batch has set the scales
+            self._kv_scales_pending = any(scales.calculate_next for scales in self._kv_scales)
+        if (self.mixed_graphs is not None and kv_caches is self.kv_caches and not self._kv_scales_pending
+                and inputs.meta.prefix_len is None):
+            hidden = self.mixed_graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:
+                return hidden
+        return self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]

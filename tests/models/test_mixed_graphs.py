@@ -1,0 +1,89 @@
+"""MixedGraphs without a GPU: a step with prefill chunks run through a bucket's static buffers (padded to the
+bucket, the tile-mapped attention grid) gives the eager step's hidden states and writes the same cache slots.
+
+The model runs on the Triton backend in Triton's CPU interpreter; graph capture itself needs a GPU
+(tests/gpu/test_engine_gpu.py runs the engine with these graphs against transformers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    from triton_interpreter import apply_interpreter_fixes
+    apply_interpreter_fixes()
+
+from paged_batch import PagedCache, random_tokens  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+from kvfit.model_facts import load_model_facts  # noqa: E402
+from kvfit.models.loader import load_model  # noqa: E402
+from kvfit.runner.cuda_graphs import MIXED_BUCKETS, MIXED_TP_MAX_TOKENS, MixedGraphs, mixed_buckets  # noqa: E402
+
+if torch.cuda.is_available():
+    pytest.skip("the interpreter's CPU run of the graph buffers (a GPU runs the real graphs in tests/gpu)",
+                allow_module_level=True)
+
+
+def _triton_backend():
+    from kvfit.attention.triton_backend import TritonBackend
+    return TritonBackend()
+
+
+def _clone(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@torch.inference_mode()
+def test_a_mixed_step_through_the_buckets_buffers_equals_the_eager_step(tmp_path, arch):
+    folder = make_tiny_model(tmp_path, arch)
+    facts = load_model_facts(folder)
+    model = load_model(folder, facts, torch.float32, "cpu", _triton_backend())
+    cache = PagedCache(facts, block_size=4, num_blocks=64, seed=1)
+    vocab = facts.vocab_size
+    # a first step fills prefixes; the second mixes a decode, a chunk over a prefix and a fresh prompt
+    ids, pos, meta = cache.step([("a", 0, random_tokens(vocab, 9, 1)), ("b", 0, random_tokens(vocab, 5, 2))])
+    model(ids, pos, cache.caches, meta)
+    ids, pos, meta = cache.step([("a", 9, random_tokens(vocab, 1, 3)), ("b", 5, random_tokens(vocab, 3, 4)),
+                                 ("c", 0, random_tokens(vocab, 6, 5))])
+    eager_caches, graph_caches = _clone(cache.caches), _clone(cache.caches)
+    expected = model(ids, pos, eager_caches, meta)                                    # [10, hidden]
+
+    graphs = MixedGraphs(model, graph_caches, [16, 32], max_num_seqs=4, max_blocks_per_seq=8, max_model_len=32,
+                         block_size=4, device=torch.device("cpu"))
+    size = graphs.bucket_for(ids.shape[0], meta.num_seqs)
+    assert size == 16
+    for stale in (0, 1):           # buffers left by an earlier, larger step do not leak into this one
+        if stale:
+            graphs.fill_one_sequence(32)
+            graphs.block_tables.fill_(3)
+        graphs.fill(size, ids, pos, meta)
+        got = graphs.run(size)
+        assert got.shape[0] == size
+        torch.testing.assert_close(got[:ids.shape[0]], expected, atol=1e-5, rtol=1e-5)
+    # the same slots written (NaN where nothing was: the padding rows wrote nothing), the values within the
+    # rounding of GEMMs over 16 rows instead of 10
+    for (ek, ev), (gk, gv) in zip(eager_caches, graph_caches):
+        torch.testing.assert_close(gk, ek, equal_nan=True, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gv, ev, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+def test_bucket_choice_and_candidates():
+    graphs = MixedGraphs(None, [], [32, 64, 128], max_num_seqs=8, max_blocks_per_seq=2, max_model_len=32,
+                         block_size=16, device=torch.device("cpu"))
+    assert graphs.bucket_for(10, 3) == 32 and graphs.bucket_for(33, 3) == 64 and graphs.bucket_for(128, 8) == 128
+    assert graphs.bucket_for(129, 3) is None            # more tokens than the largest bucket: eager
+    assert graphs.bucket_for(20, 9) is None             # more sequences than the buffers hold: eager
+    # the padding sequence's table row reaches the largest bucket's last token (128 tokens of 16: 8 blocks)
+    assert graphs.block_tables.shape == (9, 8)
+    assert graphs.query_start_loc.shape == (10,)
+    assert mixed_buckets(8192, False) == list(MIXED_BUCKETS)
+    assert mixed_buckets(8192, True)[-1] == MIXED_TP_MAX_TOKENS
+    assert mixed_buckets(300, False) == [b for b in MIXED_BUCKETS if b < 300] + [300]
+    assert mixed_buckets(1, False) == []
