@@ -73,6 +73,8 @@ def main() -> int:
     runner = find_runner(llm.engine)
     model, kv = runner.model, runner.kv_caches
     block_size = runner.spec.block_size
+    mixed = getattr(runner, "mixed_graphs", None)
+    print(f"the engine's mixed-step graphs: {mixed.buckets if mixed is not None else 'none'} tokens")
     print(f"{args.model}: {args.decodes} decodes at context {args.context}, one prefill chunk of N tokens; "
           f"ms per step, median of {args.iters}")
     print(f"{'N':>6} {'tokens':>7} {'eager':>8} {'host':>8} {'graph':>8} {'eager/graph':>12}")
