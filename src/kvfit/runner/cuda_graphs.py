@@ -267,6 +267,7 @@ def choose_mixed_buckets(graphs: MixedGraphs, stream: torch.cuda.Stream) -> list
             replay = _timed(graphs.graphs[size].replay)
             graphs.graphs.pop(size)
             graphs.hidden.pop(size)
+            graphs.pool = None          # its only graph is gone: the next capture starts a pool of its own
             if replay > MIXED_GRAPH_GAIN * eager:
                 break
             kept.append((size, eager, replay))
