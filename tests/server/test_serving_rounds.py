@@ -1,25 +1,33 @@
-"""Served decode rounds are multi-step only with a quarter of --max-num-seqs running (engine_core.py says why);
---num-scheduler-steps given explicitly keeps its rounds at any batch; LLM.generate is not affected."""
+"""Served decode rounds are one step unless --num-scheduler-steps is given (commands/serve.py says why);
+LLM.generate keeps the platform's default."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvfit import LLM
-from kvfit.server.engine_core import MULTI_STEP_SHARE, EngineCore, serving_multi_step_min
+from kvfit.commands.flags import engine_kwargs
+from kvfit.commands.serve import SERVED_SCHEDULER_STEPS, with_served_steps
+from kvfit.config import EngineConfig
 
 
-@pytest.mark.parametrize("max_num_seqs, minimum", [(256, 64), (1024, 256), (7, 1), (1, 1)])
-def test_the_served_minimum_is_a_quarter_of_max_num_seqs(max_num_seqs, minimum):
-    assert serving_multi_step_min(max_num_seqs) == minimum == max(1, max_num_seqs // MULTI_STEP_SHARE)
+def _serve_args(*flags):
+    from kvfit.cli import build_parser
+    return build_parser().parse_args(["serve", "some-model", *flags])
 
 
-@pytest.mark.parametrize("steps, expected", [(None, 8), (4, 1), (1, 1)])
-def test_engine_core_sets_the_minimum_only_for_the_default_steps(tiny_llama, steps, expected):
-    llm = LLM(tiny_llama, device="cpu", max_model_len=64, max_num_seqs=32, num_scheduler_steps=steps)
+@pytest.mark.parametrize("flags, expected", [((), SERVED_SCHEDULER_STEPS), (("--num-scheduler-steps", "8"), 8),
+                                             (("--num-scheduler-steps", "1"), 1)])
+def test_served_rounds_are_one_step_unless_given(flags, expected, tiny_llama):
+    settings = with_served_steps(engine_kwargs(_serve_args(*flags)))
+    config = EngineConfig.from_kwargs(tiny_llama, **settings)
+    assert config.scheduler.num_scheduler_steps == expected
+    assert SERVED_SCHEDULER_STEPS == 1
+
+
+def test_offline_engines_keep_the_platforms_default(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", max_model_len=64, max_num_seqs=32)
     try:
-        assert llm.engine.scheduler.min_multi_step_seqs == 1          # offline: any batch
-        EngineCore(llm.engine, max_waiting_requests=8)
-        assert llm.engine.scheduler.min_multi_step_seqs == expected
+        assert llm.engine.config.scheduler.num_scheduler_steps is None
     finally:
         llm.engine.shutdown()

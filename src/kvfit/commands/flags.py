@@ -351,8 +351,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "once per request, not once for all (cascade attention; default: cascade where it pays)")
     p.add_argument("--num-scheduler-steps", type=int_flag, default=None,
                    help="decode steps per scheduling round, tokens kept on the device between them "
-                        "(default: 8 on CUDA with one rank, else 1; serving with the default, rounds of 8 only "
-                        "while a quarter of --max-num-seqs requests run)")
+                        "(default: 8 on CUDA with one rank, else 1; kvfit serve: 1, so an arriving request never "
+                        "waits for a round)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch the next decode round before reading the tokens of the one on "
                         "the device, so the device does not wait while the host applies them (default: on "

@@ -24,22 +24,6 @@ from kvfit.server.protocol import APIError
 logger = logging.getLogger("kvfit")
 
 
-MULTI_STEP_SHARE = 4     # serving: multi-step rounds only with at least max_num_seqs / 4 requests running
-
-
-def serving_multi_step_min(max_num_seqs: int) -> int:
-    """The fewest requests a served decode round needs to be multi-step, with the default --num-scheduler-steps.
-
-    A request that arrives while a K-step round is on the device waits for it and for the round launched behind
-    it (async scheduling) before its prefill. Measured on an H100 (qwen3-0.6b, Poisson 30 req/s, about 36
-    running; benchmarks/results/2026-12-06-h100-serve-rate30-*): rounds of 8 gave TTFT p50 42.9 ms against vLLM's
-    31.5 ms, one-step rounds 30.7 ms (TPOT 4.2 ms, vLLM's 4.2). With a full batch (512 at once, 256 running),
-    rounds of 8 carry the throughput (1.25x vLLM's), where a round's host cost matters most. So a served batch
-    steps one token at a time until it holds a quarter of --max-num-seqs; --num-scheduler-steps given
-    explicitly keeps its rounds at any batch, and LLM.generate (throughput) is not affected."""
-    return max(1, max_num_seqs // MULTI_STEP_SHARE)
-
-
 def queue_full_error(max_waiting_requests: int) -> APIError:
     return APIError(429, f"the server is at capacity: {max_waiting_requests} requests are already waiting "
                          "(--max-waiting-requests); retry later", "rate_limit_error", None, "rate_limit_exceeded")
@@ -125,9 +109,6 @@ class EngineCore:
         scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
         # requests run at once; engines without a scheduler config (stand-ins) get no free-slot credit
         self.max_num_seqs: int = scheduler.max_num_seqs if scheduler is not None else 0
-        # the default steps: multi-step rounds only for larger batches (engines' stand-ins have no scheduler)
-        if getattr(scheduler, "num_scheduler_steps", 0) is None and hasattr(engine, "scheduler"):
-            engine.scheduler.min_multi_step_seqs = serving_multi_step_min(self.max_num_seqs)
         self.held: set[str] = set()
         self.dead_reason: str | None = None
         self.stats = dict(engine.stats())
