@@ -87,3 +87,58 @@ def test_bucket_choice_and_candidates():
     assert mixed_buckets(8192, True)[-1] == MIXED_TP_MAX_TOKENS
     assert mixed_buckets(300, False) == [b for b in MIXED_BUCKETS if b < 300] + [300]
     assert mixed_buckets(1, False) == []
+
+
+class _StubGraphs:
+    """choose_mixed_buckets' view of MixedGraphs: buckets, filling, an eager run, a capture, release."""
+
+    def __init__(self, buckets):
+        self.buckets, self.graphs, self.hidden, self.pool = buckets, {}, {}, None
+        self.ran, self.released = [], False
+
+    def fill_one_sequence(self, size):
+        self.filled = size
+
+    def run(self, size):
+        self.ran.append(("eager", size))
+
+    def capture(self, size, stream):
+        self.pool = object()
+        self.graphs[size] = type("G", (), {"replay": lambda _self, size=size: self.ran.append(("replay", size))})()
+        self.hidden[size] = None
+
+    def release(self):
+        self.released = True
+
+
+def test_buckets_are_kept_while_the_replay_beats_the_eager_launch():
+    from kvfit.runner.cuda_graphs import MIXED_GRAPH_GAIN, choose_mixed_buckets
+    host = {32: 10.0, 64: 10.0, 128: 10.0, 256: 10.0}                  # eager launch, s
+    replay = {32: 1.0, 64: 5.0, 128: 10.0 * MIXED_GRAPH_GAIN + 0.5, 256: 1.0}
+    graphs = _StubGraphs([32, 64, 128, 256])
+
+    def timed(fn):
+        fn()
+        kind, size = graphs.ran[-1]
+        return (host[size], host[size] + 1.0) if kind == "eager" else (0.1, replay[size])
+
+    kept = choose_mixed_buckets(graphs, None, timed=timed)
+    # 128's replay is past the share of its eager launch: it and every larger bucket (256 never timed) are dropped
+    assert kept == [(32, 10.0, 1.0), (64, 10.0, 5.0)]
+    assert ("eager", 256) not in graphs.ran
+    assert graphs.released and not graphs.graphs and graphs.pool is None
+
+
+def test_timed_reports_the_launch_and_the_end():
+    from kvfit.runner.cuda_graphs import _timed
+    import time as _time
+    syncs = []
+
+    def sync():
+        syncs.append(1)
+        if len(syncs) % 2 == 0:         # the device's end: after fn returned
+            _time.sleep(0.02)
+
+    host, wall = _timed(lambda: _time.sleep(0.01), repeats=2, sync=sync)
+    assert 0.009 < host < wall and wall >= 0.029
+    assert len(syncs) == 4
