@@ -199,8 +199,8 @@ class ModelRunner:
             self.graphs.pool = self.mixed_graphs.pool
         self.graphs.capture(stream)
         # each capture's eager warm-up left its activations cached on the capture stream; they belong to the
-        # activation peak, not to the graphs, so the trial capture would count them twice (fewer KV blocks; on the
-        # H100 the 0.6B's KV tokens went from 644,976 to 644,300 with the mixed graphs' 2,048-token warm-up)
+        # activation peak, not to the graphs, so the trial capture would count them twice (fewer KV blocks: on the
+        # H100 the 0.6B planned 644,300 KV tokens with the mixed graphs, 644,976 before them)
         self.platform.release_cached_memory()
 
     @_pdl_as_configured
