@@ -440,14 +440,17 @@ def _huge_offset_check(cache_dtype: torch.dtype) -> None:
     prefix_len = torch.tensor([shared_len], dtype=torch.int32)
     for name, q_lens, splits, prefix in (("decode", [1, 1, 1], 1, None), ("split-K decode", [1, 1, 1], 3, None),
                                          ("prefill+mixed", [7, 1, 13], None, None),
+                                         ("prefill+mixed, a graph's tile-mapped grid", [7, 1, 13], None, None),
                                          ("cascade", [1, 1, 1], 2, prefix_len)):
         meta = dataclasses.replace(make_meta(q_lens, seq_lens, table), prefix_len=prefix)
+        if "tile-mapped" in name:       # as MixedGraphs sets it
+            meta = dataclasses.replace(meta, tile_maps={}, max_query_len=sum(q_lens))
         query = torch.randn(sum(q_lens), 4, head_dim, generator=gen).bfloat16()
         got = TritonBackend(num_splits=splits).attend(query, k_cache, v_cache, meta, 0.25).float()
         expected = ref.attend(query, k_cache, v_cache, meta, 0.25).float()
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
     print(f"ok ({str(cache_dtype).removeprefix('torch.')} cache): write, decode, split-K decode, prefill+mixed "
-          f"and cascade at element offsets up to {triton_kernels.largest_element_offset(k_cache):,}")
+          f"(both grids) and cascade at element offsets up to {triton_kernels.largest_element_offset(k_cache):,}")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU variant of tests/gpu/test_kernel_safety.py")
@@ -460,7 +463,7 @@ def test_offsets_past_2_to_the_31_in_the_interpreter(cache_dtype):
     if done.returncode != 0 and "DefaultCPUAllocator" in done.stderr:
         pytest.skip("cannot reserve 6.4 to 12.8 GB of virtual memory here")
     assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    assert f"ok ({cache_dtype} cache): write, decode, split-K decode, prefill+mixed and cascade" in done.stdout
+    assert f"ok ({cache_dtype} cache): write, decode, split-K decode, prefill+mixed (both grids) and cascade" in done.stdout
 
 
 # ---- the kernels compile for the H200 (sm_90) -----------------------------------------------------------

@@ -113,7 +113,7 @@ def _table(block_lists: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def _attention_matches(k_cache, v_cache, seq_lens, block_lists, gen) -> list[str]:
-    """Decode, split-K decode, prefill + mixed and cascade over the written sequences, each against the reference
+    """Decode, split-K decode, prefill + mixed (both grids) and cascade over the written sequences, each against the reference
     on the gathered slice (its own small bf16 cache, exact for fp8 too; block ids renumbered 0..n-1)."""
     from kvfit.attention.torch_ref import TorchReferenceBackend
     from kvfit.attention.triton_backend import TritonBackend
@@ -127,6 +127,7 @@ def _attention_matches(k_cache, v_cache, seq_lens, block_lists, gen) -> list[str
     plain = (block_lists, seq_lens, None)
     steps = (("decode", [1, 1, 1, 1], 1, plain), ("decode split-K", [1, 1, 1, 1], 4, plain),
              ("prefill+mixed", [seq_lens[0] // 3, seq_lens[1], 1, seq_lens[3] - PAGE], None, plain),
+             ("prefill+mixed, tile-mapped grid", [seq_lens[0] // 3, seq_lens[1], 1, seq_lens[3] - PAGE], None, plain),
              ("cascade", [1, 1, 1, 1], 2, cascade))
     tested = []
     for name, q_lens, splits, (lists, lens, prefix) in steps:
@@ -135,6 +136,8 @@ def _attention_matches(k_cache, v_cache, seq_lens, block_lists, gen) -> list[str
         prefix_len = None if prefix is None else torch.tensor([prefix], dtype=torch.int32, device=device)
         query = torch.randn(sum(q_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
         meta = dataclasses.replace(_metadata(q_lens, lens, table, device), prefix_len=prefix_len)
+        if "tile-mapped" in name:       # a CUDA graph's grid (runner/cuda_graphs.py MixedGraphs)
+            meta = dataclasses.replace(meta, tile_maps={}, max_query_len=sum(q_lens))
         got = TritonBackend(num_splits=splits).attend(query, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
         expected = TorchReferenceBackend().attend(query, small_k, small_v, _metadata(q_lens, lens, small_table, device),
                                                   HEAD_DIM ** -0.5)
