@@ -74,6 +74,33 @@ def test_a_mixed_step_through_the_buckets_buffers_equals_the_eager_step(tmp_path
         torch.testing.assert_close(gv, ev, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_small_bucket_attends_only_the_rows_a_step_of_its_size_can_use(tmp_path):
+    # 8 sequence rows, but a 4-token bucket holds at most 4 sequences and the padding one: its grid spans 5 rows;
+    # a step of 3 tokens in 2 sequences, then one of 4 tokens in 4 sequences (no padding), equal the eager steps
+    folder = make_tiny_model(tmp_path, "llama")
+    facts = load_model_facts(folder)
+    model = load_model(folder, facts, torch.float32, "cpu", _triton_backend())
+    cache = PagedCache(facts, block_size=4, num_blocks=64, seed=2)
+    vocab = facts.vocab_size
+    graphs = MixedGraphs(model, cache.caches, [4, 16], max_num_seqs=8, max_blocks_per_seq=8, max_model_len=32,
+                         block_size=4, device=torch.device("cpu"))
+    meta = graphs._meta(4)
+    assert meta.query_start_loc.shape == (6,) and meta.seq_lens.shape == (5,) and meta.block_tables.shape[0] == 5
+    assert graphs._meta(16).seq_lens.shape == (9,)
+    steps = [[("a", 0, random_tokens(vocab, 2, 1)), ("b", 0, random_tokens(vocab, 1, 2))],
+             [("a", 2, random_tokens(vocab, 1, 3)), ("b", 1, random_tokens(vocab, 1, 4)),
+              ("c", 0, random_tokens(vocab, 1, 5)), ("d", 0, random_tokens(vocab, 1, 6))]]
+    for chunks in steps:
+        ids, pos, meta = cache.step(chunks)
+        expected = model(ids, pos, _clone(cache.caches), meta)
+        size = graphs.bucket_for(ids.shape[0], meta.num_seqs)
+        assert size == 4
+        graphs.fill(size, ids, pos, meta)
+        got = graphs.run(size)[:ids.shape[0]]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_bucket_choice_and_candidates():
     graphs = MixedGraphs(None, [], [32, 64, 128], max_num_seqs=8, max_blocks_per_seq=2, max_model_len=32,
                          block_size=16, device=torch.device("cpu"))

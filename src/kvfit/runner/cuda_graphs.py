@@ -168,9 +168,13 @@ class MixedGraphs:
         self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
+        # a step of `size` tokens has at most `size` sequences, and the padding sequence comes right after them:
+        # the rest of the buffers' rows hold no tokens, so the bucket's attention grid leaves them out
+        rows = min(self.seq_lens.shape[0], size + 1)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-            block_tables=self.block_tables, max_query_len=size, max_seq_len=self.max_model_len, tile_maps={})
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:rows + 1],
+            seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows], max_query_len=size,
+            max_seq_len=self.max_model_len, tile_maps={})
 
     def run(self, size: int) -> torch.Tensor:
         """The bucket's step over the static buffers, eagerly (warm-up, capture, tests) -> hidden [size, hidden]."""
