@@ -348,6 +348,37 @@ def test_prefill_with_a_tile_map_matches_the_reference(q_lens, seq_lens):
     assert len(meta.tile_maps) == 1
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_tile_mapped_grid_equals_the_eager_grid_on_random_steps(seed):
+    # random group sizes, head dims, pages and steps (empty sequences, decodes, chunks over prefixes, a fresh
+    # padding prompt at the end as MixedGraphs makes it): both grids give the same output, bit for bit
+    from kvfit.kernels.attention_prefill import paged_prefill_attention
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]   # noqa: E731
+    num_kv_heads, group, head_dim, page = pick([1, 2]), pick([1, 2, 3, 4, 8]), pick([16, 32, 48]), pick([4, 8, 16])
+    num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
+    q_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        q = pick([0, 1, 1, 2, 5, 17, 40])
+        q_lens.append(q)
+        seq_lens.append(q + pick([0, 3, 9, 30]) if q else pick([0, 4]))
+    q_lens.append(pick([0, 3, 11]))              # the padding sequence: a fresh prompt of the spare rows
+    seq_lens.append(q_lens[-1])
+    if sum(q_lens) == 0:
+        q_lens[0], seq_lens[0] = 1, 1
+    k_cache, v_cache, table = filled_caches([max(n, 1) for n in seq_lens], page, num_kv_heads, head_dim,
+                                            torch.float32, gen)
+    meta = make_meta(q_lens, seq_lens, table)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    eager = paged_prefill_attention(query, k_cache, v_cache, table, meta.seq_lens, meta.query_start_loc,
+                                    max(q_lens), 0.3)
+    mapped = paged_prefill_attention(query, k_cache, v_cache, table, meta.seq_lens, meta.query_start_loc,
+                                     sum(q_lens), 0.3, tile_maps={})
+    rows = torch.tensor([i for i, n in enumerate(q_lens) for _ in range(n)])
+    assert not mapped.isnan().any(), (q_lens, seq_lens)
+    assert torch.equal(mapped, eager), (q_lens, seq_lens, group, head_dim, page, rows)
+
+
 def test_tile_map_numbers_each_sequences_row_tiles():
     from kvfit.kernels.attention_prefill import mapped_tiles, prefill_tile_map
     starts = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32)         # q_lens 3, 0, 17, 1; group 2, 8 rows a tile
