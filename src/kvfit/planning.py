@@ -16,6 +16,21 @@ from kvfit.sampling_params import PROMPT_LOGPROBS_SLICE
 # A step's sequence lengths and query offsets are int32 on the device (runner/batch.py): no request is longer.
 MAX_SEQUENCE_TOKENS = 2**31 - 1
 
+# Steps that carry prefill chunks (alone or with decodes) of up to this many tokens run as graphs too: eagerly,
+# launching one such step takes the host 10-13 ms on an H100 whatever its size (qwen3-0.6b, llama-3.1-8b), while
+# the device runs qwen3-0.6b's 1,080 tokens in 5.2 ms (benchmarks/probe_mixed_step.py, 2026-12-07). Buckets are
+# kept only where a graph is measured faster (runner/cuda_graphs.py choose_mixed_buckets), since a padded bucket
+# costs device time.
+MIXED_BUCKETS = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+MIXED_TP_MAX_TOKENS = 512     # with tensor parallelism (every rank must pick the same graphs): vLLM's default
+
+
+def mixed_buckets(max_num_batched_tokens: int, tensor_parallel: bool) -> list[int]:
+    """Candidate token counts for mixed-step graphs, smallest first (the largest: the step's token budget, or
+    MIXED_BUCKETS' last; MIXED_TP_MAX_TOKENS under tensor parallelism)."""
+    cap = min(max_num_batched_tokens, MIXED_TP_MAX_TOKENS if tensor_parallel else MIXED_BUCKETS[-1])
+    return [b for b in MIXED_BUCKETS if b < cap] + ([cap] if cap > 1 else [])
+
 
 def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int:
     """The requested context length, or the model's; longer than the model's is an error, and so is a model

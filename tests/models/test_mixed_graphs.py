@@ -23,7 +23,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from kvfit.model_facts import load_model_facts  # noqa: E402
 from kvfit.models.loader import load_model  # noqa: E402
-from kvfit.runner.cuda_graphs import MIXED_BUCKETS, MIXED_TP_MAX_TOKENS, MixedGraphs, mixed_buckets  # noqa: E402
+from kvfit.planning import MIXED_BUCKETS, MIXED_TP_MAX_TOKENS, mixed_buckets  # noqa: E402
+from kvfit.runner.cuda_graphs import MixedGraphs  # noqa: E402
 
 if torch.cuda.is_available():
     pytest.skip("the interpreter's CPU run of the graph buffers (a GPU runs the real graphs in tests/gpu)",

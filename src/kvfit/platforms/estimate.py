@@ -11,7 +11,7 @@ from kvfit.kv.plan import MemoryReading, device_budget_bytes
 from kvfit.kv.spec import num_blocks_for_tokens
 from kvfit.model_facts import DTYPE_BYTES, ModelFacts, get_architecture
 from kvfit.quant_scheme import ACTIVATION_SCRATCH_BYTES, STATIC_ACTIVATION_SCRATCH_BYTES
-from kvfit.planning import persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
+from kvfit.planning import mixed_buckets, persistent_batch_bytes, prompt_logprobs_slice, sampler_chunk_rows
 from kvfit.units import MiB
 
 # CUDA context of one process (measured on the H200: ~527 MiB before any allocation).
@@ -20,7 +20,8 @@ CUDA_CONTEXT_BYTES = 527 * MiB
 # (measured on the H200: 322 MiB for qwen3-0.6b, 326 MiB for llama-3.1-8b).
 NON_TORCH_BYTES = 320 * MiB
 # Decode CUDA graphs: one pool shared by every batch-size bucket, holding the largest bucket's
-# activations (the LM head runs outside the graphs).
+# activations (the LM head runs outside the graphs). The graphs of steps with prefill chunks share it and add
+# their own (estimate_graph_bytes).
 CUDA_GRAPH_BYTES = 64 * MiB
 # Bytes per logit of each sampled row at the sampler's worst (seeded rows with top-p, which the profile
 # runs): the LM head's output in the model dtype (2) plus the sampler's temporaries (fp32 scaled logits,
@@ -47,19 +48,42 @@ def estimate_weights_bytes(facts: ModelFacts, dtype_bytes: int | None, tensor_pa
     return facts.num_params * per_param // tensor_parallel_size
 
 
+def _mlp_width(facts: ModelFacts) -> int:
+    """The MLP's intermediate width a token goes through (routed experts: num_experts_per_tok of them)."""
+    inter = facts.intermediate_size
+    width_key = get_architecture(facts.architecture).expert_width_key
+    if width_key is not None:
+        inter = facts.raw.get(width_key, inter) * facts.raw.get("num_experts_per_tok", 1)
+    return inter
+
+
+def forward_token_elements(facts: ModelFacts, tensor_parallel_size: int) -> int:
+    """Activation elements a token holds at the forward's peak: the MLP's gate, up and act(gate) * up, beside the
+    residual stream and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b
+    at 8,192 tokens, with the sampler's logits)."""
+    return 2 * facts.hidden_size + 3 * _mlp_width(facts) // tensor_parallel_size
+
+
+def estimate_graph_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dtype_bytes: int,
+                         tensor_parallel_size: int) -> int:
+    """The CUDA graphs' pool: the decode graphs' (CUDA_GRAPH_BYTES), and the graphs of steps with prefill chunks
+    (runner/cuda_graphs.py MixedGraphs): the largest candidate bucket's forward activations and every bucket's
+    output rows. An upper bound: the device keeps the buckets its timing favours."""
+    buckets = mixed_buckets(sched.max_num_batched_tokens, tensor_parallel_size > 1)
+    if not buckets:
+        return CUDA_GRAPH_BYTES
+    largest = buckets[-1] * forward_token_elements(facts, tensor_parallel_size)
+    return CUDA_GRAPH_BYTES + (largest + sum(buckets) * facts.hidden_size) * act_dtype_bytes
+
+
 def estimate_activation_bytes(facts: ModelFacts, sched: SchedulerConfig, act_dtype_bytes: int,
                               tensor_parallel_size: int) -> int:
     """Peak of one forward over max_num_batched_tokens tokens plus sampling max_num_seqs rows (or a
     prompt-logprobs slice, if larger)."""
     tokens = sched.max_num_batched_tokens
     tp = tensor_parallel_size
-    inter = facts.intermediate_size
-    width_key = get_architecture(facts.architecture).expert_width_key
-    if width_key is not None:   # routed experts: num_experts_per_tok of them per token
-        inter = facts.raw.get(width_key, inter) * facts.raw.get("num_experts_per_tok", 1)
-    # the MLP is the peak: gate, up and act(gate) * up of every token, beside the residual stream
-    # and the normed input (measured on the H200: 284 MB for qwen3-0.6b, 940 MB for llama-3.1-8b)
-    per_token = 2 * facts.hidden_size + 3 * inter // tp
+    inter = _mlp_width(facts)
+    per_token = forward_token_elements(facts, tp)
     # the LM head's logits of every row (2 bytes each); the sampler's fp32 copies and temporaries exist
     # for one chunk of rows at a time (sample_step runs sampler_chunk_rows rows at once)
     rows = min(sched.max_num_seqs, tokens)
@@ -90,6 +114,7 @@ def estimate_reading(facts: ModelFacts, total_bytes: int, cache: CacheConfig, sc
         total_bytes=total_bytes, budget_bytes=device_budget_bytes(total_bytes, cache.gpu_memory_utilization),
         weights_bytes=weights,
         activation_peak_bytes=estimate_activation_bytes(facts, sched, act_bytes, tensor_parallel_size) + batch,
-        non_torch_bytes=NON_TORCH_BYTES, cuda_graph_bytes=CUDA_GRAPH_BYTES,
+        non_torch_bytes=NON_TORCH_BYTES,
+        cuda_graph_bytes=estimate_graph_bytes(facts, sched, act_bytes, tensor_parallel_size),
         in_use_at_start_bytes=CUDA_CONTEXT_BYTES, kv_cache_memory_bytes=cache.kv_cache_memory,
         source="estimated")

@@ -120,25 +120,12 @@ class DecodeGraphs:
         self.pool = None
 
 
-# Steps that carry prefill chunks (alone or with decodes) of up to this many tokens run as graphs too: eagerly,
-# launching one such step takes the host 10-13 ms on an H100 whatever its size (qwen3-0.6b, llama-3.1-8b), while
-# the device runs qwen3-0.6b's 1,080 tokens in 5.2 ms (benchmarks/probe_mixed_step.py, 2026-12-07). Buckets are
-# kept only where a graph is measured faster (choose_mixed_buckets), since a padded bucket costs device time.
-MIXED_BUCKETS = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
-MIXED_TP_MAX_TOKENS = 512     # with tensor parallelism (every rank must pick the same graphs): vLLM's default
 # A bucket is kept while its replay on the trial cache takes at most this share of the host's time to launch the
 # step eagerly. The trial cache's attention is nearly free, so real steps take the device longer than the replay
 # measured: on the H100 llama-3.1-8b's 512-token replay took 10.6 ms on the trial cache, the real step of 568 tokens
 # 16.3 ms, as long as eagerly (host 11.7 ms; benchmarks/results/2026-12-07-h100-mixed-step-probe.log). At 0.7 the
 # 8B keeps up to 256 tokens (real 312-token step: 10.9 ms graph, 11.9 eager) and qwen3-0.6b all 15 buckets.
 MIXED_GRAPH_GAIN = 0.7
-
-
-def mixed_buckets(max_num_batched_tokens: int, tensor_parallel: bool) -> list[int]:
-    """Candidate token counts for mixed-step graphs, smallest first (the largest: the step's token budget, or
-    MIXED_BUCKETS' last; MIXED_TP_MAX_TOKENS under tensor parallelism)."""
-    cap = min(max_num_batched_tokens, MIXED_TP_MAX_TOKENS if tensor_parallel else MIXED_BUCKETS[-1])
-    return [b for b in MIXED_BUCKETS if b < cap] + ([cap] if cap > 1 else [])
 
 
 class MixedGraphs:

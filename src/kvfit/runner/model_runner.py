@@ -18,7 +18,8 @@ from kvfit.kernels import pdl
 from kvfit.kv.spec import PADDING_SLOT_ID, KVSpec
 from kvfit.model_facts import ModelFacts
 from kvfit.models.kv_scales import kv_scale_layers
-from kvfit.planning import prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len, resolve_model_dtype
+from kvfit.planning import (mixed_buckets, prompt_logprobs_slice, resolve_max_logprobs, resolve_max_model_len,
+                             resolve_model_dtype)
 from kvfit.platforms.base import Platform
 from kvfit.runner.batch import ModelInputs, build_inputs, slot_mapping
 from kvfit.runner.input_batch import InputBatch
@@ -173,7 +174,7 @@ class ModelRunner:
 
     def _choose_mixed_buckets(self, kv_caches: KVCaches) -> list[int]:
         """The token buckets whose mixed-step graphs beat the eager step here, timed on the trial cache."""
-        from kvfit.runner.cuda_graphs import choose_mixed_buckets, mixed_buckets
+        from kvfit.runner.cuda_graphs import choose_mixed_buckets
         tp = self.config.parallel.tensor_parallel_size > 1
         candidates = mixed_buckets(self.config.scheduler.max_num_batched_tokens, tp)
         if not candidates:
