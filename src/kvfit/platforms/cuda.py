@@ -182,7 +182,7 @@ class CudaPlatform(Platform):
         return size
 
     def _graph_bytes(self, steps: StartupSteps) -> int:
-        """Torch memory a trial capture of the decode graphs holds (their private pool).
+        """Torch memory a trial capture of the CUDA graphs holds (their private pool: decode and mixed steps).
 
         Non-torch memory the capture adds (workspaces of its stream, loaded kernels) stays after
         release and is counted once, in non_torch_bytes.

@@ -230,7 +230,7 @@ class ModelRunner:
 
     @_pdl_as_configured
     def capture_graphs(self) -> None:
-        """Capture the decode graphs over the real KV cache (after allocate_kv_cache)."""
+        """Capture the CUDA graphs (mixed steps, decode) over the real KV cache (after allocate_kv_cache)."""
         self.release_graphs()
         if self.use_graphs:
             self._capture(self.kv_caches)
