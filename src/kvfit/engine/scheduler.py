@@ -180,10 +180,13 @@ class Scheduler:
     def _grow_all(self, targets: list[tuple[Request, int]]) -> list[list[int]] | None:
         """Tables grown to cover each (request, tokens) target, all or none: the new block ids of each,
         or None (nothing allocated) when the pool cannot give them all without preempting."""
-        need = sum(self.kv.num_blocks_short(req.request_id, num_tokens) for req, num_tokens in targets)
-        if need > self.pool.num_allocatable_blocks:
+        shorts = [self.kv.num_blocks_short(req.request_id, num_tokens) for req, num_tokens in targets]
+        if sum(shorts) > self.pool.num_allocatable_blocks:
             return None
-        grown = [self.kv.grow(req.request_id, num_tokens) for req, num_tokens in targets]
+        # most decodes' tables already cover their next token (one block in block_size steps needs one): only
+        # the short ones grow (a target has at least one token, so a request without a table is short)
+        grown = [self.kv.grow(req.request_id, num_tokens) if short else []
+                 for (req, num_tokens), short in zip(targets, shorts)]
         assert all(blocks is not None for blocks in grown), "blocks counted free above"
         return grown
 
