@@ -85,11 +85,15 @@ def test_cuda_graphs_and_multi_step_match_transformers(fixture, request):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe"])
-def test_steps_with_prefill_chunks_replay_graphs_and_match_transformers(fixture, request):
+def test_steps_with_prefill_chunks_replay_graphs_and_match_transformers(fixture, request, monkeypatch):
     # a 64-token step budget chunks the long prompts, so most steps mix chunks and decodes: they replay the
     # mixed-step graphs (padded to a bucket, the tile-mapped prefill grid); tokens equal transformers', and
     # equal the eager engine's logprobs closely
     folder = request.getfixturevalue(fixture)
+    # every candidate bucket kept whatever this machine's timings: which buckets pay is the start-up's call,
+    # the graphs' outputs are what this test checks
+    import kvfit.runner.cuda_graphs as cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "MIXED_GRAPH_GAIN", float("inf"))
     prompts = PROMPTS + [list(range(200, 300)), [7] * 90]
     max_tokens = MAX_TOKENS + [9, 13]
     expected = _hf_greedy(folder, prompts, max_tokens)
@@ -102,7 +106,7 @@ def test_steps_with_prefill_chunks_replay_graphs_and_match_transformers(fixture,
         replayed = []
         if not eager:
             mixed = runner.mixed_graphs
-            assert mixed is not None and mixed.buckets, "no mixed-step graph was faster than the eager step"
+            assert mixed is not None and mixed.buckets, "no mixed-step graphs captured"
             replay = mixed.replay
             mixed.replay = lambda *args: replayed.append(replay(*args)) or replayed[-1]
         outs = llm.generate(prompts, params, use_tqdm=False)

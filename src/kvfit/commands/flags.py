@@ -232,23 +232,20 @@ def add_vllm_frontend_flags(p: argparse.ArgumentParser) -> None:
     for name in ("origins", "methods", "headers"):
         p.add_argument(f"--allowed-{name}", type=str, action=_Json, check=_strings, default=["*"], metavar="JSON",
                        help=f"vLLM's: the CORS allowed {name}, a JSON list (default: [\"*\"], any)")
-    p.add_argument("--allow-credentials", action=on_off, default=False,
-                   help="vLLM's: CORS allows credentials (cookies, Authorization) from the allowed origins")
-    p.add_argument("--disable-fastapi-docs", action=on_off, default=False,
-                   help="vLLM's: no /docs, /redoc or /openapi.json; accepted and changes nothing: kvfit serves none "
-                        "of them")
-    p.add_argument("--enable-request-id-headers", action=on_off, default=False,
-                   help="vLLM's: every response carries an X-Request-Id header, the request's own X-Request-Id if "
-                        "it sent one, else a new random id")
-    p.add_argument("--enable-prompt-tokens-details", action=on_off, default=False,
-                   help="vLLM's: usage holds prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache "
-                        "served (null when none)")
-    p.add_argument("--enable-force-include-usage", action=on_off, default=False,
-                   help="vLLM's: every stream carries usage as if stream_options asked for include_usage and "
-                        "continuous_usage_stats (responses that are not streamed always have it)")
-    p.add_argument("--return-tokens-as-token-ids", action=on_off, default=False,
-                   help="vLLM's: logprobs show each token as 'token_id:<id>' (a request's return_tokens_as_token_ids "
-                        "wins)")
+    for flag, what in (
+            ("--allow-credentials", "CORS allows credentials (cookies, Authorization) from the allowed origins"),
+            ("--disable-fastapi-docs", "no /docs, /redoc or /openapi.json; accepted and changes nothing: kvfit serves "
+                                       "none of them"),
+            ("--enable-request-id-headers", "every response carries an X-Request-Id header, the request's own "
+                                            "X-Request-Id if it sent one, else a new random id"),
+            ("--enable-prompt-tokens-details", "usage holds prompt_tokens_details.cached_tokens, the prompt tokens the "
+                                               "prefix cache served (null when none)"),
+            ("--enable-force-include-usage", "every stream carries usage as if stream_options asked for include_usage "
+                                             "and continuous_usage_stats (responses that are not streamed always have "
+                                             "it)"),
+            ("--return-tokens-as-token-ids", "logprobs show each token as 'token_id:<id>' (a request's "
+                                             "return_tokens_as_token_ids wins)")):
+        p.add_argument(flag, action=on_off, default=False, help=f"vLLM's: {what}")
     p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                    help="vLLM's: how a message's content reaches the chat template: string (its text parts joined "
                         "by a line break), openai (a list of {'type': 'text', 'text': ...} parts; a tool message's "

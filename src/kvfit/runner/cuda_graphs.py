@@ -10,6 +10,7 @@ their output is dropped).
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable
 
@@ -19,6 +20,12 @@ from kvfit.attention.base import AttentionMetadata
 from kvfit.kv.spec import PADDING_SLOT_ID
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def smallest_bucket(buckets: list[int], size: int) -> int | None:
+    """The smallest of the ascending buckets that holds size, or None when none does."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else None
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -86,10 +93,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def bucket_for(self, batch: int) -> int | None:
-        for size in self.buckets:
-            if size >= batch:
-                return size
-        return None
+        return smallest_bucket(self.buckets, batch)
 
     @torch.inference_mode()
     def replay(self, input_ids, positions, slot_mapping, seq_lens, block_tables,
@@ -197,12 +201,7 @@ class MixedGraphs:
         torch.cuda.synchronize()
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        if num_seqs > self.max_num_seqs:
-            return None
-        for size in self.buckets:
-            if size >= num_tokens:
-                return size
-        return None
+        return None if num_seqs > self.max_num_seqs else smallest_bucket(self.buckets, num_tokens)
 
     def fill(self, size: int, input_ids, positions, meta: AttentionMetadata) -> None:
         """The step's inputs into the static buffers, the bucket's remaining rows as the padding sequence."""

@@ -430,11 +430,15 @@ class ModelRunner:
                                    logprobs)
         return finish
 
+    def _kv_scales_settled(self) -> bool:
+        """False while --calculate-kv-scales waits for a batch to set the scales (such steps run eagerly)."""
+        if self._kv_scales_pending:
+            self._kv_scales_pending = any(scales.calculate_next for scales in self._kv_scales)
+        return not self._kv_scales_pending
+
     def _forward(self, inputs: ModelInputs, kv_caches: KVCaches) -> torch.Tensor:
         """A step with prefill chunks -> hidden [T, hidden]: its bucket's graph where one holds it, else eagerly."""
-        if self._kv_scales_pending:         # --calculate-kv-scales: eager until a batch has set the scales
-            self._kv_scales_pending = any(scales.calculate_next for scales in self._kv_scales)
-        if (self.mixed_graphs is not None and kv_caches is self.kv_caches and not self._kv_scales_pending
+        if (self.mixed_graphs is not None and kv_caches is self.kv_caches and self._kv_scales_settled()
                 and inputs.meta.prefix_len is None):
             hidden = self.mixed_graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
@@ -443,9 +447,7 @@ class ModelRunner:
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         # ids, positions: [B]; one decode token per sequence -> logits [B, vocab]
-        if self._kv_scales_pending:         # --calculate-kv-scales: eager until a batch has set the scales
-            self._kv_scales_pending = any(scales.calculate_next for scales in self._kv_scales)
-        if self.graphs is not None and not self._kv_scales_pending and ids.shape[0] <= self.graphs.buckets[-1]:
+        if self.graphs is not None and self._kv_scales_settled() and ids.shape[0] <= self.graphs.buckets[-1]:
             return self.graphs.replay(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                       meta.prefix_len)
         return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
