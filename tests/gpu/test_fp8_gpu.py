@@ -94,15 +94,20 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
             gpu = llm
         else:
             llm.shutdown()
-    _check_greedy_near_ties(runs["cpu"], runs["cuda"], gpu, f"{arch} {fmt}")
+    _check_greedy_near_ties(runs["cpu"], runs["cuda"], gpu, f"{arch} {fmt}", expert_flips=2 if arch == "qwen3_moe" else 0)
     gpu.shutdown()
 
 
-def _check_greedy_near_ties(cpu_runs, gpu_runs, gpu_llm, label: str) -> None:
+def _check_greedy_near_ties(cpu_runs, gpu_runs, gpu_llm, label: str, expert_flips: int = 0) -> None:
     """The CPU's greedy tokens equal the GPU's, with logprobs within bf16's rounding over a few layers; where the
     two part (a tiny random model's next-token distribution is nearly flat: its top tokens lie a few hundredths
     apart), the CPU's token must be a near-tie on the GPU: the GPU's own logprob of it (its prompt logprob after
-    the shared tokens) within 0.2 of the GPU's pick."""
+    the shared tokens) within 0.2 of the GPU's pick.
+
+    A MoE may part further (expert_flips > 0): a random router's expert scores lie a few hundredths apart too, and
+    rounding that flips one expert choice moves that token's logits by far more than the rounding. That is a
+    discrete event, not a drift: the GPU then scores the CPU's whole sequence (teacher-forced prompt logprobs) and
+    at most expert_flips positions of it may differ from the CPU's logprobs by more than 0.2, none by more than 2."""
     from kvfit import SamplingParams
     for cpu, gpu in zip(cpu_runs, gpu_runs):
         a, b = cpu.outputs[0], gpu.outputs[0]
@@ -110,15 +115,27 @@ def _check_greedy_near_ties(cpu_runs, gpu_runs, gpu_llm, label: str) -> None:
         diffs = [abs(pa[t].logprob - pb[t].logprob) for pa, pb, t in zip(a.logprobs, b.logprobs, a.token_ids[:same])]
         print(f"{label}: {same} of {len(a.token_ids)} greedy tokens equal; max |logprob diff| {max(diffs, default=0):.3e}")
         assert not diffs or max(diffs) < 0.2
-        if same < len(a.token_ids):
-            cpu_token = a.token_ids[same]
-            ids = list(cpu.prompt_token_ids) + list(a.token_ids[:same + 1])
-            scored = gpu_llm.generate([{"prompt_token_ids": ids}],
-                                      SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
-            gpu_of_cpu_token = scored[0].prompt_logprobs[-1][cpu_token].logprob
-            gap = b.logprobs[same][b.token_ids[same]].logprob - gpu_of_cpu_token
-            print(f"{label}: parted at token {same}: the GPU's logprob of the CPU's token is {gap:.3f} under its pick")
-            assert gap < 0.2, (same, cpu_token, gap)
+        if same == len(a.token_ids):
+            continue
+        cpu_token = a.token_ids[same]
+        ids = list(cpu.prompt_token_ids) + list(a.token_ids[:same + 1])
+        scored = gpu_llm.generate([{"prompt_token_ids": ids}],
+                                  SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
+        gpu_of_cpu_token = scored[0].prompt_logprobs[-1][cpu_token].logprob
+        gap = b.logprobs[same][b.token_ids[same]].logprob - gpu_of_cpu_token
+        print(f"{label}: parted at token {same}: the GPU's logprob of the CPU's token is {gap:.3f} under its pick")
+        if gap < 0.2:
+            continue
+        assert expert_flips, (same, cpu_token, gap)
+        ids = list(cpu.prompt_token_ids) + list(a.token_ids)
+        scored = gpu_llm.generate([{"prompt_token_ids": ids}],
+                                  SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
+        forced = scored[0].prompt_logprobs[-len(a.token_ids):]
+        teacher = [abs(f[t].logprob - p[t].logprob) for f, p, t in zip(forced, a.logprobs, a.token_ids)]
+        far = [i for i, d in enumerate(teacher) if d > 0.2]
+        print(f"{label}: the CPU's sequence scored on the GPU: |logprob diff| over 0.2 at positions {far} "
+              f"(max {max(teacher):.3f})")
+        assert len(far) <= expert_flips and max(teacher) < 2.0, (far, teacher)
 
 
 def test_llama_8b_online_fp8_holds_fp8_weights_and_plans_within_2_percent():
