@@ -13,6 +13,9 @@ from kvfit.kv.plan import MemoryReading, device_budget_bytes, over_budget
 from kvfit.platforms.base import Platform, StartupSteps
 from kvfit.platforms.estimate import CUDA_CONTEXT_BYTES
 from kvfit.platforms.nvml import co_tenant_note, co_tenants, unlisted_tenant
+from kvfit.units import MiB
+
+HOLD_SLACK_BYTES = 64 * MiB      # hold_activation_reserve leaves this much of the budget to the allocator's own segments
 
 
 def _expandable_segments() -> None:
@@ -159,27 +162,37 @@ class CudaPlatform(Platform):
         # but blocks cached after steps of shapes unlike the profile's can push reserved memory
         # past the budget. A host-side read each step; a release synchronises the device (49 of them
         # in the full-load capacity run on the H200, docs/benchmarks.md).
+        # The release hands back the activation reserve too (hold_activation_reserve), so it is taken again at
+        # once: between steps the process always holds the plan's activation memory, where a co-tenant cannot.
         cap = reading.process_budget_bytes if reading is not None else None
         if cap is not None and torch.cuda.memory_reserved(self.device) > cap:
             torch.cuda.empty_cache()
             self.num_cache_releases += 1
+            self.hold_activation_reserve(reading)
 
     def hold_activation_reserve(self, reading: MemoryReading) -> int:
         # One allocation of the profiled peak, freed at once: the caching allocator keeps it reserved (until an
         # empty_cache, which keep_within does only past the budget), and the steps' activations reuse it. Without
         # this the plan's activation memory stays free on the device between steps, and a co-tenant that takes it
         # turns the next large step into an out-of-memory the headroom watchdog cannot prevent.
+        # HOLD_SLACK_BYTES of the budget stay unheld: the allocator serves small tensors (<= 1 MiB) from their own
+        # 2 MiB segments and 1-10 MiB ones from 20 MiB segments, never from a held block; held to the cap, those
+        # segments would push the process past it on every step, and keep_within would release every step.
         cap = reading.process_budget_bytes if reading is not None else None
         size = reading.activation_peak_bytes if reading is not None else 0
         if cap is not None:
-            size = min(size, cap - torch.cuda.memory_reserved(self.device))
+            size = min(size, cap - torch.cuda.memory_reserved(self.device) - HOLD_SLACK_BYTES)
         if size <= 0:
             return 0
         try:
-            torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._cache_block(size)
         except torch.OutOfMemoryError:
             return 0            # someone took it already: the watchdog will see the low headroom
         return size
+
+    def _cache_block(self, size: int) -> None:
+        """Allocate size bytes and free them: the caching allocator keeps the block reserved."""
+        torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _graph_bytes(self, steps: StartupSteps) -> int:
         """Torch memory a trial capture of the CUDA graphs holds (their private pool: decode and mixed steps).
