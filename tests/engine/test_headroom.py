@@ -49,3 +49,18 @@ def test_low_headroom_admits_one_request_at_a_time_then_all_once_memory_is_back(
     assert max(running[:8]) == 1                                      # paused: one at a time
     assert max(running) == 2                                          # resumed: the last two together
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_allocator_cache_releases_are_a_stat_and_a_counter_where_the_platform_counts_them(tiny_llama):
+    from kvfit.server.metrics import _EngineCollector
+    engine = LLMEngine(EngineConfig.from_kwargs(tiny_llama, device="cpu", dtype="float32", max_model_len=64,
+                                                num_gpu_blocks_override=64, block_size=16, max_num_seqs=8))
+    stats = engine.stats()
+    assert stats["allocator_cache_releases"] is None                  # the CPU keeps no allocator cache
+
+    def names(s):
+        return {family.name: family for family in _EngineCollector(lambda: s, "m")._kvfit(s)}
+    assert "kvfit:allocator_cache_releases" not in names(stats)
+    engine.workers.platform.num_cache_releases = 3                    # as CudaPlatform.keep_within counts them
+    counted = names(engine.stats())["kvfit:allocator_cache_releases"]
+    assert counted.type == "counter" and counted.samples[0].value == 3

@@ -366,7 +366,11 @@ class LLMEngine:
                 "preemptions": sched.num_preemptions,
                 "prefix_cache_queries": sched.num_prefix_queries, "prefix_cache_hits": sched.num_prefix_hits,
                 # free device memory at the last check (None: the platform cannot say); admission_paused: too little
-                "device_headroom_bytes": self.headroom.headroom_bytes, "admission_paused": self.headroom.paused}
+                "device_headroom_bytes": self.headroom.headroom_bytes, "admission_paused": self.headroom.paused,
+                # times the allocator cache went back to the device to stay in the budget (each a device sync);
+                # None where the platform keeps no cache or the ranks run in other processes
+                "allocator_cache_releases": getattr(getattr(self.workers, "platform", None), "num_cache_releases",
+                                                    None)}
 
     def shutdown(self) -> None:
         """Stop the workers and give their device memory back; the engine serves nothing after it."""

@@ -86,6 +86,11 @@ class _EngineCollector:
                                     value=s["device_headroom_bytes"])
             yield GaugeMetricFamily("kvfit:admission_paused", "1 while low device headroom holds new requests back",
                                     value=float(bool(s.get("admission_paused"))))
+        if s.get("allocator_cache_releases") is not None:
+            yield CounterMetricFamily("kvfit:allocator_cache_releases", "times the allocator's cached blocks went "
+                                      "back to the device to keep the process inside its memory budget (each a "
+                                      "device sync; frequent ones cost throughput)",
+                                      value=s["allocator_cache_releases"])
         queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
         if not self._exact_prefix_cache:
             yield GaugeMetricFamily("kvfit_prefix_cache_hit_rate", "share of prompt tokens found in the prefix "
