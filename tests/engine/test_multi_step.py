@@ -75,25 +75,6 @@ def test_round_stays_one_step_when_blocks_are_short():
     assert sched.pool.num_free_blocks == free_before      # nothing allocated for the refused round
 
 
-@pytest.mark.parametrize("minimum, steps", [(1, 4), (2, 4), (3, 1)])
-def test_round_is_multi_step_only_with_min_multi_step_seqs_requests(minimum, steps):
-    sched = make_scheduler()
-    sched.min_multi_step_seqs = minimum
-    _decoding(sched, num_requests=2)
-    plan = sched.schedule(num_steps=4)
-    assert plan.num_steps == steps and len(plan.seqs) == 2
-
-
-def test_continuation_round_is_multi_step_only_with_min_multi_step_seqs_requests():
-    for minimum, steps in ((2, 4), (3, 1)):
-        sched = make_scheduler()
-        sched.min_multi_step_seqs = minimum
-        _decoding(sched, num_requests=2)
-        first = sched.schedule(num_steps=1)
-        after = sched.schedule_continuation(first.delta, num_steps=4)
-        assert after is not None and after.max_num_steps == steps
-
-
 def test_prefill_steps_are_never_multi_step():
     sched = make_scheduler()
     sched.add(make_request("a", [1, 2, 3]))

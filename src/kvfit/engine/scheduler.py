@@ -53,9 +53,6 @@ class Scheduler:
         # set by the engine while device memory outside the plan is short (engine/headroom.py): no new
         # request is admitted while another runs
         self.admission_paused = False
-        # a decode round is multi-step only with at least this many requests in it (the server sets it:
-        # server/engine_core.py; 1 = any)
-        self.min_multi_step_seqs = 1
         self.running: list[Request] = []
         # added, not yet schedulable: their grammar or bad words are prepared off the engine thread
         # (vLLM's WAITING_FOR_FSM); the engine releases them to `waiting` in arrival order, or ends them
@@ -159,10 +156,8 @@ class Scheduler:
         """Give every request of an all-decode step up to num_steps decode steps (never past its
         max_tokens), with blocks for all of them allocated now. The step stays single when a
         waiting request could be admitted instead, or when the blocks are not all free (no request
-        is preempted to make room for tokens that may never be needed), and with fewer than
-        min_multi_step_seqs requests in it."""
-        if not scheduled or len(scheduled) < self.min_multi_step_seqs \
-                or (self.waiting and len(self.running) < self.max_num_seqs):
+        is preempted to make room for tokens that may never be needed)."""
+        if not scheduled or (self.waiting and len(self.running) < self.max_num_seqs):
             return
         if any(s.num_tokens != 1 or s.num_computed + 1 != s.num_known for s in scheduled):
             return
