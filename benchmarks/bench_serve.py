@@ -254,17 +254,25 @@ def summarize(results: list[dict], duration: float, health: list) -> dict:
 
 
 PHASES = ("queue", "prefill", "decode", "inference")
+RELEASES_METRIC = "kvfit:allocator_cache_releases_total"     # keep_within's releases (a device sync each)
 
 
 def phase_sums(port: int) -> dict[str, float]:
-    """{'queue_sum': s, 'queue_count': n, ...} from the server's vllm:request_*_time_seconds histograms (both
-    servers expose them: the engine's own stage times of each finished request); {} where it has none."""
+    """metric_sums of the server's /metrics now; {} where it cannot be read."""
     try:
-        text = asyncio.run(_get_text(port, "/metrics"))
+        return metric_sums(asyncio.run(_get_text(port, "/metrics")))
     except OSError:
         return {}
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """{'queue_sum': s, 'queue_count': n, ...} from a /metrics text's vllm:request_*_time_seconds histograms (both
+    servers expose them: the engine's own stage times of each finished request), and kvfit's allocator cache
+    releases so far ('cache_releases', where it counts them)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
+        if line.startswith(RELEASES_METRIC + " "):        # kvfit only (a CUDA engine in the core process)
+            sums["cache_releases"] = float(line.rsplit(" ", 1)[1])
         for phase in PHASES:
             for part in ("sum", "count"):
                 if line.startswith(f"vllm:request_{phase}_time_seconds_{part}"):
@@ -281,8 +289,11 @@ async def _get_text(port: int, path: str) -> str:
 
 
 def phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean ms of each engine phase over the requests that finished between two scrapes."""
+    """Mean ms of each engine phase over the requests that finished between two scrapes, and the allocator
+    cache releases between them (kvfit)."""
     means = {}
+    if "cache_releases" in after:
+        means["cache_releases"] = after["cache_releases"] - before.get("cache_releases", 0.0)
     for phase in PHASES:
         count = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0)
         if count > 0:
@@ -615,7 +626,7 @@ def main() -> None:
     for (engine, rate), runs in results.items():
         row = {}
         for key in ("out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
-                    "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token",
+                    "health_p99_ms", "frontend_cpu_us_per_token", "core_cpu_us_per_token", "cache_releases",
                     *(f"{phase}_mean_ms" for phase in PHASES)):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:

@@ -35,3 +35,29 @@ def test_a_range_ratio_of_one_or_more_is_refused(tiny_llama):
     proc = subprocess.run([sys.executable, BENCH, "--model", tiny_llama, "--random-input-len", "8",
                            "--random-range-ratio", "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--random-range-ratio must be in [0, 1)" in proc.stderr
+
+
+def test_the_allocator_cache_releases_are_read_from_kvfits_metrics(tiny_llama):
+    import importlib.util
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvfit.config import EngineConfig
+    from kvfit.engine.llm_engine import LLMEngine
+    from kvfit.server.metrics import _EngineCollector
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = LLMEngine(EngineConfig.from_kwargs(tiny_llama, device="cpu", dtype="float32", max_model_len=64,
+                                                num_gpu_blocks_override=64, block_size=16, max_num_seqs=8))
+
+    def scrape():
+        registry = CollectorRegistry()
+        registry.register(_EngineCollector(engine.stats, "m"))
+        return bench.metric_sums(generate_latest(registry).decode())
+    assert "cache_releases" not in scrape()                     # the CPU counts none: no series, no figure
+    engine.workers.platform.num_cache_releases = 2
+    before = scrape()
+    engine.workers.platform.num_cache_releases = 7
+    assert before["cache_releases"] == 2
+    assert bench.phase_means_ms(before, scrape())["cache_releases"] == 5
