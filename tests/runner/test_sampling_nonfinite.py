@@ -43,3 +43,22 @@ def test_a_nonfinite_row_ends_alone_on_every_path(bad, poison):
     tokens = draw([PATHS[bad]] + others, poisoned)
     assert tokens[0] == NONFINITE_TOKEN
     assert tokens[1:] == clean
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_rows_is_isfinite_all_without_the_bool_matrix(dtype):
+    from kvfit.runner.sampling_state import finite_rows
+    torch.manual_seed(0)
+    logits = torch.randn(12, 300).to(dtype)
+    big = torch.finfo(dtype).max
+    logits[1, 0] = big                                  # the largest finite values stay finite
+    logits[1, 1] = -big
+    logits[2, 299] = float("nan")
+    logits[3, 150] = float("inf")
+    logits[4, 7] = float("-inf")
+    logits[5] = float("-inf")                           # every logit masked
+    logits[6, 3], logits[6, 4] = float("inf"), float("-inf")
+    logits[7, 5], logits[7, 6] = float("nan"), float("inf")
+    want = torch.isfinite(logits).all(dim=-1)
+    assert finite_rows(logits).tolist() == want.tolist()
+    assert want.tolist() == [True, True, False, False, False, False, False, False, True, True, True, True]

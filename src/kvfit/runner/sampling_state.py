@@ -173,6 +173,14 @@ class _Plan:
         return out
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] bool: whether every logit of the row is finite. A row's max and min are finite exactly when
+    all of it is (a NaN makes both NaN, +inf the max, -inf the min): two reductions, where isfinite().all()
+    writes and reads back an [N, V] bool (12x slower on a CPU at [256, 32000]; 39 MB a step at a 152k
+    vocabulary)."""
+    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+
+
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
@@ -357,7 +365,7 @@ class SamplingState:
                counted: torch.Tensor | None, finite: torch.Tensor | None = None) -> torch.Tensor:
         # finite: [N] bool, whether every logit of the row is finite (computed here when None)
         if finite is None:
-            finite = torch.isfinite(logits).all(dim=-1)                                    # [N] bool
+            finite = finite_rows(logits)                                                   # [N] bool
         kept = finite if counted is None else finite & counted
         self.token_counts.add(tokens, rows, kept)
         # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
