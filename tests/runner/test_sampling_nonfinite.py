@@ -62,3 +62,15 @@ def test_finite_rows_is_isfinite_all_without_the_bool_matrix(dtype):
     want = torch.isfinite(logits).all(dim=-1)
     assert finite_rows(logits).tolist() == want.tolist()
     assert want.tolist() == [True, True, False, False, False, False, False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_argmax_is_torch_argmax_ties_and_nan_included(dtype):
+    from kvfit.runner.sampling_state import row_argmax
+    torch.manual_seed(1)
+    logits = torch.randint(0, 5, (64, 4099)).to(dtype)        # many ties: the first largest index wins
+    logits[3, 17], logits[3, 9] = float("nan"), float("nan")
+    logits[4, 100], logits[4, 50] = float("inf"), float("inf")
+    logits[5] = float("-inf")
+    assert row_argmax(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert row_argmax(logits)[3] == 9 and row_argmax(logits)[4] == 50 and row_argmax(logits)[5] == 0

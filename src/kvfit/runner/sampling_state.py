@@ -181,6 +181,15 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64: torch.argmax(x, dim=-1) (the first index of a row's largest value; a NaN counts as the
+    largest). On a CPU through torch.max, which returns the same index and vectorises where argmax does not
+    (256 rows x 151,936 bf16 logits: 23 against 126 ms)."""
+    if x.device.type == "cpu":
+        return torch.max(x, dim=-1).indices
+    return torch.argmax(x, dim=-1)
+
+
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
@@ -310,7 +319,7 @@ class SamplingState:
                 if greedy.applies(logits):   # argmax and the finite check in one read of the logits
                     tokens, finite = greedy.greedy_tokens(logits)                          # [N], [N]
                     return SampleResult(self._count(tokens, logits, rows, counted, finite))
-            tokens = torch.argmax(logits, dim=-1)                                          # [N]
+            tokens = row_argmax(logits)                                                    # [N]
             return SampleResult(self._count(tokens, logits, rows, counted))
         chunk = sampler_chunk_rows(self.vocab_size)
         if logits.shape[0] > chunk:
@@ -352,7 +361,7 @@ class SamplingState:
         if plan.sampled:
             tokens = self._sample_rows(work, rows, num_generated, plan, index)             # [N]
         else:
-            tokens = torch.argmax(work, dim=-1)                                            # [N]
+            tokens = row_argmax(work)                                                      # [N]
         del work
         tokens = self._count(tokens, logits, rows, counted)
         if raw is None:
@@ -447,10 +456,10 @@ class SamplingState:
                 threshold = torch.full_like(temperature, float("-inf")).index_copy_(0, filtered_idx, threshold)
             scaled.masked_fill_(scaled < threshold[:, None], float("-inf"))
         noise = self._exponential_noise(scaled, sub_rows, _take(num_generated, sampled_idx), seeded_idx, plan)
-        sampled = torch.argmax(scaled.sub_(noise.log_()), dim=-1)                          # [M]
+        sampled = row_argmax(scaled.sub_(noise.log_()))                                    # [M]
         if sampled_idx is None:
             return sampled
-        return torch.argmax(logits, dim=-1).index_copy_(0, sampled_idx, sampled)           # [N]
+        return row_argmax(logits).index_copy_(0, sampled_idx, sampled)                     # [N]
 
     def _exponential_noise(self, scaled: torch.Tensor, sub_rows: torch.Tensor, num_generated: torch.Tensor,
                            seeded_idx: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
