@@ -292,8 +292,8 @@ def phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[st
     """Mean ms of each engine phase over the requests that finished between two scrapes, and the allocator
     cache releases between them (kvfit)."""
     means = {}
-    if "cache_releases" in after:
-        means["cache_releases"] = after["cache_releases"] - before.get("cache_releases", 0.0)
+    if "cache_releases" in after and "cache_releases" in before:     # (a failed scrape gives no figure)
+        means["cache_releases"] = after["cache_releases"] - before["cache_releases"]
     for phase in PHASES:
         count = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0)
         if count > 0:

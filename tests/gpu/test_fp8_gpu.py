@@ -94,7 +94,8 @@ def test_tiny_fp8_checkpoint_greedy_equals_the_cpu_path(tmp_path, arch, fmt, blo
             gpu = llm
         else:
             llm.shutdown()
-    _check_greedy_near_ties(runs["cpu"], runs["cuda"], gpu, f"{arch} {fmt}", expert_flips=2 if arch == "qwen3_moe" else 0)
+    _check_greedy_near_ties(runs["cpu"], runs["cuda"], gpu, f"{arch} {fmt}",
+                            expert_flips=2 if arch == "qwen3_moe" else 0)
     gpu.shutdown()
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import types
 
 import pytest
+import torch
 
 from kvfit.config import CacheConfig
 from kvfit.errors import CapacityError
@@ -164,3 +165,54 @@ def test_same_reading_same_plan_on_every_platform(fake_cuda):
     assert a.num_blocks == 20 * GiB // spec.bytes_per_block
     # and the readings differ only in what each platform measured
     assert dataclasses.replace(cpu_reading, source="x").kv_cache_memory_bytes == cuda_reading.kv_cache_memory_bytes
+
+
+def _serving_platform(fake_cuda):
+    """A CudaPlatform measured on the fake device, its KV cache allocated, and its reading."""
+    platform = cuda_platform.CudaPlatform.__new__(cuda_platform.CudaPlatform)
+    platform.device = "cuda:0"
+    platform.num_cache_releases = 0
+    steps = fake_steps(fake_cuda, weights=10 * GiB, activations=2 * GiB, scratch=GiB, non_torch=GiB // 2)
+    reading = platform.measure(steps, CacheConfig(gpu_memory_utilization=0.9))
+    fake_cuda.alloc(reading.available_kv_bytes)
+    platform._cache_block = lambda n: (fake_cuda.alloc(n), fake_cuda.free(n))
+    return platform, reading
+
+
+def test_keep_within_stops_rehold_that_the_next_step_always_releases_and_resumes_after_a_quiet_step(fake_cuda,
+                                                                                                     caplog):
+    platform, reading = _serving_platform(fake_cuda)
+    cap = reading.process_budget_bytes
+    holds = []
+    hold = platform.hold_activation_reserve
+    platform.hold_activation_reserve = lambda r: holds.append(hold(r))
+
+    def step_past_the_cap():           # a step whose cache cannot reuse the held block: new segments past the cap
+        size = cap - fake_cuda.allocated + GiB
+        fake_cuda.alloc(size)
+        fake_cuda.free(size)
+        platform.keep_within(reading)
+    for _ in range(cuda_platform.MAX_FUTILE_REHOLDS + 3):
+        step_past_the_cap()
+    assert platform.num_cache_releases == cuda_platform.MAX_FUTILE_REHOLDS + 3
+    assert len(holds) == cuda_platform.MAX_FUTILE_REHOLDS          # the first release, then two futile re-holds
+    assert sum("no longer held between steps" in r.message for r in caplog.records) == 1
+    platform.keep_within(reading)                                   # inside the budget: a quiet step
+    step_past_the_cap()
+    assert len(holds) == cuda_platform.MAX_FUTILE_REHOLDS + 1       # the reserve is taken again
+    for _ in range(cuda_platform.MAX_FUTILE_REHOLDS + 1):
+        step_past_the_cap()
+    assert sum("no longer held between steps" in r.message for r in caplog.records) == 1   # said once
+
+
+def test_keep_within_survives_a_reserve_someone_else_took(fake_cuda):
+    platform, reading = _serving_platform(fake_cuda)
+
+    def taken(n):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    platform._cache_block = taken
+    fake_cuda.alloc(3 * GiB)
+    fake_cuda.free(3 * GiB)                              # cached past the budget
+    platform.keep_within(reading)
+    assert platform.num_cache_releases == 1 and fake_cuda.reserved == fake_cuda.allocated
+    assert platform.hold_activation_reserve(reading) == 0

@@ -368,7 +368,7 @@ class LLMEngine:
                 # free device memory at the last check (None: the platform cannot say); admission_paused: too little
                 "device_headroom_bytes": self.headroom.headroom_bytes, "admission_paused": self.headroom.paused,
                 # times the allocator cache went back to the device to stay in the budget (each a device sync);
-                # None where the platform keeps no cache or the ranks run in other processes
+                # None where the platform keeps no cache, and under tensor parallelism (each rank counts its own)
                 "allocator_cache_releases": getattr(getattr(self.workers, "platform", None), "num_cache_releases",
                                                     None)}
 

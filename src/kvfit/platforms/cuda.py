@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import torch
@@ -15,7 +16,14 @@ from kvfit.platforms.estimate import CUDA_CONTEXT_BYTES
 from kvfit.platforms.nvml import co_tenant_note, co_tenants, unlisted_tenant
 from kvfit.units import MiB
 
-HOLD_SLACK_BYTES = 64 * MiB      # hold_activation_reserve leaves this much of the budget to the allocator's own segments
+logger = logging.getLogger("kvfit")
+
+# hold_activation_reserve leaves this much of the budget to what cannot come out of the held block
+HOLD_SLACK_BYTES = 64 * MiB
+# keep_within stops taking the reserve again after this many re-holds in a row that the very next step released
+# (the steps could not use the held block: e.g. a user's max_split_size_mb, under which a large cached block
+# serves no smaller request), each one a device sync and a reallocation of the activation peak
+MAX_FUTILE_REHOLDS = 3
 
 
 def _expandable_segments() -> None:
@@ -48,6 +56,9 @@ class CudaPlatform(Platform):
     supported_backends = ("triton", "torch")
     default_backend = "triton"
     nvml = None                          # the NVML binding co_tenants() reads (None: pynvml; tests: a fake)
+    _released_last = False               # keep_within released the cache on its last call
+    _futile_reholds = 0                  # re-holds in a row that the next step released (MAX_FUTILE_REHOLDS)
+    _warned_futile = False
 
     def __init__(self, device_index: int = 0):
         super().__init__(device_index)
@@ -164,10 +175,26 @@ class CudaPlatform(Platform):
         # in the full-load capacity run on the H200, docs/benchmarks.md).
         # The release hands back the activation reserve too (hold_activation_reserve), so it is taken again at
         # once: between steps the process always holds the plan's activation memory, where a co-tenant cannot.
+        # Unless re-holding is futile (MAX_FUTILE_REHOLDS): then it stops, and says once what that risks.
         cap = reading.process_budget_bytes if reading is not None else None
-        if cap is not None and torch.cuda.memory_reserved(self.device) > cap:
-            torch.cuda.empty_cache()
-            self.num_cache_releases += 1
+        if cap is None or torch.cuda.memory_reserved(self.device) <= cap:
+            self._released_last = False
+            return
+        torch.cuda.empty_cache()
+        self.num_cache_releases += 1
+        futile = self._futile_reholds
+        if self._released_last:
+            futile += 1
+            if futile == MAX_FUTILE_REHOLDS and not self._warned_futile:
+                self._warned_futile = True
+                logger.warning("the steps' activations do not fit the held activation reserve (the allocator's "
+                               "settings: PYTORCH_CUDA_ALLOC_CONF); it is no longer held between steps, so another "
+                               "process that takes the device's free memory can make a large step run out of it "
+                               "(it is taken again once a step passes without a release)")
+        else:
+            futile = 0
+        self._futile_reholds, self._released_last = futile, True
+        if futile < MAX_FUTILE_REHOLDS:
             self.hold_activation_reserve(reading)
 
     def hold_activation_reserve(self, reading: MemoryReading) -> int:
@@ -176,8 +203,8 @@ class CudaPlatform(Platform):
         # this the plan's activation memory stays free on the device between steps, and a co-tenant that takes it
         # turns the next large step into an out-of-memory the headroom watchdog cannot prevent.
         # HOLD_SLACK_BYTES of the budget stay unheld: the allocator serves small tensors (<= 1 MiB) from their own
-        # 2 MiB segments and 1-10 MiB ones from 20 MiB segments, never from a held block; held to the cap, those
-        # segments would push the process past it on every step, and keep_within would release every step.
+        # 2 MiB segments, never from a held block, and rounds segments up; held to the cap, those segments would
+        # push the process past it on every step, and keep_within would release every step.
         cap = reading.process_budget_bytes if reading is not None else None
         size = reading.activation_peak_bytes if reading is not None else 0
         if cap is not None:
