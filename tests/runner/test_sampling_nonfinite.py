@@ -47,7 +47,7 @@ def test_a_nonfinite_row_ends_alone_on_every_path(bad, poison):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_finite_rows_is_isfinite_all_without_the_bool_matrix(dtype):
-    from kvfit.runner.sampling_state import finite_rows
+    from kvfit.runner.row_ops import finite_rows
     torch.manual_seed(0)
     logits = torch.randn(12, 300).to(dtype)
     big = torch.finfo(dtype).max
@@ -66,7 +66,7 @@ def test_finite_rows_is_isfinite_all_without_the_bool_matrix(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_row_argmax_is_torch_argmax_ties_and_nan_included(dtype):
-    from kvfit.runner.sampling_state import row_argmax
+    from kvfit.runner.row_ops import row_argmax
     torch.manual_seed(1)
     logits = torch.randint(0, 5, (64, 4099)).to(dtype)        # many ties: the first largest index wins
     logits[3, 17], logits[3, 9] = float("nan"), float("nan")

@@ -352,3 +352,29 @@ def test_gpu_sample_makes_no_host_sync_and_matches_cpu_seeded_draws():
     for i in (0, 1, 3, 4):                               # greedy and seeded rows agree across devices
         assert tokens[0][i].item() == cpu_tokens[i]
     assert gpu.output_token_counts.sum().item() == 3 + 3 * 5
+
+
+@pytest.mark.parametrize("scale", [12.0, 1.0])       # peaky rows (the cut among the candidates) and flat ones
+def test_cpu_top_p_among_the_largest_logits_equals_the_whole_sort(scale, monkeypatch):
+    from kvfit.runner import row_ops
+    from kvfit.runner.row_ops import CPU_TOP_P_CANDIDATES, _sorted_thresholds
+    vocab = 4 * CPU_TOP_P_CANDIDATES + 7
+    gen = torch.Generator().manual_seed(3)
+    top_k = [0, 0, 0, 0, 5, 50, CPU_TOP_P_CANDIDATES, CPU_TOP_P_CANDIDATES + 1, 2000, vocab - 1, vocab, 0, 0, 0]
+    top_p = [1.0, 0.5, 0.9, 0.999, 0.9, 0.95, 0.8, 0.8, 0.9, 0.7, 0.6, 1e-6, 1.0, 0.9]
+    scaled = torch.randn(len(top_k), vocab, generator=gen) * scale
+    scaled[12, 100:] = float("-inf")                  # a row masked to 100 ids (top-p off)
+    scaled[13, 17] = float("nan")                     # a row that is not finite
+    top_k, top_p = torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p)
+    sorted_rows = []
+
+    def counted(rows, *args):
+        sorted_rows.append(rows.shape[0])
+        return _sorted_thresholds(rows, *args)
+    monkeypatch.setattr(row_ops, "_sorted_thresholds", counted)
+    got = filter_thresholds(scaled, top_k, top_p, True)
+    # peaky rows are cut among the candidates; sorted whole: top-p and top-k off (rows 0 and 12), the NaN row
+    assert sorted_rows == ([3] if scale > 1 else [8])
+    want = _sorted_thresholds(scaled, top_k, top_p, True, vocab)
+    assert got[:13].tolist() == want[:13].tolist()
+    assert got[13].isnan() == want[13].isnan()

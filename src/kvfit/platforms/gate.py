@@ -17,6 +17,12 @@ def on_gpu(t) -> bool:
     return t.is_cuda
 
 
+def on_cpu(t) -> bool:
+    """t lives in host memory: torch's CPU kernels run on it, whose costs differ from a GPU's (the sampler picks
+    its ops by this: a whole-row sort or an argmax costs far more there than a reduction)."""
+    return t.device.type == "cpu"
+
+
 @functools.cache
 def triton_importable() -> bool:
     """Triton imports in this process, with what every kernel module imports from it (read once)."""

@@ -38,6 +38,7 @@ from kvfit.planning import persistent_batch_bytes, sampler_chunk_rows, token_his
 from kvfit.platforms.gate import triton_applies
 from kvfit.runner.logits_processing import (RowEdits, RowExtras, StepEdits, apply_edits,
                                             apply_penalties, pack_logprobs, row_edits, top_logprobs)
+from kvfit.runner.row_ops import filter_thresholds, finite_rows, row_argmax
 from kvfit.runner.token_counts import DenseCounts, TokenHistory
 from kvfit.sampling_params import SamplingParams
 
@@ -96,38 +97,6 @@ def hashed_exponential(seed: torch.Tensor, num_generated: torch.Tensor, vocab_si
     return u.log_().neg_()
 
 
-def filter_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_p: bool,
-                      num_candidates: int | None = None) -> torch.Tensor:
-    """The smallest logit each row keeps after top-k then top-p; logits equal to it are kept too.
-
-    scaled: [F, V] float32 logits / temperature; top_k: [F] int32 (0 = off); top_p: [F] float32 (1 = off)
-    -> [F] float32. One sort for all rows: top-k keeps ranks < k; top-p keeps the smallest prefix of the
-    renormalised top-k distribution reaching top_p (rank r dropped when the mass before it exceeds top_p).
-    num_candidates (host int, default V): when every row sets a top-k, their largest; below V only that
-    many largest logits are sorted (torch.topk), since nothing past them can be kept.
-    """
-    vocab_size = scaled.shape[-1]
-    n = vocab_size if num_candidates is None else min(num_candidates, vocab_size)
-    if n < vocab_size:
-        sorted_logits = torch.topk(scaled, n, dim=-1).values                             # [F, n] descending
-    else:
-        sorted_logits = torch.sort(scaled, dim=-1, descending=True).values               # [F, V]
-    k = torch.where((top_k > 0) & (top_k < n), top_k, n).to(torch.int64)                 # [F]
-    num_keep = k
-    if any_top_p:
-        ranks = torch.arange(n, device=scaled.device)                                     # [n]
-        sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)                                      # [F, n]
-        mass_before = torch.cumsum(probs, dim=-1).sub_(probs)                            # [F, n] nondecreasing
-        # [F]; rank 0 always: a finite row's mass before it is 0, and a row with a NaN or inf logit (whose
-        # probabilities are all NaN) keeps one rank too, so it cannot index -1 and fail the whole step; its
-        # token is NONFINITE_TOKEN anyway (_count), and its request ends alone
-        within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
-        # top_p 1 is off: rounding can push the mass before the tail over 1.0, which must not drop it
-        num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
-    return sorted_logits.gather(1, (num_keep - 1)[:, None]).squeeze(1)                    # rank < k: unmasked
-
-
 @dataclass
 class _Plan:
     """Which logits rows need which work, decided on the host from the mirrors (no device sync)."""
@@ -171,23 +140,6 @@ class _Plan:
                   else torch.empty(0, dtype=torch.float32, device=device))
         out["edit_values"], out["min_p_values"] = floats[:len(e.val)], floats[len(e.val):]
         return out
-
-
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[N, V] -> [N] bool: whether every logit of the row is finite. A row's max and min are finite exactly when
-    all of it is (a NaN makes both NaN, +inf the max, -inf the min): two reductions, where isfinite().all()
-    writes and reads back an [N, V] bool (12x slower on a CPU at [256, 32000]; 39 MB a step at a 152k
-    vocabulary)."""
-    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """[N, V] -> [N] int64: torch.argmax(x, dim=-1) (the first index of a row's largest value; a NaN counts as the
-    largest). On a CPU through torch.max, which returns the same index and vectorises where argmax does not
-    (256 rows x 151,936 bf16 logits: 23 against 126 ms)."""
-    if x.device.type == "cpu":
-        return torch.max(x, dim=-1).indices
-    return torch.argmax(x, dim=-1)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
