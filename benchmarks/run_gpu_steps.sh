@@ -54,6 +54,8 @@ for s in "$@"; do case $s in
   capacity-new) step capacity-new 300 python3 -m pytest tests/gpu/test_co_tenants_gpu.py tests/gpu/test_sampler_reserve_gpu.py tests/gpu/test_headroom_gpu.py -q -s -p no:cacheprovider ;;
   serve-small) TAIL=${TAIL:-40} step serve-small 400 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf --runs 2 --out "$OUT/serve-small.json" --py-spy "$OUT/spy" ;;
   serve-2000) step serve-2000 300 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --out "$OUT/serve-2000.json" ;;
+  serve-2000-8b) TAIL=${TAIL:-30} step serve-2000-8b 480 python3 benchmarks/bench_serve.py --model llama-3.1-8b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --kvfit-args "--log-level info" --out "$OUT/serve-2000-8b.json" ;;
+  headroom-probe) TAIL=${TAIL:-30} step headroom-probe 200 env PYTHONPATH=$PWD/src:$PWD/tests python3 benchmarks/probe_headroom.py new ;;
   serve-1step) TAIL=${TAIL:-60} step serve-1step 150 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 256 --rates 30 --runs 1 --kvfit-args "--num-scheduler-steps 1" --py-spy "$OUT/spy-1step" ;;
   serve-rates) TAIL=${TAIL:-60} step serve-rates 560 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf,30,54 --runs 2 --out "$OUT/serve-rates.json" --py-spy "$OUT/spy" --stack-samples "$OUT/stacks" ;;
   fp8-30b-vs-vllm) TAIL=${TAIL:-30} step fp8-30b-vs-vllm 560 env KVFIT_BENCH_FP8=block python3 benchmarks/bench_vs_vllm.py --models qwen3-30b-a3b --reps 2 --out "$OUT/fp8-30b.json" ;;
