@@ -365,6 +365,12 @@ def test_cpu_top_p_among_the_largest_logits_equals_the_whole_sort(scale, monkeyp
     scaled = torch.randn(len(top_k), vocab, generator=gen) * scale
     scaled[12, 100:] = float("-inf")                  # a row masked to 100 ids (top-p off)
     scaled[13, 17] = float("nan")                     # a row that is not finite
+    # a top-k past the candidates whose renormalised mass moves the cut: the candidates hold 0.93 of the whole
+    # row but the top 1,500 hold 0.96, so the cut at 0.9 of the top-k mass is some 40 ranks before 0.9 of the row's
+    noise = torch.rand(vocab, generator=gen) * 0.01
+    scaled[8] = torch.cat([torch.full((CPU_TOP_P_CANDIDATES,), 3.0), torch.zeros(476),
+                           torch.full((vocab - CPU_TOP_P_CANDIDATES - 476,), -1.0)]) + noise
+    top_k[8] = CPU_TOP_P_CANDIDATES + 476
     top_k, top_p = torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p)
     sorted_rows = []
 
@@ -374,7 +380,8 @@ def test_cpu_top_p_among_the_largest_logits_equals_the_whole_sort(scale, monkeyp
     monkeypatch.setattr(row_ops, "_sorted_thresholds", counted)
     got = filter_thresholds(scaled, top_k, top_p, True)
     # peaky rows are cut among the candidates; sorted whole: top-p and top-k off (rows 0 and 12), the NaN row
-    assert sorted_rows == ([3] if scale > 1 else [8])
+    # and the top-ks between the candidates and the whole row (rows 7, 8, 9)
+    assert sorted_rows == ([6] if scale > 1 else [8])
     want = _sorted_thresholds(scaled, top_k, top_p, True, vocab)
     assert got[:13].tolist() == want[:13].tolist()
     assert got[13].isnan() == want[13].isnan()

@@ -81,14 +81,15 @@ def _cpu_top_p_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
     candidates = torch.topk(scaled, m, dim=-1).values                                     # [F, m] descending
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).to(torch.int64)  # [F]
     masked = candidates.masked_fill(torch.arange(m) >= k[:, None], float("-inf"))
-    # the renormaliser: the top-k mass, among the candidates where k <= m, else the whole row's (k = V)
+    # the renormaliser: the top-k mass, among the candidates where k <= m, the whole row's where top-k is off
+    # (k = V); a top-k between them needs the k-th largest logit: those rows are sorted whole (`exact` below)
     log_mass = torch.where(k <= m, torch.logsumexp(masked, dim=-1), torch.logsumexp(scaled, dim=-1))    # [F]
     probs = masked.sub_(log_mass[:, None]).exp_()                                          # [F, m]
     mass_before = torch.cumsum(probs, dim=-1).sub_(probs)
     within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
     num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
     # rows whose cut lies among the candidates (a NaN row fails both tests and is sorted whole)
-    exact = torch.where(top_p < 1.0, probs.sum(dim=-1) > top_p, k <= m)
+    exact = torch.where(top_p < 1.0, (probs.sum(dim=-1) > top_p) & ((k <= m) | (k == vocab_size)), k <= m)
     out = candidates.gather(1, (num_keep.clamp(max=m) - 1)[:, None]).squeeze(1)            # [F]
     rest = (~exact).nonzero().squeeze(1)                             # a host read (on a CPU nothing waits on it)
     if rest.numel():
