@@ -385,3 +385,20 @@ def test_cpu_top_p_among_the_largest_logits_equals_the_whole_sort(scale, monkeyp
     want = _sorted_thresholds(scaled, top_k, top_p, True, vocab)
     assert got[:13].tolist() == want[:13].tolist()
     assert got[13].isnan() == want[13].isnan()
+
+
+def test_cpu_top_p_cut_holds_for_logits_of_any_magnitude():
+    """Temperature 1e-5 or a logit bias makes logits of 1e6 and more: the cut's mass is taken from differences to
+    the row max (as softmax), never from a logsumexp rounded at the max's magnitude."""
+    from kvfit.runner.row_ops import _sorted_thresholds
+    vocab = 2260
+    row = torch.full((1, vocab), 2.0 ** 23 - 2)
+    row[0, 0], row[0, 1:1024] = 2.0 ** 23, 2.0 ** 23 - 1           # 1,024 ids hold 0.69 of the mass, not 0.8
+    off = torch.tensor([0], dtype=torch.int32)
+    assert filter_thresholds(row, off, torch.tensor([0.8]), True).item() == 2.0 ** 23 - 2
+    gen = torch.Generator().manual_seed(0)
+    for offset in (300.0, 3e4):
+        scaled = torch.randn(64, 4096, generator=gen) * 3 + offset
+        top_k, top_p = torch.zeros(64, dtype=torch.int32), torch.full((64,), 0.9)
+        assert torch.equal(filter_thresholds(scaled, top_k, top_p, True),
+                           _sorted_thresholds(scaled, top_k, top_p, True, 4096))

@@ -80,11 +80,15 @@ def _cpu_top_p_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
     vocab_size = scaled.shape[-1]
     candidates = torch.topk(scaled, m, dim=-1).values                                     # [F, m] descending
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).to(torch.int64)  # [F]
-    masked = candidates.masked_fill(torch.arange(m) >= k[:, None], float("-inf"))
+    # logits less the row's max, as softmax takes them: exact differences, however large the logits (a logsumexp
+    # of the logits themselves is rounded at the max's magnitude, and temperature 1e-5 makes logits of 1e6)
+    top = candidates[:, :1]                                                               # [F, 1] the row max
+    shifted = candidates.sub(top).masked_fill_(torch.arange(m) >= k[:, None], float("-inf"))   # [F, m]
     # the renormaliser: the top-k mass, among the candidates where k <= m, the whole row's where top-k is off
     # (k = V); a top-k between them needs the k-th largest logit: those rows are sorted whole (`exact` below)
-    log_mass = torch.where(k <= m, torch.logsumexp(masked, dim=-1), torch.logsumexp(scaled, dim=-1))    # [F]
-    probs = masked.sub_(log_mass[:, None]).exp_()                                          # [F, m]
+    row_mass = scaled.sub(top).exp_().sum(dim=-1)                                         # [F]
+    log_mass = torch.where(k <= m, torch.logsumexp(shifted, dim=-1), row_mass.log())      # [F]
+    probs = shifted.sub_(log_mass[:, None]).exp_()                                        # [F, m]
     mass_before = torch.cumsum(probs, dim=-1).sub_(probs)
     within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
     num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
