@@ -118,20 +118,17 @@ def _check_greedy_near_ties(cpu_runs, gpu_runs, gpu_llm, label: str, expert_flip
         assert not diffs or max(diffs) < 0.2
         if same == len(a.token_ids):
             continue
-        cpu_token = a.token_ids[same]
-        ids = list(cpu.prompt_token_ids) + list(a.token_ids[:same + 1])
+        # the GPU scores the CPU's whole sequence once (prompt logprobs are causal: position i sees tokens < i)
+        ids = list(cpu.prompt_token_ids) + list(a.token_ids)
         scored = gpu_llm.generate([{"prompt_token_ids": ids}],
                                   SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
-        gpu_of_cpu_token = scored[0].prompt_logprobs[-1][cpu_token].logprob
-        gap = b.logprobs[same][b.token_ids[same]].logprob - gpu_of_cpu_token
+        forced = scored[0].prompt_logprobs[-len(a.token_ids):]          # forced[i]: the GPU's at the CPU's token i
+        cpu_token = a.token_ids[same]
+        gap = b.logprobs[same][b.token_ids[same]].logprob - forced[same][cpu_token].logprob
         print(f"{label}: parted at token {same}: the GPU's logprob of the CPU's token is {gap:.3f} under its pick")
         if gap < 0.2:
             continue
         assert expert_flips, (same, cpu_token, gap)
-        ids = list(cpu.prompt_token_ids) + list(a.token_ids)
-        scored = gpu_llm.generate([{"prompt_token_ids": ids}],
-                                  SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
-        forced = scored[0].prompt_logprobs[-len(a.token_ids):]
         teacher = [abs(f[t].logprob - p[t].logprob) for f, p, t in zip(forced, a.logprobs, a.token_ids)]
         far = [i for i, d in enumerate(teacher) if d > 0.2]
         print(f"{label}: the CPU's sequence scored on the GPU: |logprob diff| over 0.2 at positions {far} "

@@ -56,8 +56,7 @@ class CudaPlatform(Platform):
     supported_backends = ("triton", "torch")
     default_backend = "triton"
     nvml = None                          # the NVML binding co_tenants() reads (None: pynvml; tests: a fake)
-    _released_last = False               # keep_within released the cache on its last call
-    _futile_reholds = 0                  # re-holds in a row that the next step released (MAX_FUTILE_REHOLDS)
+    _releases_in_a_row = 0               # keep_within's calls in a row that released the cache
     _warned_futile = False
 
     def __init__(self, device_index: int = 0):
@@ -178,24 +177,20 @@ class CudaPlatform(Platform):
         # Unless re-holding is futile (MAX_FUTILE_REHOLDS): then it stops, and says once what that risks.
         cap = reading.process_budget_bytes if reading is not None else None
         if cap is None or torch.cuda.memory_reserved(self.device) <= cap:
-            self._released_last = False
+            self._releases_in_a_row = 0
             return
         torch.cuda.empty_cache()
         self.num_cache_releases += 1
-        futile = self._futile_reholds
-        if self._released_last:
-            futile += 1
-            if futile == MAX_FUTILE_REHOLDS and not self._warned_futile:
-                self._warned_futile = True
-                logger.warning("the steps' activations do not fit the held activation reserve (the allocator's "
-                               "settings: PYTORCH_CUDA_ALLOC_CONF); it is no longer held between steps, so another "
-                               "process that takes the device's free memory can make a large step run out of it "
-                               "(it is taken again once a step passes without a release)")
-        else:
-            futile = 0
-        self._futile_reholds, self._released_last = futile, True
+        self._releases_in_a_row += 1
+        futile = self._releases_in_a_row - 1          # re-holds in a row that the very next step released
         if futile < MAX_FUTILE_REHOLDS:
             self.hold_activation_reserve(reading)
+        elif not self._warned_futile:
+            self._warned_futile = True
+            logger.warning("the steps' activations do not fit the held activation reserve (the allocator's "
+                           "settings: PYTORCH_CUDA_ALLOC_CONF); it is no longer held between steps, so another "
+                           "process that takes the device's free memory can make a large step run out of it "
+                           "(it is taken again once a step passes without a release)")
 
     def hold_activation_reserve(self, reading: MemoryReading) -> int:
         # One allocation of the profiled peak, freed at once: the caching allocator keeps it reserved (until an

@@ -201,7 +201,8 @@ class ModelRunner:
         self.graphs.capture(stream)
         # each capture's eager warm-up left its activations cached on the capture stream; they belong to the
         # activation peak, not to the graphs, so the trial capture would count them twice (fewer KV blocks: on the
-        # H100 the 0.6B planned 644,300 KV tokens with the mixed graphs, 644,976 before them)
+        # H100 the 0.6B planned 644,300 KV tokens with the mixed graphs, 644,976 before them), and after the real
+        # capture no step allocates on that stream (the worker then holds the activation reserve on the steps')
         self.platform.release_cached_memory()
 
     @_pdl_as_configured
