@@ -72,6 +72,8 @@ class Fp8Scheme:
     scale_name: str = "weight_scale"         # the checkpoint's name of the weight scale tensor
     ignore: tuple[str, ...] = ()             # module names or "re:" patterns kept in the model dtype
     online: bool = False                     # quantized at load from a 16-bit checkpoint
+    ue8m0_scales: bool = False               # scale_fmt "ue8m0": weight scales are powers of two; stored as uint8
+    #                                          they are float8_e8m0fnu's exponent bytes (DeepSeek-V3.1's exports)
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
@@ -292,15 +294,24 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: activation_scheme {_show(scheme)} is not supported; use dynamic or static")
     ignore = _ignore_list(quant.get("modules_to_not_convert") or quant.get("ignored_layers"),
                           "modules_to_not_convert", where)
+    scale_fmt = quant.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ConfigError(f"{where}: scale_fmt {_show(scale_fmt)} is not supported; kvfit reads float scales "
+                          "(no scale_fmt) and \"ue8m0\" (powers of two)")
+    ue8m0 = scale_fmt == "ue8m0"
     block = quant.get("weight_block_size")
     if block is None:
+        # AutoFP8 writes weight_scale (+ input_scale); transformers' FineGrainedFP8Config without blocks writes
+        # weight_scale_inv (+ activation_scale): both are multipliers, read under the first names
+        # (SCALE_ALIASES in models/loader.py)
         activation = "token" if scheme == "dynamic" else "static"
-        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=ignore)
+        return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=ignore,
+                         ue8m0_scales=ue8m0)
     block = _block_size(block, f"{where} weight_block_size")
     if scheme != "dynamic":
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
     return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
-                     scale_name="weight_scale_inv", ignore=ignore)
+                     scale_name="weight_scale_inv", ignore=ignore, ue8m0_scales=ue8m0)
 
 
 def _modelopt(quant: dict, where: str) -> Fp8Scheme | None:

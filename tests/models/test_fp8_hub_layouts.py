@@ -66,6 +66,12 @@ HUB = {
                        "ct-static"),
     "autofp8-dynamic": ({"activation_scheme": "dynamic", "ignored_layers": ["lm_head"], "quant_method": "fp8"},
                         "ct-tensor"),
+    # transformers' FineGrainedFP8Config(weight_block_size=None) (mistralai's FP8 releases): per tensor, 0-dim
+    # weight_scale_inv, and activation_scale when static
+    "hf-fp8-tensor-static": ({"activation_scheme": "static", "quant_method": "fp8", "weight_block_size": None,
+                              "modules_to_not_convert": ["lm_head"]}, "ct-static"),
+    "hf-fp8-tensor-dynamic": ({"activation_scheme": "dynamic", "quant_method": "fp8", "weight_block_size": None,
+                               "modules_to_not_convert": ["lm_head"]}, "ct-tensor"),
     # nvidia/*-FP8 (ModelOpt): per tensor, static per tensor, 0-dim scales; wildcard exclude patterns
     "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "*.mlp.gate"],
                       "kv_cache_scheme": None, "producer": {"name": "modelopt", "version": "0.35.0"}}, "ct-static"),
@@ -73,7 +79,7 @@ HUB = {
     "modelopt-pcpt": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": ["lm_head"]},
                       "ct-channel"),
 }
-SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
+SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale", "activation_scale")
 
 
 def _hub_copy(src: str, dst, layout: str, scale_dtype=torch.bfloat16, flat: bool = False) -> tuple[str, str]:
@@ -84,8 +90,10 @@ def _hub_copy(src: str, dst, layout: str, scale_dtype=torch.bfloat16, flat: bool
     tensors = load_file(path)
     for name in [n for n in tensors if n.endswith(SCALE_NAMES)]:
         scale = tensors.pop(name).to(scale_dtype)
-        if layout.startswith(("autofp8", "modelopt-fp8")):
+        if layout.startswith(("autofp8", "modelopt-fp8", "hf-fp8-tensor")):
             scale = scale.reshape(())                          # AutoFP8, ModelOpt save per-tensor scales 0-dim
+        if layout.startswith("hf-fp8-tensor"):                 # transformers' names for the same two scales
+            name = name.replace(".weight_scale", ".weight_scale_inv").replace(".input_scale", ".activation_scale")
         elif flat and scale.shape[-1:] == (1,):
             scale = scale.reshape(-1)                          # per-channel [N] (some compressed-tensors versions)
         if layout.startswith("ct-") and name.endswith("_inv"):
@@ -153,6 +161,7 @@ def tiny(tmp_path_factory):
     ("fp8-block", "qwen3", torch.float16, False), ("fp8-block", "tied", torch.bfloat16, False),
     ("fp8-block-minimax", "llama", torch.float32, False), ("autofp8-static", "llama", torch.float32, False),
     ("autofp8-dynamic", "tied", torch.float32, False), ("modelopt-fp8", "llama", torch.float32, False),
+    ("hf-fp8-tensor-static", "llama", torch.bfloat16, False), ("hf-fp8-tensor-dynamic", "qwen3", torch.float32, False),
     ("modelopt-pcpt", "qwen3", torch.float32, True)])
 def test_hub_layouts_load_like_the_dequantized_reference(tiny, layout, arch, scale_dtype, flat):
     root, src = tiny
@@ -174,6 +183,71 @@ def test_per_tensor_expert_scales_stored_as_0_dim_tensors_load(tmp_path, arch, l
     assert load_file(os.path.join(fp8, "model.safetensors"))[f"model.layers.0.{scale}"].dim() == 0
     got, tokens = _logits(fp8)
     _assert_matches(got, _reference(deq, tokens, layout, experts=True))
+
+
+def _rewrite(folder: str, edit_tensors=None, edit_quant=None) -> None:
+    path = os.path.join(folder, "model.safetensors")
+    if edit_tensors is not None:
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if edit_quant is not None:
+        _edit_config(folder, lambda config: edit_quant(config["quantization_config"]))
+
+
+def test_ue8m0_scales_stored_as_exponent_bytes_load_as_powers_of_two(tiny):
+    # scale_fmt "ue8m0" (DeepSeek-V3.1's exports): every block scale a power of two; stored as uint8 they are
+    # float8_e8m0fnu's exponent bytes, 2^(b - 127). Read as raw numbers (120.0 for 2^-7) they ran a wrong model.
+    root, src = tiny
+    fp8, _ = _hub_copy(src["qwen3"], root / "ue8m0", "fp8-block", torch.float32)
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    exponents = {name: torch.ceil(torch.log2(t)).clamp(-127, 127) for name, t in tensors.items()
+                 if name.endswith("weight_scale_inv")}
+    as_floats = dict(tensors, **{name: torch.exp2(e) for name, e in exponents.items()})
+    deq = _dequantized(fp8, str(root / "ue8m0-deq"), as_floats, (128, 128))
+    _rewrite(fp8, lambda t: t.update({name: (e + 127).to(torch.uint8) for name, e in exponents.items()}),
+             lambda quant: quant.update(scale_fmt="ue8m0"))
+    got, tokens = _logits(fp8)
+    _assert_matches(got, _reference(deq, tokens, "fp8-block"))
+    _rewrite(fp8, edit_quant=lambda quant: quant.pop("scale_fmt"))          # the same bytes, no scale_fmt
+    with pytest.raises(ConfigError, match=r"weight_scale_inv is uint8, but a scale must be float.*ue8m0"):
+        _logits(fp8)
+    _rewrite(fp8, edit_quant=lambda quant: quant.update(scale_fmt="e5m2"))
+    with pytest.raises(ConfigError, match=r"scale_fmt 'e5m2' is not supported"):
+        _logits(fp8)
+
+
+def test_integer_scales_are_refused_and_zero_static_scales_named(tiny):
+    root, src = tiny
+    fp8, _ = _hub_copy(src["llama"], root / "int-scales", "autofp8-static", torch.float32)
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    _rewrite(fp8, lambda t: t.update({name: torch.tensor(3, dtype=torch.int32)}))
+    with pytest.raises(ConfigError, match=rf"{name} is int32, but a scale must be float32, bfloat16 or float16;"):
+        _logits(fp8)
+    fp8, _ = _hub_copy(src["llama"], root / "zero-input", "autofp8-static", torch.float32)
+    name = "model.layers.1.mlp.down_proj.input_scale"
+    _rewrite(fp8, lambda t: t.update({name: torch.tensor(0.0)}))
+    with pytest.raises(ConfigError, match=rf"{name} is \[0.0\], not a positive number.*recalibrate"):
+        _logits(fp8)
+
+
+@pytest.mark.parametrize("layout", ["autofp8-dynamic", "ct-fp8-dynamic"])
+def test_input_scales_beside_dynamic_activations_are_named(tiny, layout):
+    root, src = tiny
+    fp8, _ = _hub_copy(src["llama"], root / f"dyn-input-{layout}", layout, torch.float32)
+    name = "model.layers.0.mlp.up_proj.input_scale"
+    _rewrite(fp8, lambda t: t.update({name: torch.tensor(0.05)}))
+    with pytest.raises(ConfigError, match=rf"{name} is a static activation scale but .* makes activations dynamic"):
+        _logits(fp8)
+
+
+def test_block_experts_whose_width_is_not_whole_blocks_say_so_at_one_rank(tmp_path):
+    src = make_tiny_model(tmp_path, arch="qwen3_moe", moe={"moe_intermediate_size": 96})
+    fp8, _ = _hub_copy(src, tmp_path / "moe96", "fp8-block")
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(96\) to be whole \[128, 128\] blocks") as err:
+        _logits(fp8)
+    assert "tensor-parallel-size" not in str(err.value)
 
 
 def test_fp8_fmt_is_read_in_both_spellings():

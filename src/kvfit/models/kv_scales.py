@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvfit.errors import ConfigError
+from kvfit.models.quant.linear import scale_values
 
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0      # vLLM's Q/K and V scale constants
 MIN_SCALE = 1e-8                                       # an all-zero first batch must not give a zero scale
@@ -59,7 +60,7 @@ class KVScales(torch.nn.Module):
     @torch.no_grad()
     def load(self, which: str, name: str, source) -> None:
         """Read checkpoint tensor `name` into the k or v scale: one value for the layer, or one per KV head."""
-        value = (source if isinstance(source, torch.Tensor) else source[...]).float().reshape(-1)
+        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, None).reshape(-1)
         if value.numel() not in (1, self.total_kv_heads):
             raise ConfigError(f"checkpoint tensor {name} holds {value.numel()} values; a KV cache scale is one "
                               f"per layer or one per KV head ({self.total_kv_heads}): the checkpoint does not match "

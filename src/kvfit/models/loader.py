@@ -96,9 +96,27 @@ def finalize_quantized(model: torch.nn.Module) -> None:
             module.finalize()
 
 
+# per-tensor fp8 (quant_method "fp8" without weight_block_size) as transformers' FineGrainedFP8Config writes it
+# (Mistral's FP8 releases): its scale names -> AutoFP8's, which the layers take. Both are multipliers.
+SCALE_ALIASES = ((".weight_scale_inv", ".weight_scale"), (".activation_scale", ".input_scale"))
+
+
+def scale_aliases(tensors: Iterator[tuple[str, object]], scheme) -> Iterator[tuple[str, object]]:
+    """The checkpoint's tensors, with a per-tensor fp8 checkpoint's scale names read as the layers name them."""
+    if scheme is None or scheme.online or scheme.method != "fp8" or scheme.weight_strategy != "tensor":
+        yield from tensors
+        return
+    for name, tensor in tensors:
+        for suffix, alias in SCALE_ALIASES:
+            if name.endswith(suffix):
+                name = name[:-len(suffix)] + alias
+                break
+        yield name, tensor
+
+
 def _load_checkpoint(model: torch.nn.Module, files: list[str], model_path: str, facts: ModelFacts) -> None:
     try:
-        model.load_weights(_iter_tensors(files))
+        model.load_weights(scale_aliases(_iter_tensors(files), facts.quantization))
     except ConfigError:
         declared = None
         if facts.quantization is None or facts.quantization.online:

@@ -30,7 +30,7 @@ from kvfit.kernels.fp8_fused_experts import fused_experts_applies, fused_fp8_exp
 from kvfit.kernels.fp8_gemm import fp8_linear
 from kvfit.kernels.fused_moe import experts_by_group
 from kvfit.models.parallel import make_param, source_shape
-from kvfit.models.quant.linear import is_fp8_source, source_dtype_name
+from kvfit.models.quant.linear import is_fp8_source, scale_values, source_dtype_name
 from kvfit.platforms.gate import on_gpu
 from kvfit.quant_scheme import DUMMY_INPUT_SCALE, Fp8Scheme
 
@@ -51,6 +51,10 @@ class Fp8Experts(torch.nn.Module):
         self.down_proj.full_shape = (e, h, intermediate_size)
         if scheme.block_size is not None:
             bn, bk = scheme.block_size
+            if intermediate_size % bn or intermediate_size % bk:
+                raise ConfigError(f"{name}: block-quantized experts need moe_intermediate_size ({intermediate_size}) "
+                                  f"to be whole {list(scheme.block_size)} blocks, which kvfit's FP8 MoE kernel "
+                                  "reads; this checkpoint's experts cannot run in kvfit (vLLM refuses them too)")
             if n % bn or start % bn or n % bk:
                 raise ConfigError(f"{name}: block-quantized experts need each rank's {n} channels (of "
                                   f"moe_intermediate_size {intermediate_size}) to be whole {scheme.block_size} "
@@ -89,9 +93,10 @@ class Fp8Experts(torch.nn.Module):
         if source_shape(source) not in ((), (1,)):
             raise ConfigError(f"checkpoint tensor {name} has shape {list(source_shape(source))}; a static input "
                               "scale is one number (per tensor)")
-        value = (source if isinstance(source, torch.Tensor) else source[...]).float().reshape(())
-        if not bool(torch.isfinite(value)) or float(value) <= 0:
-            raise ConfigError(f"checkpoint tensor {name} is not a positive number; the checkpoint is damaged")
+        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, self.scheme).reshape(())
+        # 0 is what calibration writes for an expert no token reached; the layer takes the largest (finalize)
+        if not bool(torch.isfinite(value)) or float(value) < 0:
+            raise ConfigError(f"checkpoint tensor {name} is not a finite number >= 0; the checkpoint is damaged")
         if part == "down":
             self.down_proj_input_scale[expert, 0] = value
         else:
@@ -132,7 +137,7 @@ class Fp8Experts(torch.nn.Module):
     def _load_scale(self, expert: int, part: str, source, name: str) -> None:
         shape, scheme = source_shape(source), self.scheme
         # [...] reads any rank; [:] fails on a 0-dim slice (AutoFP8's per-tensor scales)
-        value = (source if isinstance(source, torch.Tensor) else source[...]).float()
+        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, scheme)
         target = self._scale_rows(expert, part)
         s, n, h = self.start, self.size, self.down_proj.shape[1]
         if scheme.weight_strategy == "tensor" and shape in ((), (1,)):
@@ -191,6 +196,10 @@ class Fp8Experts(torch.nn.Module):
         if not (bool((gate_up == gate_up.flatten()[0]).all()) and bool((down == down.flatten()[0]).all())):
             logger.info("%s: the experts' static input scales differ; each GEMM quantizes its input with the "
                         "largest (gate/up %.4g, down %.4g)", self.name, float(gate_up.max()), float(down.max()))
+        for values, what in ((gate_up, "gate/up"), (down, "down")):
+            if float(values.max()) <= 0:
+                raise ConfigError(f"{self.name}: every expert's static {what} input_scale is 0; the checkpoint is "
+                                  "damaged (re-download it, or recalibrate)")
         self._input_scales = (gate_up.max().reshape(1), down.max().reshape(1))
 
     def input_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -51,6 +51,23 @@ def source_dtype_name(source) -> str:
     return SAFETENSORS_DTYPES.get(source.get_dtype(), source.get_dtype())
 
 
+FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e8m0fnu)
+
+
+def scale_values(value: torch.Tensor, name: str, scheme: Fp8Scheme | None) -> torch.Tensor:
+    """A checkpoint's scale tensor (already read) as fp32: a float dtype as it is; uint8 exponent bytes
+    (2^(b - 127), float8_e8m0fnu's encoding) only where quantization_config says scale_fmt "ue8m0". Any other
+    dtype is a ConfigError: its raw numbers taken as scales would run a wrong model without a word."""
+    if value.dtype in FLOAT_SCALE_DTYPES:
+        return value.float()
+    if value.dtype == torch.uint8 and scheme is not None and scheme.ue8m0_scales:
+        return value.view(torch.float8_e8m0fnu).float()
+    hint = " (uint8 scales are exponents only with scale_fmt \"ue8m0\" in quantization_config)" \
+        if value.dtype == torch.uint8 else ""
+    raise ConfigError(f"checkpoint tensor {name} is {str(value.dtype).removeprefix('torch.')}, but a scale must be "
+                      f"float32, bfloat16 or float16{hint}; the checkpoint does not match config.json")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -171,9 +188,14 @@ class Fp8Linear(torch.nn.Module):
         target = param[part.rows]
         if shape == ():
             value = source if isinstance(source, torch.Tensor) else source[...]   # [:] fails on a 0-dim slice
-            target.copy_(value.reshape(1).float())
-            return
-        target.copy_(read_slice(part.shard, source).float().reshape(target.shape))
+        else:
+            value = read_slice(part.shard, source)
+        value = scale_values(value, name, self.scheme)
+        if param is self.input_scale and not (bool(torch.isfinite(value).all()) and bool((value > 0).all())):
+            raise ConfigError(f"checkpoint tensor {name} is {value.flatten().tolist()[:4]}, not a positive number: a "
+                              "static activation scale of 0 or less quantizes every input to garbage; the checkpoint "
+                              "is damaged (re-download it, or recalibrate)")
+        target.copy_(value.reshape(target.shape))
 
     @torch.no_grad()
     def set_part(self, index: int, weight: torch.Tensor) -> None:
@@ -222,7 +244,7 @@ class Fp8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-QUANT_TENSOR_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+QUANT_TENSOR_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".activation_scale")
 
 
 def check_unloaded_tensor(name: str, source, scheme: Fp8Scheme | None, into: torch.nn.Parameter | None = None
@@ -237,6 +259,10 @@ def check_unloaded_tensor(name: str, source, scheme: Fp8Scheme | None, into: tor
         raise ConfigError(f"checkpoint tensor {name} is {source_dtype_name(source)} (an FP8 checkpoint's) but "
                           "config.json has no quantization_config; kvfit will not load FP8 weights as 16-bit ones: "
                           "restore the checkpoint's config.json")
+    if into is None and name.endswith((".input_scale", ".activation_scale")) and scheme.activation != "static":
+        raise ConfigError(f"checkpoint tensor {name} is a static activation scale but config.json's "
+                          f"quantization_config ({scheme.method}) makes activations dynamic; the checkpoint does not "
+                          "match it (set the activations static, or remove the input scales)")
     where = f"holds {name} in {into.dtype}" if into is not None else f"has no place for {name}"
     raise ConfigError(f"checkpoint tensor {name} is quantized but kvfit {where}: the layer is left in 16 bits by "
                       f"quantization_config ({scheme.method}'s ignore list) or is one kvfit does not run in FP8 "
