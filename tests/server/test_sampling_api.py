@@ -220,6 +220,22 @@ def test_continuous_usage_stats_in_every_chunk(tiny_client):
     assert counts[-1] == 3 and counts == sorted(counts) and all(c.usage is not None for c in chunks)
 
 
+def test_continuous_usage_counts_each_choice_own_tokens(tiny_client):
+    # vLLM: a choice's chunk carries that choice's completion tokens, never the sum over n (which passed max_tokens)
+    chunks = list(tiny_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0.8, seed=1,
+                                                 n=2, stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    per_choice = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        per_choice.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert sorted(per_choice) == [0, 1]
+    for counts in per_choice.values():
+        assert counts == sorted(counts) and counts[-1] == 3, per_choice
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
 def test_streamed_echo_with_logprobs_equals_the_full_response(tiny_client):
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
     full = tiny_client.completions.create(**kwargs).choices[0]

@@ -56,6 +56,8 @@ class GenerateInput:
     role: str = "assistant"         # chat: the reply's role (vLLM: the last message's without add_generation_prompt)
     tokens_as_token_ids: bool = False   # logprobs tokens shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     prompt_tokens_details: bool = False  # usage shows cached_tokens (--enable-prompt-tokens-details)
+    echo_only: bool = False         # completions' echo with max_tokens 0 (a scorer's request): the reply is the prompt
+    #                                 (and its logprobs) alone; the engine samples one token, left out (vLLM's)
 
     @property
     def n(self) -> int:
@@ -178,9 +180,9 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, defaults:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    if req.prompt_logprobs is not None and req.stream:
+    if req.prompt_logprobs and req.stream:        # vLLM's rule: 0 passes (a stream never shows prompt logprobs)
         raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
-    prompt_logprobs = req.prompt_logprobs
+    prompt_logprobs = None if req.stream else req.prompt_logprobs
     if getattr(req, "echo", None) and logprobs is not None and not isinstance(req, ChatCompletionRequest):
         prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
     # the fields that carry their SamplingParams name, passed on when given (its defaults are vLLM's)
@@ -248,13 +250,15 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
                           "max_tokens", param="max_completion_tokens")
     _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs)
     _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
-    max_tokens = defaults.max_tokens(DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
+    echo_only = bool(req.echo) and req.max_tokens == 0       # vLLM: the prompt alone, scored
+    requested = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
+    max_tokens = defaults.max_tokens(requested)
     stream, include_usage, continuous_usage = _stream_flags(req, defaults.enable_force_include_usage)
     params = sampling_params(req, max_tokens, req.logprobs, defaults.params)
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
-                          prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
-                          cache_salt=salt, **_rendering(req, defaults)) for prompt in prompts]
+                          prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
+                          cache_salt=salt, echo_only=echo_only, **_rendering(req, defaults)) for prompt in prompts]
 
 
 def _template_content(message, content_format: str) -> str | list[dict]:
@@ -296,7 +300,7 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
         raise bad_request(f"{param} must be >= 1, got {max_tokens}", param=param)
     _check_top_k_count(req.top_logprobs, "top_logprobs", defaults.max_logprobs)
     _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
-    if req.top_logprobs is not None and not req.logprobs:       # vLLM's rule, 0 included
+    if req.top_logprobs and not req.logprobs:       # vLLM's rule: 0 (its default) needs nothing
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stream, include_usage, continuous_usage = _stream_flags(req, defaults.enable_force_include_usage)
@@ -306,6 +310,6 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     # a default max_tokens is cut at the context (vLLM's min), a requested one past it is a 400
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
-                         prompt_logprobs=req.prompt_logprobs is not None, continuous_usage=continuous_usage,
+                         prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
                          cache_salt=_cache_salt(req), **_rendering(req, defaults),
                          role="assistant" if req.add_generation_prompt else messages[-1]["role"])

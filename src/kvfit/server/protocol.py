@@ -45,9 +45,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # request bodies ---------------------------------------------------------------------------------
 class _Body(BaseModel):
-    # strict: 1.0 is not an int and "1" is not a number; unknown fields are ignored with a warning
-    # (parse_body logs them), as vLLM does
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # lax, as vLLM's request models: 4.0 is the int 4, "0.5" the number 0.5, "false" the boolean (4.5 for an int
+    # stays a 400); unknown fields are ignored with a warning (parse_body logs them), as vLLM does
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Body):

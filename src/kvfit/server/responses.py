@@ -13,7 +13,7 @@ vLLM's front-end flags: --return-tokens-as-token-ids shows each logprobs token a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfit.engine.output import CompletionOutput, Logprob, RequestOutput
 from kvfit.server.params import GenerateInput
@@ -190,8 +190,15 @@ class ResponseBuilder:
         return completion_logprobs(token_ids, steps, k, self.text_of, initial_offset)
 
     # full response ------------------------------------------------------------------------------
+    def _shown(self, sample: CompletionOutput) -> CompletionOutput:
+        """The sample as the reply shows it: echo with max_tokens 0 shows none of the generated token."""
+        if not self.inp.echo_only:
+            return sample
+        return replace(sample, text="", token_ids=[], logprobs=None if sample.logprobs is None else [])
+
     def full(self, output: RequestOutput, num_prompt_tokens: int) -> dict:
-        choices = [self._full_choice(output, sample) for sample in sorted(output.outputs, key=lambda s: s.index)]
+        choices = [self._full_choice(output, self._shown(sample))
+                   for sample in sorted(output.outputs, key=lambda s: s.index)]
         extra = {"usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in output.outputs),
                                 cached_tokens(self.inp, [output]))}
         if self.chat and self.inp.prompt_logprobs:       # vLLM: on the response for chat, per choice otherwise
@@ -241,9 +248,10 @@ class ResponseBuilder:
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """The chunks that a new (cumulative) output adds, one per choice that moved."""
-        so_far = usage(len(output.prompt_token_ids), sum(len(s.token_ids) for s in output.outputs))
+        # continuous usage counts the chunk's own choice, as vLLM does (never more than max_tokens)
         return [c for sample in sorted(output.outputs, key=lambda s: s.index)
-                if (c := self._choice_chunk(output, sample, so_far)) is not None]
+                if (c := self._choice_chunk(output, self._shown(sample), usage(len(output.prompt_token_ids),
+                                                                               len(sample.token_ids)))) is not None]
 
     def _choice_chunk(self, output: RequestOutput, sample: CompletionOutput, so_far: dict) -> dict | None:
         sent = self._sent.setdefault(sample.index, _Sent())

@@ -1,0 +1,79 @@
+"""Request fields read as vLLM 0.26 reads them: lax JSON types, echo with max_tokens 0 (a scorer's request),
+top_logprobs 0 without logprobs, prompt_logprobs 0 on a stream."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+PROMPT = "Hello, my name is"
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 4.0), ("n", 1.0), ("seed", 1.0), ("temperature", "0"),
+                                          ("stream", "false"), ("logprobs", 2.0)])
+def test_json_types_are_read_laxly_as_vllm_reads_them(tiny_server, field, value):
+    strict = {"max_tokens": 4, "n": 1, "seed": 1, "temperature": 0, "stream": False, "logprobs": 2}
+    base = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    got = _post(tiny_server, "/v1/completions", {**base, field: value})
+    want = _post(tiny_server, "/v1/completions", {**base, field: strict[field]})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 4.5), ("n", "two"), ("stream", "maybe")])
+def test_values_that_no_lax_reading_fits_stay_400s(tiny_server, field, value):
+    r = _post(tiny_server, "/v1/completions", {"prompt": PROMPT, field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(tiny_server, stream):
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    scored = _post(tiny_server, "/v1/completions", {**body, "max_tokens": 3, "stream": False}).json()
+    if stream:
+        r = httpx.post(f"{tiny_server}/v1/completions", json={"model": MODEL, **body, "stream": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        token_logprobs = [lp for c in chunks if c["choices"][0]["logprobs"]
+                          for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        r = _post(tiny_server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text, token_logprobs, reason = choice["text"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+    assert text == PROMPT
+    num_prompt = scored["usage"]["prompt_tokens"]
+    assert token_logprobs == scored["choices"][0]["logprobs"]["token_logprobs"][:num_prompt]
+    assert token_logprobs[0] is None and all(isinstance(lp, float) for lp in token_logprobs[1:])
+    assert reason == "length"
+
+
+def test_max_tokens_0_without_echo_stays_a_400(tiny_server):
+    r = _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_chat_top_logprobs_0_needs_no_logprobs_but_1_does(tiny_server):
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in ({"top_logprobs": 0}, {"top_logprobs": 0, "logprobs": False}):
+        r = _post(tiny_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = _post(tiny_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "top_logprobs": 1})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_0_passes_on_a_stream_1_does_not(tiny_server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+    r = _post(tiny_server, "/v1/completions", {**body, "prompt_logprobs": 0})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    r = _post(tiny_server, "/v1/completions", {**body, "prompt_logprobs": 1})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
