@@ -156,8 +156,9 @@ def _body(**fields):
 
 def test_tool_choice_defaults_and_errors():
     assert tool_request(_body(tools=[WEATHER])).choice == "auto"
-    assert tool_request(_body(tools=[])).choice == "none"
-    assert tool_request(_body(tools=[], tool_choice="required")).choice == "none"     # vLLM and OpenAI
+    for choice in (None, "required", "auto"):                   # vLLM 0.26 and OpenAI refuse an empty list
+        with pytest.raises(APIError, match="tools must not be an empty list"):
+            tool_request(_body(tools=[], tool_choice=choice))
     named = tool_request(_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert named.named and named.choice == "get_weather"
     for body, param in [(_body(tool_choice="required"), "tool_choice"),
@@ -216,3 +217,22 @@ def test_with_the_mistral_parser_every_call_id_is_mistrals():
     named = ToolPlan("named", True, function="f", mistral_ids=True).message("{}", "stop")[0]
     for call in message["tool_calls"] + named["tool_calls"]:
         assert len(call["id"]) == 9 and call["id"].isalnum()       # Mistral's templates refuse other ids
+
+
+def test_required_calls_cut_by_max_tokens_are_the_same_streamed_or_not():
+    # the stream sends each call once its object closes; the full reply cut by max_tokens shows the same calls
+    # (it showed the raw text as content, with no calls, while the stream had sent the first call)
+    plan = ToolPlan(mode="required", parallel=True)
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "'
+    message, reason = plan.message(text, "length")
+    assert reason == "length" and message["content"] is None
+    full = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    stream, streamed, content = plan.stream(), [], ""
+    for end in range(1, len(text) + 1):
+        delta = stream.delta(text[:end], end == len(text))
+        content += delta.get("content", "")
+        streamed += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in delta.get("tool_calls", [])]
+    assert full == streamed == [("get_weather", {"city": "Paris"})] and content == ""
+    assert stream.finish_reason("length") == "length"
+    message, _ = plan.message('[{"name": "get_weather", "param', "length")     # no object closed: the text
+    assert message["tool_calls"] == [] and message["content"] == '[{"name": "get_weather", "param'

@@ -104,6 +104,8 @@ def tool_request(body) -> ToolRequest:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad_request("tools must be a list of function tools", param="tools")
+        if not tools:                                 # vLLM and OpenAI refuse it too
+            raise bad_request("tools must not be an empty list; leave tools out for no tools", param="tools")
         if len(tools) > MAX_TOOLS:
             raise bad_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
         tools = [_check_tool(t, i) for i, t in enumerate(tools)]
@@ -120,8 +122,6 @@ def tool_request(body) -> ToolRequest:
         return ToolRequest(tools, "none", False, parallel)
     if tools is None:
         raise bad_request("tool_choice needs tools: give the tools the model may call", param="tool_choice")
-    if choice == "required" and not tools:         # vLLM and OpenAI: required over no tools is none
-        return ToolRequest(None, "none", False, parallel)
     if isinstance(choice, dict):
         name = _named(choice)
         if name not in {t["function"]["name"] for t in tools}:
@@ -189,7 +189,7 @@ class ToolPlan:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The full response's message and finish_reason for an output text (an output the engine ended
         with an error holds no calls: its text is the content)."""
-        calls, content = self._calls(text) if finish_reason != "error" else ([], text)
+        calls, content = self._calls(text, finish_reason == "length") if finish_reason != "error" else ([], text)
         if not self.parallel:
             calls = calls[:1]
         message = {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}
@@ -200,11 +200,12 @@ class ToolPlan:
             return "tool_calls"
         return reason
 
-    def _calls(self, text: str) -> tuple[list[ToolCall], str | None]:
+    def _calls(self, text: str, cut: bool = False) -> tuple[list[ToolCall], str | None]:
         if self.mode == "named":
             return [ToolCall(self.new_id(), self.function, text)], None
         if self.mode == "required":
-            calls = _required_calls(text, True, self.new_id)
+            # cut by max_tokens: the calls whose objects closed before the cut, as the stream sent them
+            calls = _required_calls(text, True, self.new_id) or (cut and _required_calls(text, False, self.new_id))
             return (calls, None) if calls else ([], text)
         extracted = get_parser(self.parser).extract(text)
         return list(extracted.tool_calls), extracted.content
