@@ -77,3 +77,29 @@ def test_prompt_logprobs_0_passes_on_a_stream_1_does_not(tiny_server):
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
     r = _post(tiny_server, "/v1/completions", {**body, "prompt_logprobs": 1})
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                     "{% if enable_thinking is defined and enable_thinking %}<think:{{ reasoning_effort }}>{% endif %}")
+
+
+@pytest.mark.parametrize("effort, kwargs, prompt", [
+    (None, None, "hi"), ("high", None, "hi<think:high>"), ("none", None, "hi"),
+    ("low", {"enable_thinking": False}, "hi"),          # the client's own enable_thinking stays
+    ("medium", {"reasoning_effort": "x"}, "hi<think:medium>")])
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_gives_it(effort, kwargs, prompt):
+    from fake_engine import FakeEngine
+    from server_testing import running_server
+    engine = FakeEngine(max_model_len=256)
+    with running_server(engine, "tiny", chat_template=THINKING_TEMPLATE) as (url, _):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "reasoning_effort": effort,
+                "chat_template_kwargs": kwargs}
+        r = _post(url, "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_an_unknown_reasoning_effort_is_a_400(tiny_server):
+    r = _post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and "reasoning_effort" in r.text, r.text

@@ -168,12 +168,13 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
     source = override if override is not None else getattr(tokenizer, "chat_template", None)
     if body.chat_template_kwargs and source is not None:
         _warn_unread_kwargs(source, body.chat_template_kwargs, template_variables)
+    kwargs = _template_kwargs(body, source, template_variables)
     from kvfit.server.tools import template_messages, template_tools
     tools = template_tools(body)
     try:
         return tokenizer.apply_chat_template(template_messages(messages), body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
-                                             chat_template=override, template_kwargs=body.chat_template_kwargs,
+                                             chat_template=override, template_kwargs=kwargs,
                                              **({"tools": tools} if tools is not None else {}))
     except ConfigError as exc:
         raise bad_request(f"{exc}; start the server with --chat-template, or use /v1/completions", param="messages",
@@ -182,12 +183,32 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
         raise bad_request(str(exc), param=exc.param or "messages") from None
 
 
-def _warn_unread_kwargs(source: str, kwargs: dict, template_variables: dict) -> None:
-    """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
+def _template_kwargs(body, source: str | None, template_variables: dict) -> dict | None:
+    """chat_template_kwargs with vLLM's reasoning_effort: the template gets it, and enable_thinking (its value
+    not "none") unless chat_template_kwargs sets that; a template that reads neither is named in the log."""
+    kwargs, effort = body.chat_template_kwargs, getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return kwargs
+    added = {"reasoning_effort": effort}
+    if "enable_thinking" not in (kwargs or {}):
+        added["enable_thinking"] = effort != "none"
+    if source is not None and not set(added) & _variables(source, template_variables):
+        logger.warning("reasoning_effort does nothing here: the chat template reads neither reasoning_effort nor "
+                       "enable_thinking")
+    return {**(kwargs or {}), **added}
+
+
+def _variables(source: str, template_variables: dict) -> set:
     from kvfit.text.chat_template import template_variables as read_variables
     if source not in template_variables:
         template_variables[source] = read_variables(source)
-    unread = [k for k in kwargs if k not in template_variables[source]]
+    return set(template_variables[source])
+
+
+def _warn_unread_kwargs(source: str, kwargs: dict, template_variables: dict) -> None:
+    """chat_template_kwargs the template never reads do nothing: say so in the log (as unknown fields)."""
+    variables = _variables(source, template_variables)
+    unread = [k for k in kwargs if k not in variables]
     if unread:
         logger.warning("chat_template_kwargs names variables the chat template does not read, so they do "
                        "nothing: %s", ", ".join(repr(k[:64]) for k in unread[:16]))

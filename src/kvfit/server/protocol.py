@@ -70,7 +70,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "vllm_xargs": ((), "leave it out"),
     "suffix": ((), "insertion is not implemented"),
     "documents": ((), "put the documents in the messages"),
-    "reasoning_effort": ((), "pass what the template reads in chat_template_kwargs"),
     "mm_processor_kwargs": ((), "kvfit serves text models only"),
     "chat_template": ((), "a request may not bring its own template (vLLM's --trust-request-chat-template is "
                           "not implemented); start the server with --chat-template"),
@@ -188,7 +187,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     documents: Any = None
-    reasoning_effort: Any = None
+    # vLLM's: given to the chat template as reasoning_effort, and enable_thinking = (not "none") unless
+    # chat_template_kwargs sets it (prepare._template_kwargs)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     mm_processor_kwargs: Any = None
     chat_template: Any = None
     functions: Any = None
