@@ -55,6 +55,7 @@ for s in "$@"; do case $s in
   serve-small) TAIL=${TAIL:-40} step serve-small 400 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf --runs 2 --out "$OUT/serve-small.json" --py-spy "$OUT/spy" ;;
   serve-2000) step serve-2000 300 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --out "$OUT/serve-2000.json" ;;
   serve-2000-8b) TAIL=${TAIL:-30} step serve-2000-8b 480 python3 benchmarks/bench_serve.py --model llama-3.1-8b --engines kvfit,vllm --num-requests 2000 --rates inf --runs 1 --kvfit-args "--log-level info" --out "$OUT/serve-2000-8b.json" ;;
+  serve-2000-8b-kvfit) TAIL=${TAIL:-30} step serve-2000-8b-kvfit 300 python3 benchmarks/bench_serve.py --model llama-3.1-8b --engines kvfit --num-requests 2000 --rates inf --runs 1 --kvfit-args "--log-level info" --out "$OUT/serve-2000-8b-kvfit.json" ;;
   headroom-probe) TAIL=${TAIL:-30} step headroom-probe 200 env PYTHONPATH=$PWD/src:$PWD/tests python3 benchmarks/probe_headroom.py new ;;
   serve-1step) TAIL=${TAIL:-60} step serve-1step 150 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit --num-requests 256 --rates 30 --runs 1 --kvfit-args "--num-scheduler-steps 1" --py-spy "$OUT/spy-1step" ;;
   serve-rates) TAIL=${TAIL:-60} step serve-rates 560 python3 benchmarks/bench_serve.py --model qwen3-0.6b --engines kvfit,vllm,offline --num-requests 512 --rates inf,30,54 --runs 2 --out "$OUT/serve-rates.json" --py-spy "$OUT/spy" --stack-samples "$OUT/stacks" ;;
