@@ -236,6 +236,9 @@ def main() -> int:
                                                           "activations), as `kvfit serve -q fp8`")
     ap.add_argument("--fp8-checkpoint", choices=("channel", "block"), default=None,
                     help="the model's FP8 checkpoint shape (dummy FP8 weights), as bench_vs_vllm.py's KVFIT_BENCH_FP8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: an fp8 KV cache (as `kvfit serve --kv-cache-dtype`)")
+    ap.add_argument("--calculate-kv-scales", action="store_true", help="with an fp8 cache: k/v scales from the "
+                                                                       "first batches")
     args = ap.parse_args()
     if args.fp8_checkpoint and args.quantization:
         ap.error("--fp8-checkpoint and --quantization are two ways to FP8 weights: give one")
@@ -257,7 +260,8 @@ def main() -> int:
         from bench_vs_vllm import model_folder
         model = model_folder(args.model, "kvfit", args.fp8_checkpoint)
     llm = LLM(model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=2048,
-              enable_prefix_caching=False, num_scheduler_steps=1, quantization=args.quantization)
+              enable_prefix_caching=False, num_scheduler_steps=1, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
     engine = llm.engine
     for p, n in zip(prompts, outs):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
