@@ -230,6 +230,57 @@ def test_fused_cache_write_equals_rope_then_write_kv(heads, dtype, cache_dtype, 
     assert torch.equal(v_cache.view(torch.uint8), ref_v_cache.view(torch.uint8))
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (12, 3), (1, 1)], ids=["4-2", "straddle", "mha1"])
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm-rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_cache_write_with_kv_scales_equals_the_scaled_torch_path(heads, norm, dtype):
+    # an fp8 cache with k/v scales (one per KV head): the launch divides k and v before the write and multiplies q
+    # in place; bit-identical to KVScales.for_cache + scale_query + write_kv_cache on the rotated rows
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter rounds fp32 -> bf16 by truncation, torch to nearest: bf16 runs on a GPU")
+    from kvfit.kernels.attention_common import write_kv_cache
+    from kvfit.kv.spec import PADDING_SLOT_ID
+    from kvfit.models.kv_scales import KVScales
+    num_q, num_kv = heads
+    dim, tokens, page, num_blocks = 32, 6, 4, 5
+    g = torch.Generator().manual_seed(num_q * 11 + num_kv)
+    qkv = (torch.randn(tokens, (num_q + 2 * num_kv) * dim, generator=g) * 30).to(DEVICE, dtype)
+    qw = torch.randn(dim, generator=g).to(DEVICE, dtype) if norm else None
+    kw = torch.randn(dim, generator=g).to(DEVICE, dtype) if norm else None
+    pos = torch.tensor([0, 5, 17, 300, 4095, 9]).to(DEVICE)
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE)
+    slots = torch.tensor([13, PADDING_SLOT_ID, 2, 19, 7, PADDING_SLOT_ID], dtype=torch.int64).to(DEVICE)
+    start = torch.randn(2, num_blocks, page, num_kv, dim, generator=g).to(DEVICE, torch.float8_e4m3fn)
+    scales = KVScales(num_kv, 0, num_kv, num_q, DEVICE)
+    scales.k_scale.copy_(torch.rand(num_kv, generator=g) * 0.3 + 0.01)
+    scales.v_scale.copy_(torch.rand(num_kv, generator=g) * 0.3 + 0.01)
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), start[0].clone(), start[1].clone()
+    q, k, v = _qkv_views(ref_qkv, num_q, num_kv, dim)
+    fused_ops.qk_norm_rope_(q, k, pos, freqs, qw, kw, 1e-6)
+    (ks, vs), ref_q = scales.for_cache(k, v), scales.scale_query(q)
+    write_kv_cache(ks, vs, ref_k_cache, ref_v_cache, slots)
+    k_cache, v_cache = start[0].clone(), start[1].clone()
+    views = _qkv_views(qkv, num_q, num_kv, dim)
+    assert fused_ops.qk_norm_rope_write_kv_(*views, pos, freqs, qw, kw, 1e-6, k_cache, v_cache, slots,
+                                            scales.k_scale, scales.v_scale)
+    assert torch.equal(views[0], ref_q)                                      # q scaled in place
+    assert torch.equal(views[1], k) and torch.equal(views[2], v)             # k rotated, v as it was
+    assert torch.equal(k_cache.view(torch.uint8), ref_k_cache.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v_cache.view(torch.uint8))
+
+
+def test_scale_output_in_place_equals_the_product_rounded():
+    from kvfit.models.kv_scales import KVScales
+    scales = KVScales(4, 0, 2, 6, "cpu")
+    scales.v_scale.copy_(torch.tensor([0.037, 3.3]))
+    out = torch.randn(5, 6, 8).to(torch.bfloat16)
+    want = (out * scales.v_scale.repeat_interleave(3)[None, :, None]).to(out.dtype)
+    assert torch.equal(scales.scale_output(out.clone()), want)
+    strided = torch.randn(6, 5, 8).to(torch.bfloat16).transpose(0, 1)        # not contiguous: a new tensor
+    assert torch.equal(scales.scale_output(strided), (strided * scales.v_scale.repeat_interleave(3)[None, :, None])
+                       .to(torch.bfloat16))
+
+
 def test_fused_cache_write_declines_views_that_are_not_one_row():
     qkv = torch.randn(2, 4 * 16).to(DEVICE)
     q, k, v = _qkv_views(qkv, 2, 1, 16)
@@ -327,7 +378,8 @@ def _compile_check() -> None:
     from triton_interpreter import compile_sm90
 
     from kvfit.kernels import gemv
-    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    ptr_types = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     quant = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
 
     def build(kernel, consts, warps=4, stages=3):
@@ -344,9 +396,9 @@ def _compile_check() -> None:
     for block, group in ((4096, 0), (4096, 4096), (2048, 128), (4096, 128)):     # with the FP8 epilogue: per token, 128
         build(fused_ops._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=block, PDL=True, QUANT_GROUP=group, **quant),
               warps=4 if block <= 4096 else 8)
-    for write_kv in (False, True):
+    for write_kv, scaled in ((False, False), (True, False), (True, True)):      # scaled: an fp8 cache's k/v scales
         build(fused_ops._norm_rope_kernel, dict(HALF=64, BLOCK_H=16, BLOCK_D=64, NORM=True, WRITE_KV=write_kv,
-                                                PAGE=16, PAD_SLOT=-1, PDL=True))
+                                                SCALED=scaled, PAGE=16, PAD_SLOT=-1, PDL=True))
     for block, group in ((1024, 0), (1024, 128), (16384, 16384), (4096, 4096)):     # FP8 epilogue: per group, token
         build(fused_ops._silu_mul_kernel, dict(BLOCK=block, PDL=True, QUANT_GROUP=group, **quant),
               warps=max(4, min(16, block // 512)))

@@ -94,6 +94,10 @@ class Rotary(Protocol):
 class KVCacheScales(Protocol):
     """The scales of an fp8 cache (models/kv_scales.py): k, v divided on the way in, q and the output scaled."""
 
+    k_scale: torch.Tensor            # fp32 [Hkv]: a kernel that writes the cache may divide by them itself
+    v_scale: torch.Tensor
+    calculate_next: bool             # this step's k and v set the scales first (for_cache)
+
     def for_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def scale_query(self, q: torch.Tensor) -> torch.Tensor: ...

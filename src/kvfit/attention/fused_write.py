@@ -1,10 +1,12 @@
 """The cache write folded into the kernels before it, for a backend whose write_kv is a plain cast copy of
 token t's k and v to slot_mapping[t] (no scales, no layout of its own): the Triton backend's.
 
-On CUDA with Triton, and only without KV cache scales (they divide k and v before the write):
-- one token with a 16-bit fused q/k/v weight, no q/k norm (a norm needs a whole head in one program) and RoPE
-  over the whole head: projection, RoPE and the write in one GEMV launch (kernels/gemv.py);
-- otherwise, q/k views of one projection's rows: q/k norm, RoPE and the write in one launch (kernels/fused_ops.py).
+On CUDA with Triton:
+- one token with a 16-bit fused q/k/v weight, no q/k norm (a norm needs a whole head in one program), RoPE
+  over the whole head and no KV cache scales: projection, RoPE and the write in one GEMV launch (kernels/gemv.py);
+- otherwise, q/k views of one projection's rows: q/k norm, RoPE and the write in one launch (kernels/fused_ops.py),
+  with an fp8 cache's k/v scales too (k and v divided before the write, q multiplied), except on the step that
+  calculates them (--calculate-kv-scales: the amax of this step's k and v comes first).
 Anything else takes AttentionBackend's path: rotate, then write_kv. The outputs are the same either way.
 """
 
@@ -33,9 +35,11 @@ class FusedCacheWrite:
 
     def rotate_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv_cache,
                         slot_mapping: torch.Tensor, kv_scales: KVCacheScales | None = None):
-        # q/k norm and RoPE in place on the projection's rows, with the cache write, in one launch
-        if (kv_cache is not None and kv_scales is None and fused_ops.available(q)
+        # q/k norm and RoPE in place on the projection's rows, with the cache write (and q scaled), in one launch
+        scaled = kv_scales is not None
+        if (kv_cache is not None and not (scaled and kv_scales.calculate_next) and fused_ops.available(q)
                 and fused_ops.qk_norm_rope_write_kv_(q, k, v, rotary.positions, rotary.inv_freq, rotary.q_norm_weight,
-                                                     rotary.k_norm_weight, rotary.eps, *kv_cache, slot_mapping)):
+                                                     rotary.k_norm_weight, rotary.eps, *kv_cache, slot_mapping,
+                                                     *((kv_scales.k_scale, kv_scales.v_scale) if scaled else ()))):
             return q, k, v
         return super().rotate_write_kv(q, k, v, rotary, kv_cache, slot_mapping, kv_scales)

@@ -98,12 +98,16 @@ if triton is not None:
     def _norm_rope_kernel(x_ptr, pos_ptr, freq_ptr, w_first_ptr, w_rest_ptr, stride_tok, stride_head, num_heads,
                           num_first, eps,
                           k_cache_ptr, v_cache_ptr, slot_ptr, num_kv, stride_kcb, stride_kcs, stride_kch,
-                          stride_vcb, stride_vcs, stride_vch,
+                          stride_vcb, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr, group,
                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                          WRITE_KV: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr, PDL: tl.constexpr):
+                          WRITE_KV: tl.constexpr, SCALED: tl.constexpr, PAGE: tl.constexpr, PAD_SLOT: tl.constexpr,
+                          PDL: tl.constexpr):
         # program (token, head tile): heads [BLOCK_H] x the two halves [BLOCK_D] of each head. Heads
         # < num_first are q's, the rest k's; with WRITE_KV the rows are q, k then v (num_kv each of k and v):
-        # k goes to its cache slot after RoPE, v unchanged to its slot, as the backend's write_kv would
+        # k goes to its cache slot after RoPE, v unchanged to its slot, as the backend's write_kv would.
+        # SCALED (an fp8 cache's k/v scales, fp32 per KV head; models/kv_scales.py): q is multiplied by its KV
+        # head's k scale, k and v divided by theirs before the write, each rounded to the model dtype as torch
+        # rounds `(x * s).to(dtype)` and `(x / s).to(dtype)`
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -131,17 +135,31 @@ if triton is not None:
         pos = tl.load(pos_ptr + tok).to(tl.float32)
         angle = pos * tl.load(freq_ptr + i, mask=d_mask, other=0.0)
         o1, o2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), angle[None, :])
-        o1, o2 = o1.to(x_ptr.dtype.element_ty), o2.to(x_ptr.dtype.element_ty)
+        dtype = x_ptr.dtype.element_ty
+        o1, o2 = o1.to(dtype), o2.to(dtype)
         if WRITE_KV:
             rotated = mask & (heads < num_first + num_kv)[:, None]
         else:
             rotated = mask
+        k1, k2 = o1, o2
+        if SCALED:
+            is_q = heads < num_first
+            kv_of = tl.where(is_q, heads // group, tl.where(heads < num_first + num_kv, heads - num_first,
+                                                             heads - num_first - num_kv))
+            kv_of = tl.minimum(tl.maximum(kv_of, 0), num_kv - 1)
+            ks = tl.load(k_scale_ptr + kv_of)[:, None]
+            vs = tl.load(v_scale_ptr + kv_of)[:, None]
+            qs1, qs2 = (o1.to(tl.float32) * ks).to(dtype), (o2.to(tl.float32) * ks).to(dtype)
+            o1 = tl.where(is_q[:, None], qs1, o1)
+            o2 = tl.where(is_q[:, None], qs2, o2)
+            k1, k2 = tl.math.div_rn(k1.to(tl.float32), ks).to(dtype), tl.math.div_rn(k2.to(tl.float32), ks).to(dtype)
+            v1, v2 = tl.math.div_rn(v1.to(tl.float32), vs).to(dtype), tl.math.div_rn(v2.to(tl.float32), vs).to(dtype)
         tl.store(base, o1, mask=rotated)
         tl.store(base + HALF, o2, mask=rotated)
         if WRITE_KV:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             kv_head = (heads - num_first).to(tl.int64)[:, None]                  # k rows: 0..num_kv-1
-            store_kv_halves(k_cache_ptr, slot, kv_head, num_kv, i[None, :], o1, o2, mask,
+            store_kv_halves(k_cache_ptr, slot, kv_head, num_kv, i[None, :], k1, k2, mask,
                             stride_kcb, stride_kcs, stride_kch, PAGE, HALF, PAD_SLOT)
             store_kv_halves(v_cache_ptr, slot, kv_head - num_kv, num_kv, i[None, :], v1, v2, mask,   # v rows
                             stride_vcb, stride_vcs, stride_vch, PAGE, HALF, PAD_SLOT)
@@ -217,8 +235,9 @@ def _add_rms_norm_launch(x, residual, weight, eps, group):
 
 
 def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_first: int, eps: float,
-                      cache=None) -> None:
-    """x: [T, H, D] rows; cache: None, or (k_cache, v_cache, slot_mapping, num_kv) with x = q, k, v rows."""
+                      cache=None, scales=None) -> None:
+    """x: [T, H, D] rows; cache: None, or (k_cache, v_cache, slot_mapping, num_kv) with x = q, k, v rows;
+    scales: None, or (k_scale, v_scale) fp32 [num_kv] with a cache."""
     tokens, heads, dim = x.shape
     assert x.stride(2) == 1 and dim % 2 == 0, (x.shape, x.stride())
     if not tokens:
@@ -232,12 +251,15 @@ def _norm_rope_launch(x: torch.Tensor, positions, freqs, w_first, w_rest, num_fi
     else:
         k_cache, v_cache, slots, num_kv = cache
         page, kv_strides = k_cache.shape[1], (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    k_scale, v_scale = scales if scales is not None else (freqs, freqs)     # unread without SCALED
+    group = num_first // num_kv if scales is not None else 1
     block_h = min(triton.next_power_of_2(heads), 16)
     _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, positions, freqs, w_first, w_rest, x.stride(0), x.stride(1), heads, num_first, eps,
-        k_cache, v_cache, slots, num_kv, *kv_strides,
+        k_cache, v_cache, slots, num_kv, *kv_strides, k_scale, v_scale, group,
         HALF=dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim // 2), NORM=norm,
-        WRITE_KV=cache is not None, PAGE=page, PAD_SLOT=PADDING_SLOT_ID, num_warps=4, **pdl.launch_args(x))
+        WRITE_KV=cache is not None, SCALED=scales is not None, PAGE=page, PAD_SLOT=PADDING_SLOT_ID, num_warps=4,
+        **pdl.launch_args(x))
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -267,13 +289,16 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, fre
 def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            freqs: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                            eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> bool:
+                           slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> bool:
     """qk_norm_rope_ of q, k, and the KV-cache write of k (after RoPE) and v, in one launch -> True; False
     (nothing done) unless q, k, v are adjacent views of one fused qkv row.
 
     The write is the attention backend's plain one (attention/fused_write.py): token t's k and v
     cast to the cache dtype at slot slot_mapping[t] of caches [num_blocks, block_size, Hkv, D];
-    PADDING_SLOT_ID rows are skipped.
+    PADDING_SLOT_ID rows are skipped. With k_scale, v_scale (fp32 [Hkv], an fp8 cache's scales) k and v are
+    divided by their KV head's scale before the write and q is multiplied by its KV head's k scale in place,
+    as KVScales.for_cache and scale_query compute them.
     """
     if not (_adjacent_heads(q, k) and _adjacent_heads(k, v)):
         return False
@@ -283,8 +308,12 @@ def qk_norm_rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     assert v.shape == k.shape and k_cache.shape[2:] == k.shape[1:], (k.shape, v.shape, k_cache.shape)
     assert slot_mapping.shape == (q.shape[0],), (slot_mapping.shape, q.shape)
     rows = q.as_strided((q.shape[0], q.shape[1] + 2 * num_kv, q.shape[2]), q.stride())
+    scales = None
+    if k_scale is not None:
+        assert v_scale is not None and k_scale.shape == v_scale.shape == (num_kv,) and q.shape[1] % num_kv == 0
+        scales = (k_scale, v_scale)
     _norm_rope_launch(rows, positions, freqs, q_weight, k_weight, q.shape[1], eps,
-                      (k_cache, v_cache, slot_mapping.to(torch.int64), num_kv))
+                      (k_cache, v_cache, slot_mapping.to(torch.int64), num_kv), scales)
     return True
 
 
