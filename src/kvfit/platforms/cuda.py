@@ -187,8 +187,9 @@ class CudaPlatform(Platform):
             self.hold_activation_reserve(reading)
         elif not self._warned_futile:
             self._warned_futile = True
-            logger.warning("the steps' activations do not fit the held activation reserve (the allocator's "
-                           "settings: PYTORCH_CUDA_ALLOC_CONF); it is no longer held between steps, so another "
+            logger.warning("the steps' activations outgrew the held activation reserve three steps in a row (steps "
+                           "of shapes the start-up profile did not cover, or the allocator's settings: "
+                           "PYTORCH_CUDA_ALLOC_CONF); it is no longer held between steps, so another "
                            "process that takes the device's free memory can make a large step run out of it "
                            "(it is taken again once a step passes without a release)")
 
