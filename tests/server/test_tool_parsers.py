@@ -227,12 +227,19 @@ def test_required_calls_cut_by_max_tokens_are_the_same_streamed_or_not():
     message, reason = plan.message(text, "length")
     assert reason == "length" and message["content"] is None
     full = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-    stream, streamed, content = plan.stream(), [], ""
-    for end in range(1, len(text) + 1):
-        delta = stream.delta(text[:end], end == len(text))
-        content += delta.get("content", "")
-        streamed += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in delta.get("tool_calls", [])]
-    assert full == streamed == [("get_weather", {"city": "Paris"})] and content == ""
-    assert stream.finish_reason("length") == "length"
+    for ends in (range(1, len(text) + 1), (20, len(text))):     # a token an output; or the object closing in the last
+        stream, streamed, content = plan.stream(), [], ""
+        for end in ends:
+            delta = stream.delta(text[:end], end == len(text), "length" if end == len(text) else None)
+            content += delta.get("content", "")
+            streamed += [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                         for c in delta.get("tool_calls", [])]
+        assert full == streamed == [("get_weather", {"city": "Paris"})] and content == ""
+        assert stream.finish_reason("length") == "length"
+    whole = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'     # the list closed by the last token
+    stream = plan.stream()
+    calls = stream.delta(whole, True, "length")["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == [n for n, _ in full]
+    assert [c["function"]["name"] for c in plan.message(whole, "length")[0]["tool_calls"]] == [n for n, _ in full]
     message, _ = plan.message('[{"name": "get_weather", "param', "length")     # no object closed: the text
     assert message["tool_calls"] == [] and message["content"] == '[{"name": "get_weather", "param'

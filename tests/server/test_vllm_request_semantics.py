@@ -103,3 +103,11 @@ def test_an_unknown_reasoning_effort_is_a_400(tiny_server):
     r = _post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                     "reasoning_effort": "extreme"})
     assert r.status_code == 400 and "reasoning_effort" in r.text, r.text
+
+
+def test_an_empty_tools_list_is_a_chat_400_but_tokenize_renders_it(tiny_server):
+    messages = [{"role": "user", "content": "hi"}]
+    r = _post(tiny_server, "/v1/chat/completions", {"messages": messages, "tools": [], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = _post(tiny_server, "/tokenize", {"messages": messages, "tools": []})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text

@@ -277,7 +277,7 @@ class ResponseBuilder:
         reason = sample.finish_reason
         if self.chat and self.inp.tools is not None:        # content and tool-call deltas (server/tools.py)
             stream = self._tool_streams.setdefault(sample.index, self.inp.tools.stream())
-            body_delta = stream.delta(text, finished)
+            body_delta = stream.delta(text, finished, sample.finish_reason)
             if prefix_text:
                 body_delta["content"] = prefix_text + body_delta.get("content", "")
             reason = stream.finish_reason(reason) if finished else None

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 
 from kvfit.errors import ConfigError, RequestError
-from kvfit.server.protocol import bad_request
+from kvfit.server.protocol import TokenizeRequest, bad_request
 from kvfit.server.tool_parsers import (_DECODER, PARSERS, ToolCall, _decode_objects, get_parser,
                                        mistral_tool_call_id, random_tool_call_id)
 
@@ -104,7 +104,7 @@ def tool_request(body) -> ToolRequest:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad_request("tools must be a list of function tools", param="tools")
-        if not tools:                                 # vLLM and OpenAI refuse it too
+        if not tools and not isinstance(body, TokenizeRequest):   # vLLM's chat refuses it (its /tokenize does not)
             raise bad_request("tools must not be an empty list; leave tools out for no tools", param="tools")
         if len(tools) > MAX_TOOLS:
             raise bad_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
@@ -315,12 +315,14 @@ class ToolStream:
         self.parsed_upto = 0           # auto: the text length the calls were last parsed at
         self.streaming: ToolCall | None = None   # auto: the call whose name went out, arguments coming (id, name)
 
-    def delta(self, text: str, finished: bool) -> dict:
-        """The delta for text (cumulative; a finished one is final): {} when nothing new."""
+    def delta(self, text: str, finished: bool, reason: str | None = None) -> dict:
+        """The delta for text (cumulative; a finished one is final, ended for `reason`): {} when nothing new."""
         if self.plan.mode == "named":
             return self._named_delta(text)
         if self.plan.mode == "required":
-            calls = _required_calls(text, finished, self.plan.new_id) or []
+            # cut by max_tokens: the calls whose objects closed, as the full reply shows them (ToolPlan._calls)
+            whole = finished and reason != "length"
+            calls = _required_calls(text, whole, self.plan.new_id) or []
             content_end = len(text) if finished and not calls and not self.calls else 0
         else:
             calls, content_end = self._auto(text, finished)
