@@ -166,7 +166,7 @@ def test_tool_choice_defaults_and_errors():
                         (_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
                          "tool_choice"),
                         (_body(tools=[{"type": "function", "function": {}}]), "tools"),
-                        (_body(tools="x"), "tools"), (_body(tools=[WEATHER], parallel_tool_calls="yes"),
+                        (_body(tools="x"), "tools"), (_body(tools=[WEATHER], parallel_tool_calls="sometimes"),
                                                       "parallel_tool_calls")]:
         with pytest.raises(APIError) as info:
             tool_request(body)

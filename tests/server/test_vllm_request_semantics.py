@@ -111,3 +111,23 @@ def test_an_empty_tools_list_is_a_chat_400_but_tokenize_renders_it(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     r = _post(tiny_server, "/tokenize", {"messages": messages, "tools": []})
     assert r.status_code == 200 and r.json()["count"] > 0, r.text
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", "false"), ("priority", "0"), ("length_penalty", "1"),
+                                          ("best_of", 1.0)])
+def test_neutral_values_of_unhonoured_fields_are_read_laxly(tiny_server, field, value):
+    r = _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, field: value})
+    assert r.status_code == 200, r.text
+    r = _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "use_beam_search": "true"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
+def test_parallel_tool_calls_is_read_laxly():
+    from kvfit.server.protocol import APIError
+    from kvfit.server.tools import tool_request
+    import types
+    body = types.SimpleNamespace(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice=None,
+                                 parallel_tool_calls="false")
+    assert tool_request(body).parallel is False
+    with pytest.raises(APIError, match="parallel_tool_calls must be true or false"):
+        tool_request(types.SimpleNamespace(**{**vars(body), "parallel_tool_calls": "sometimes"}))

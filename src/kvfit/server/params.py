@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pydantic import TypeAdapter, ValidationError
+
 from kvfit.engine.admission import check_cache_salt, check_logprobs_count
 from kvfit.errors import RequestError
 from kvfit.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -106,8 +108,20 @@ def check_unsupported(req) -> None:
                               f"structured_outputs: {{\"{key}\": ...}} instead", param=name)
     for name, (neutral, instead) in UNSUPPORTED_FIELDS.items():
         value = getattr(req, name, None)
-        if value is not None and value not in neutral and not (name == "best_of" and value == req.n):
+        if value is not None and not _neutral(value, neutral) and not (name == "best_of" and value == req.n):
             raise bad_request(f"{name} is not supported by kvfit: {instead}", param=name)
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    """Whether value is one of the values that ask for nothing, read laxly as the request models read fields
+    ("false" is false, 1.0 is 1)."""
+    for want in neutral:
+        try:
+            if TypeAdapter(type(want)).validate_python(value) == want:
+                return True
+        except ValidationError:
+            pass
+    return False
 
 
 def structured_outputs_params(req) -> StructuredOutputsParams | None:

@@ -25,10 +25,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter, ValidationError
+
 from kvfit.errors import ConfigError, RequestError
 from kvfit.server.protocol import TokenizeRequest, bad_request
 from kvfit.server.tool_parsers import (_DECODER, PARSERS, ToolCall, _decode_objects, get_parser,
                                        mistral_tool_call_id, random_tool_call_id)
+
+_LAX_BOOL = TypeAdapter(bool)
 
 MAX_TOOLS = 128                 # OpenAI's limit on tools per request
 TOOL_CHOICES = ("none", "auto", "required")
@@ -109,9 +113,12 @@ def tool_request(body) -> ToolRequest:
         if len(tools) > MAX_TOOLS:
             raise bad_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
         tools = [_check_tool(t, i) for i, t in enumerate(tools)]
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request(f"parallel_tool_calls must be true or false, got {parallel!r:.40}",
-                          param="parallel_tool_calls")
+    if parallel is not None:
+        try:
+            parallel = _LAX_BOOL.validate_python(parallel)          # read laxly, as the request's other fields
+        except ValidationError:
+            raise bad_request(f"parallel_tool_calls must be true or false, got {parallel!r:.40}",
+                              param="parallel_tool_calls") from None
     parallel = True if parallel is None else parallel
     if choice is None:
         return ToolRequest(tools, "auto" if tools else "none", False, parallel)
