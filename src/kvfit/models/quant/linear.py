@@ -62,10 +62,11 @@ def scale_values(value: torch.Tensor, name: str, scheme: Fp8Scheme | None) -> to
         return value.float()
     if value.dtype == torch.uint8 and scheme is not None and scheme.ue8m0_scales:
         return value.view(torch.float8_e8m0fnu).float()
-    hint = " (uint8 scales are exponents only with scale_fmt \"ue8m0\" in quantization_config)" \
-        if value.dtype == torch.uint8 else ""
+    hint = (" (uint8 weight scales are read as e8m0 exponents only with quant_method \"fp8\" and scale_fmt "
+            "\"ue8m0\")") if value.dtype == torch.uint8 else ""
     raise ConfigError(f"checkpoint tensor {name} is {str(value.dtype).removeprefix('torch.')}, but a scale must be "
-                      f"float32, bfloat16 or float16{hint}; the checkpoint does not match config.json")
+                      f"a float (float32, bfloat16, float16, float64 or float8_e8m0fnu){hint}; the checkpoint does "
+                      "not match config.json")
 
 
 def _cdiv(a: int, b: int) -> int:
