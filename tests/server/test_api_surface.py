@@ -69,7 +69,7 @@ def test_unknown_fields_are_served_with_a_warning_naming_them(server, client, ca
     assert warnings == ["The following fields were present in the request but ignored: 'frobnicate', 'zz_top'"]
 
 
-UNHONOURED = [("use_beam_search", True), ("best_of", 3), ("suffix", "x"), ("truncate_prompt_tokens", 5),
+UNHONOURED = [("use_beam_search", True), ("best_of", 3), ("suffix", "x"),
               ("priority", 1), ("logits_processors", ["x"]),
               ("length_penalty", 0.5), ("guided_json", {"type": "object"}),
               ("guided_choice", ["a", "b"]), ("guided_regex", "a+"), ("vllm_xargs", {"a": 1})]

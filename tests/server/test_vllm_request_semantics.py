@@ -131,3 +131,39 @@ def test_parallel_tool_calls_is_read_laxly():
     assert tool_request(body).parallel is False
     with pytest.raises(APIError, match="parallel_tool_calls must be true or false"):
         tool_request(types.SimpleNamespace(**{**vars(body), "parallel_tool_calls": "sometimes"}))
+
+
+def _ids(url: str, text: str) -> list[int]:
+    return httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()["tokens"]
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(tiny_server, side):
+    text = "one two three four five six seven eight nine ten"
+    ids = _ids(tiny_server, text)
+    kept = ids[:4] if side == "right" else ids[-4:]               # vLLM's default for generative models: left
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 4, "echo": True,
+            **({"truncation_side": side} if side else {})}
+    got = _post(tiny_server, "/v1/completions", body).json()
+    want = _post(tiny_server, "/v1/completions", {"prompt": kept, "max_tokens": 4, "temperature": 0,
+                                                  "echo": True}).json()
+    assert got["usage"]["prompt_tokens"] == 4
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]          # echo shows the prompt it kept
+
+
+def test_truncate_prompt_tokens_minus_1_and_its_limits(tiny_server):
+    ids = list(range(5, 125))                                      # 120 tokens; the tiny server's max_model_len
+    max_model_len = httpx.post(f"{tiny_server}/tokenize", json={"model": MODEL, "prompt": "x"},
+                               timeout=30).json()["max_model_len"]
+    long = (ids * (max_model_len // len(ids) + 1))[:max_model_len]
+    r = _post(tiny_server, "/v1/completions", {"prompt": long, "max_tokens": 8, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == max_model_len - 8, r.text
+    r = _post(tiny_server, "/v1/completions", {"prompt": long, "max_tokens": 8,
+                                               "truncate_prompt_tokens": max_model_len - 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    for bad in (-2, 0):
+        r = _post(tiny_server, "/v1/completions", {"prompt": long[:10], "max_tokens": 2, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+    r = _post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c d e f g h"}],
+                                                    "max_tokens": 2, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text

@@ -393,7 +393,7 @@ async def _add_each(state: ServerState, response_id: str, inputs: list[GenerateI
             request_id = f"{response_id}-{i}" if batch else response_id     # vLLM's sub-request ids
             try:
                 stream = await state.engine.add(request_id, inp.prompt, inp.params, inp.max_tokens_given,
-                                                inp.cache_salt)
+                                                inp.cache_salt, inp.truncate)
             except APIError as exc:
                 if not batch:
                     raise

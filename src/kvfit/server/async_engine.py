@@ -35,6 +35,7 @@ from kvfit.sampling_params import SamplingParams
 from kvfit.engine.llm_engine import encode_prompt
 from kvfit.errors import KvfitError
 from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
+from kvfit.server.params import truncate_prompt
 from kvfit.server.prepare import as_api_error, check_prompt_chars
 from kvfit.server.protocol import APIError
 
@@ -185,13 +186,16 @@ class ServingEngine:
             raise as_api_error(exc) from None
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  max_tokens_given: bool = True, cache_salt: str | None = None) -> RequestStream:
+                  max_tokens_given: bool = True, cache_salt: str | None = None,
+                  truncate: tuple[int, str] | None = None) -> RequestStream:
         """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead).
-        cache_salt: the request shares prefix-cache blocks only with requests of the same salt."""
+        cache_salt: the request shares prefix-cache blocks only with requests of the same salt; truncate:
+        truncate_prompt_tokens and its side (params.truncate_prompt)."""
         if (error := self.health()) is not None:
             raise error
         stream = RequestStream(request_id)
         ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if max_tokens_given else 0)
         future = asyncio.get_running_loop().create_future()
         self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:

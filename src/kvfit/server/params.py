@@ -58,6 +58,7 @@ class GenerateInput:
     role: str = "assistant"         # chat: the reply's role (vLLM: the last message's without add_generation_prompt)
     tokens_as_token_ids: bool = False   # logprobs tokens shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     prompt_tokens_details: bool = False  # usage shows cached_tokens (--enable-prompt-tokens-details)
+    truncate: tuple[int, str] | None = None   # truncate_prompt_tokens (-1: what max_tokens leaves), "left" or "right"
     echo_only: bool = False         # completions' echo with max_tokens 0 (a scorer's request): the reply is the prompt
     #                                 (and its logprobs) alone; the engine samples one token, left out (vLLM's)
 
@@ -235,6 +236,31 @@ def _stream_flags(req, force_usage: bool = False) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and options.continuous_usage_stats
 
 
+def _truncation(req) -> tuple[int, str] | None:
+    keep = req.truncate_prompt_tokens
+    return None if keep is None else (keep, req.truncation_side or "left")
+
+
+def truncate_prompt(ids: list[int], truncate: tuple[int, str] | None, max_model_len: int,
+                    max_tokens: int | None) -> list[int]:
+    """A prompt's token ids cut to truncate_prompt_tokens as vLLM cuts them: -1 keeps what max_model_len leaves
+    after max_tokens; more than that is a 400; "left" keeps the last tokens, "right" the first."""
+    if truncate is None:
+        return ids
+    keep, side = truncate
+    limit = max_model_len - (max_tokens or 0)
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens = "
+                          f"{limit}; ask for a smaller truncation size", param="truncate_prompt_tokens")
+    keep = limit if keep == -1 else keep
+    if keep <= 0:
+        raise bad_request(f"truncate_prompt_tokens keeps {keep} prompt tokens; keep at least one",
+                          param="truncate_prompt_tokens")
+    if keep >= len(ids):
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
+
+
 def _rendering(req, defaults: RequestDefaults) -> dict:
     """GenerateInput's logprobs and usage rendering: the request's return_tokens_as_token_ids, else the server's."""
     as_ids = req.return_tokens_as_token_ids
@@ -272,7 +298,8 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                           prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
-                          cache_salt=salt, echo_only=echo_only, **_rendering(req, defaults)) for prompt in prompts]
+                          cache_salt=salt, echo_only=echo_only, truncate=_truncation(req), **_rendering(req, defaults))
+            for prompt in prompts]
 
 
 def _template_content(message, content_format: str) -> str | list[dict]:
@@ -325,5 +352,5 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
-                         cache_salt=_cache_salt(req), **_rendering(req, defaults),
+                         cache_salt=_cache_salt(req), truncate=_truncation(req), **_rendering(req, defaults),
                          role="assistant" if req.add_generation_prompt else messages[-1]["role"])

@@ -61,7 +61,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), "beam search is not implemented"),
     "length_penalty": ((1.0,), "it applies to beam search, which is not implemented"),
     "best_of": ((1,), "give n for several choices"),
-    "truncate_prompt_tokens": ((), "shorten the prompt on the client"),
     "priority": ((0,), "requests are served first come, first served"),
     "request_id": ((), "the server picks the id"),
     "logits_processors": ((), "custom logits processors are not loaded"),
@@ -124,11 +123,14 @@ class _SamplingFields(_Body):
     add_special_tokens: bool | None = None
     cache_salt: Any = None              # any type, so params.py's check gives the one-line 400 naming it
     return_tokens_as_token_ids: bool | None = None   # None: the server's --return-tokens-as-token-ids
+    # vLLM's: keep this many prompt tokens (-1: max_model_len - max_tokens), the last ones unless
+    # truncation_side is "right" (vLLM's default for generative models is "left")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**63 - 1)
+    truncation_side: Literal["left", "right"] | None = None
     # known, not honoured (UNSUPPORTED_FIELDS, REMOVED_GUIDED_FIELDS): any type, so the 400 names them
     use_beam_search: Any = None
     length_penalty: Any = None
     best_of: Any = None
-    truncate_prompt_tokens: Any = None
     priority: Any = None
     request_id: Any = None
     logits_processors: Any = None

@@ -162,7 +162,7 @@ class ResponseBuilder:
 
     # what echo puts first ---------------------------------------------------------------------
     def _prompt_text(self, output: RequestOutput) -> str:
-        if isinstance(self.inp.prompt, str):        # the text as the client sent it (the engine got ids)
+        if isinstance(self.inp.prompt, str) and self.inp.truncate is None:   # the text as the client sent it
             return self.inp.prompt
         if output.prompt is not None:
             return output.prompt
