@@ -167,3 +167,40 @@ def test_truncate_prompt_tokens_minus_1_and_its_limits(tiny_server):
     r = _post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c d e f g h"}],
                                                     "max_tokens": 2, "truncate_prompt_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
+
+
+def _chunks(url: str, path: str, body: dict) -> list[dict]:
+    r = httpx.post(f"{url}{path}", json={"model": MODEL, **body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_on_completions_full_and_streamed(tiny_server):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "n": 2, "seed": 3, "return_token_ids": True,
+            "ignore_eos": True}
+    full = _post(tiny_server, "/v1/completions", body).json()
+    prompt_ids = _ids(tiny_server, PROMPT)
+    streamed: dict[int, list[int]] = {}
+    firsts: dict[int, list[int]] = {}
+    for chunk in _chunks(tiny_server, "/v1/completions", body):
+        for c in chunk["choices"]:
+            streamed.setdefault(c["index"], []).extend(c["token_ids"])
+            if "prompt_token_ids" in c:
+                assert c["index"] not in firsts
+                firsts[c["index"]] = c["prompt_token_ids"]
+    for choice in full["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids == firsts[choice["index"]]
+        assert len(choice["token_ids"]) == 6 and streamed[choice["index"]] == choice["token_ids"]
+    assert "token_ids" not in _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}
+                                    ).json()["choices"][0]
+
+
+def test_return_token_ids_on_chat_full_and_streamed(tiny_server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    full = _post(tiny_server, "/v1/chat/completions", body).json()
+    assert len(full["prompt_token_ids"]) == full["usage"]["prompt_tokens"]
+    chunks = _chunks(tiny_server, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    streamed = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids") or []]
+    assert streamed == full["choices"][0]["token_ids"] and len(streamed) == 5

@@ -448,7 +448,7 @@ async def _stream_events(state: ServerState, builders: list[ResponseBuilder], in
     """SSE chunks: each choice's deltas and finish reason, usage if asked, then [DONE]."""
     outputs = [None] * len(streams)
     try:
-        for body in builders[0].role_chunks(streams[0].num_prompt_tokens):
+        for body in builders[0].role_chunks(streams[0].num_prompt_tokens, streams[0].prompt_ids):
             yield sse(body)
         async with contextlib.aclosing(_merged(streams)) as moves:
             async for i, item in moves:

@@ -62,6 +62,7 @@ class RequestStream:
 
     request_id: str
     num_prompt_tokens: int = 0
+    prompt_ids: list[int] | None = None  # the prompt's token ids as the engine got them (return_token_ids)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -196,6 +197,7 @@ class ServingEngine:
         stream = RequestStream(request_id)
         ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         ids = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if max_tokens_given else 0)
+        stream.prompt_ids = ids
         future = asyncio.get_running_loop().create_future()
         self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:

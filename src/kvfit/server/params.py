@@ -58,6 +58,7 @@ class GenerateInput:
     role: str = "assistant"         # chat: the reply's role (vLLM: the last message's without add_generation_prompt)
     tokens_as_token_ids: bool = False   # logprobs tokens shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     prompt_tokens_details: bool = False  # usage shows cached_tokens (--enable-prompt-tokens-details)
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply (chunks: the new ids)
     truncate: tuple[int, str] | None = None   # truncate_prompt_tokens (-1: what max_tokens leaves), "left" or "right"
     echo_only: bool = False         # completions' echo with max_tokens 0 (a scorer's request): the reply is the prompt
     #                                 (and its logprobs) alone; the engine samples one token, left out (vLLM's)
@@ -265,7 +266,8 @@ def _rendering(req, defaults: RequestDefaults) -> dict:
     """GenerateInput's logprobs and usage rendering: the request's return_tokens_as_token_ids, else the server's."""
     as_ids = req.return_tokens_as_token_ids
     return {"tokens_as_token_ids": defaults.return_tokens_as_token_ids if as_ids is None else as_ids,
-            "prompt_tokens_details": defaults.enable_prompt_tokens_details}
+            "prompt_tokens_details": defaults.enable_prompt_tokens_details,
+            "return_token_ids": bool(req.return_token_ids)}
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

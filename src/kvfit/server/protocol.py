@@ -64,7 +64,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "priority": ((0,), "requests are served first come, first served"),
     "request_id": ((), "the server picks the id"),
     "logits_processors": ((), "custom logits processors are not loaded"),
-    "return_token_ids": ((False,), "leave it out"),
     "kv_transfer_params": ((), "KV transfer is not implemented"),
     "vllm_xargs": ((), "leave it out"),
     "suffix": ((), "insertion is not implemented"),
@@ -127,6 +126,7 @@ class _SamplingFields(_Body):
     # truncation_side is "right" (vLLM's default for generative models is "left")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**63 - 1)
     truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool | None = None     # vLLM's: prompt_token_ids and each choice's token_ids in the reply
     # known, not honoured (UNSUPPORTED_FIELDS, REMOVED_GUIDED_FIELDS): any type, so the 400 names them
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -134,7 +134,6 @@ class _SamplingFields(_Body):
     priority: Any = None
     request_id: Any = None
     logits_processors: Any = None
-    return_token_ids: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     guided_json: Any = None

@@ -203,6 +203,8 @@ class ResponseBuilder:
                                 cached_tokens(self.inp, [output]))}
         if self.chat and self.inp.prompt_logprobs:       # vLLM: on the response for chat, per choice otherwise
             extra["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        if self.chat and self.inp.return_token_ids:
+            extra["prompt_token_ids"] = list(output.prompt_token_ids)
         return self._envelope(self._object, choices, extra)
 
     def _full_choice(self, output: RequestOutput, sample: CompletionOutput) -> dict:
@@ -225,23 +227,34 @@ class ResponseBuilder:
                        "stop_reason": sample.stop_reason})
         if not self.chat and self.inp.prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        if self.inp.return_token_ids:                   # vLLM: the prompt's per choice for completions
+            if not self.chat:
+                choice["prompt_token_ids"] = list(output.prompt_token_ids)
+            choice["token_ids"] = list(sample.token_ids)
         return choice
 
     # stream chunks ------------------------------------------------------------------------------
-    def role_chunks(self, num_prompt_tokens: int) -> list[dict]:
-        """Chat streams open with the role, once per choice (OpenAI's first chunk)."""
+    def role_chunks(self, num_prompt_tokens: int, prompt_ids: list[int] | None = None) -> list[dict]:
+        """Chat streams open with the role, once per choice (OpenAI's first chunk); with return_token_ids the
+        first of them carries the prompt's token ids (vLLM's)."""
         if not self.chat:
             return []
         so_far = usage(num_prompt_tokens, 0)
-        return [self._chunk_body(i, {"role": self.inp.role, "content": ""}, None, None, None, so_far)
-                for i in range(self.inp.n)]
+        bodies = [self._chunk_body(i, {"role": self.inp.role, "content": ""}, None, None, None, so_far)
+                  for i in range(self.inp.n)]
+        if self.inp.return_token_ids and bodies:
+            bodies[0]["prompt_token_ids"] = list(prompt_ids or [])
+        return bodies
 
-    def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None, so_far: dict | None = None) -> dict:
+    def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None, so_far: dict | None = None,
+                    ids: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         choice["stop_reason"] = stop_reason
+        if ids:
+            choice.update(ids)
         if not self.inp.include_usage:
             return self._envelope(self._chunk_object, [choice])
         return self._envelope(self._chunk_object, [choice], {"usage": so_far if self.inp.continuous_usage else None})
@@ -263,9 +276,13 @@ class ResponseBuilder:
         new_ids = list(sample.token_ids[sent.num_tokens:])
         new_steps = list(sample.logprobs[sent.num_tokens:]) if sample.logprobs is not None else None
         sent.num_tokens = len(sample.token_ids)
+        ids = {"token_ids": list(new_ids)} if self.inp.return_token_ids else None     # vLLM: the new ones
+        has_ids = ids is not None and bool(new_ids)     # a token without text yet still goes out with its id
         prefix_text = ""
         if not sent.started:
             sent.started = True
+            if ids is not None and not self.chat:       # completions: the prompt's with each choice's first chunk
+                ids["prompt_token_ids"] = list(output.prompt_token_ids)
             prefix_text, prefix_ids, prefix_steps = self._echo_prefix(output)
             delta = prefix_text + delta
             if prefix_ids:                                  # completions' echo
@@ -281,14 +298,15 @@ class ResponseBuilder:
             if prefix_text:
                 body_delta["content"] = prefix_text + body_delta.get("content", "")
             reason = stream.finish_reason(reason) if finished else None
-            if not (body_delta or finished or logprobs is not None):
+            if not (body_delta or finished or logprobs is not None or has_ids):
                 return None
-        elif not (delta or finished or logprobs is not None):
+        elif not (delta or finished or logprobs is not None or has_ids):
             return None
         else:
             body_delta = delta if not self.chat else ({"content": delta} if delta or not finished else {})
         sent.done = finished
-        return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, reason, sample.stop_reason, so_far)
+        return self._chunk_body(self.first_index + sample.index, body_delta, logprobs, reason, sample.stop_reason, so_far,
+                                ids)
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int,
                     num_cached_tokens: int | None = None) -> dict:
