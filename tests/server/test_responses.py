@@ -114,3 +114,17 @@ def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
     assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     plain = builder(stream=True, include_usage=True)
     assert plain.chunks(output(CompletionOutput(0, "a", [A]), finished=False))[0]["usage"] is None
+
+
+def test_a_choice_that_begins_in_a_later_step_gets_its_first_chunk_then():
+    # n > 1: the engine folds every child into one output, the ones not begun as empty samples; each choice's first
+    # emitted chunk carries the prompt's token ids (return_token_ids) and echo's prefix, whenever it comes
+    inp = GenerateInput([X, X], SamplingParams(n=2), True, True, False, echo=True, return_token_ids=True)
+    b = ResponseBuilder(False, "m", inp, Chars())
+    first = b.chunks(output(CompletionOutput(0, "a", [A]), CompletionOutput(1), finished=False))
+    assert [c["choices"][0]["index"] for c in first] == [0]
+    later = b.chunks(output(CompletionOutput(0, "ab", [A, B]), CompletionOutput(1, "c", [C]), finished=False))
+    by_choice = {c["choices"][0]["index"]: c["choices"][0] for c in later}
+    assert by_choice[1]["prompt_token_ids"] == [X, X] and by_choice[1]["text"] == "xxc"
+    assert by_choice[1]["token_ids"] == [C] and "prompt_token_ids" not in by_choice[0]
+    assert first[0]["choices"][0]["prompt_token_ids"] == [X, X] and first[0]["choices"][0]["text"] == "xxa"

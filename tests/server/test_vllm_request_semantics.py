@@ -204,3 +204,27 @@ def test_return_token_ids_on_chat_full_and_streamed(tiny_server):
     assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
     streamed = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids") or []]
     assert streamed == full["choices"][0]["token_ids"] and len(streamed) == 5
+
+
+def test_truncation_serves_a_text_longer_than_the_character_bound(tiny_server):
+    # the character bound (what max_model_len tokens can hold) refuses a long text unless truncation is asked:
+    # then the text is cut from truncation's side first, as vLLM cuts it, and the kept tokens are the same
+    long = "one two three four five six seven eight nine ten " * 2000
+    r = _post(tiny_server, "/v1/completions", {"prompt": long, "max_tokens": 2})
+    assert r.status_code == 400 and "characters" in r.text
+    for side in ("left", "right"):
+        r = _post(tiny_server, "/v1/completions", {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                                   "truncation_side": side, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text
+    r = _post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 2,
+                                                    "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+
+
+def test_echo_shows_the_clients_text_when_truncation_cut_nothing(tiny_server):
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 2, "temperature": 0}
+    plain = _post(tiny_server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert _post(tiny_server, "/v1/completions", {**body, "truncate_prompt_tokens": 100}).json()["choices"][0][
+        "text"] == plain
+    r = _post(tiny_server, "/v1/completions", {**body, "max_tokens": 10 ** 6, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

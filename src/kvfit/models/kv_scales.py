@@ -10,8 +10,9 @@ How they apply, without a change to any attention kernel (so prefill, decode, sp
 all honour them): k and v are divided by their scales before the cache write; the query is multiplied by
 k_scale (q . (s K) = (s q) . K) and the attention output by v_scale (softmax weights sum to one: P (s V) =
 s (P V)), per KV head and the query heads that read it. The attention layer hands them to its backend's
-project_write_kv and attend_step; the backend's fused cache writes (attention/fused_write.py) are not taken
-while scales apply. The scales are device tensors changed in place,
+project_write_kv and attend_step; the Triton backend's one-launch norm + RoPE + cache write
+(attention/fused_write.py) divides and multiplies by them itself, except on the step that calculates them (the
+one-token GEMV write is not taken while scales apply). The scales are device tensors changed in place,
 so CUDA graphs captured before a calculation replay with its values.
 """
 
@@ -94,7 +95,7 @@ class KVScales(torch.nn.Module):
     def scale_output(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output [T, Hq, D] times the v scale of each query head's KV head, in place (one launch:
         the product in fp32, rounded to out's dtype, as `(out * scale).to(out.dtype)`)."""
-        if not out.is_contiguous():
+        if not out.is_contiguous() or out.numel() == 0:
             return (out * self.v_scale.repeat_interleave(self.group)[None, :, None]).to(out.dtype)
         return out.view(out.shape[0], self.num_kv_heads, self.group, -1).mul_(self.v_scale[None, :, None, None]) \
             .view(out.shape)

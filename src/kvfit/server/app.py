@@ -321,6 +321,8 @@ async def _generate(request: Request, state: ServerState, inputs: list[GenerateI
                 for i, inp in enumerate(inputs)]
     access = request.scope.get(ACCESS_SCOPE_KEY)
     streams = await _add_all(state, response_id, inputs)
+    for builder, stream in zip(builders, streams):
+        builder.prompt_cut = stream.prompt_cut
     if inputs[0].stream:
         return _EventStream(_stream_events(state, builders, inputs[0], streams, access),
                             lambda: _close_all(state, streams, access))

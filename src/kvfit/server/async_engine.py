@@ -35,7 +35,7 @@ from kvfit.sampling_params import SamplingParams
 from kvfit.engine.llm_engine import encode_prompt
 from kvfit.errors import KvfitError
 from kvfit.server.engine_core import EngineCore, engine_dead_error, shutting_down_error
-from kvfit.server.params import truncate_prompt
+from kvfit.server.params import cut_prompt_text, truncate_prompt
 from kvfit.server.prepare import as_api_error, check_prompt_chars
 from kvfit.server.protocol import APIError
 
@@ -63,6 +63,7 @@ class RequestStream:
     request_id: str
     num_prompt_tokens: int = 0
     prompt_ids: list[int] | None = None  # the prompt's token ids as the engine got them (return_token_ids)
+    prompt_cut: bool = False             # truncate_prompt_tokens removed part of the prompt (echo shows the rest)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -195,9 +196,14 @@ class ServingEngine:
         if (error := self.health()) is not None:
             raise error
         stream = RequestStream(request_id)
-        ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        ids = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if max_tokens_given else 0)
-        stream.prompt_ids = ids
+        if isinstance(prompt, str):
+            text = cut_prompt_text(prompt, truncate, self.max_prompt_chars)
+            ids, cut = await self.encode(text), len(text) < len(prompt)
+        else:
+            ids, cut = list(prompt), False
+        kept = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if max_tokens_given else 0)
+        stream.prompt_ids, stream.prompt_cut = kept, cut or len(kept) < len(ids)
+        ids = kept
         future = asyncio.get_running_loop().create_future()
         self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:

@@ -250,6 +250,9 @@ def truncate_prompt(ids: list[int], truncate: tuple[int, str] | None, max_model_
         return ids
     keep, side = truncate
     limit = max_model_len - (max_tokens or 0)
+    if limit <= 0:
+        raise bad_request(f"max_tokens={max_tokens} leaves no room for a prompt in max_model_len={max_model_len}; "
+                          "ask for fewer tokens", param="max_tokens")
     if keep > limit:
         raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens = "
                           f"{limit}; ask for a smaller truncation size", param="truncate_prompt_tokens")
@@ -260,6 +263,15 @@ def truncate_prompt(ids: list[int], truncate: tuple[int, str] | None, max_model_
     if keep >= len(ids):
         return ids
     return ids[-keep:] if side == "left" else ids[:keep]
+
+
+def cut_prompt_text(text: str, truncate: tuple[int, str] | None, max_chars: int) -> str:
+    """A prompt text longer than max_chars (what --max-model-len tokens can hold at most), cut from truncate's side
+    to max_chars before it is tokenized, as vLLM cuts it: it still holds at least max_model_len tokens, so
+    truncate_prompt then keeps the same tokens. Without truncation the text is left whole (and refused)."""
+    if truncate is None or len(text) <= max_chars:
+        return text
+    return text[-max_chars:] if truncate[1] == "left" else text[:max_chars]
 
 
 def _rendering(req, defaults: RequestDefaults) -> dict:

@@ -154,6 +154,7 @@ class ResponseBuilder:
         self._hold = max((len(s) for s in inp.params.stop), default=1) - 1
         self._sent: dict[int, _Sent] = {}
         self._tool_streams: dict = {}       # choice index -> server.tools.ToolStream (chat with a tool plan)
+        self.prompt_cut = False             # truncate_prompt_tokens cut the prompt: echo decodes what was kept
 
     def _envelope(self, obj: str, choices: list, extra: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -162,7 +163,7 @@ class ResponseBuilder:
 
     # what echo puts first ---------------------------------------------------------------------
     def _prompt_text(self, output: RequestOutput) -> str:
-        if isinstance(self.inp.prompt, str) and self.inp.truncate is None:   # the text as the client sent it
+        if isinstance(self.inp.prompt, str) and not self.prompt_cut:   # the text as the client sent it
             return self.inp.prompt
         if output.prompt is not None:
             return output.prompt
@@ -242,8 +243,9 @@ class ResponseBuilder:
         so_far = usage(num_prompt_tokens, 0)
         bodies = [self._chunk_body(i, {"role": self.inp.role, "content": ""}, None, None, None, so_far)
                   for i in range(self.inp.n)]
-        if self.inp.return_token_ids and bodies:
-            bodies[0]["prompt_token_ids"] = list(prompt_ids or [])
+        if self.inp.return_token_ids:                   # vLLM: on each choice's role chunk
+            for body in bodies:
+                body["prompt_token_ids"] = list(prompt_ids or [])
         return bodies
 
     def _chunk_body(self, index: int, delta, logprobs, reason, stop_reason=None, so_far: dict | None = None,
@@ -271,6 +273,8 @@ class ResponseBuilder:
         if sent.done:
             return None
         finished = sample.finish_reason is not None
+        if not sent.started and not sample.token_ids and not finished:
+            return None     # a choice not begun yet (n > 1: its first token comes in a later step): its first chunk waits
         text = sample.text if finished else sample.text[:max(len(sample.text) - self._hold, len(sent.text))]
         delta, sent.text = text[len(sent.text):], text
         new_ids = list(sample.token_ids[sent.num_tokens:])
