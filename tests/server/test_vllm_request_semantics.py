@@ -228,3 +228,11 @@ def test_echo_shows_the_clients_text_when_truncation_cut_nothing(tiny_server):
         "text"] == plain
     r = _post(tiny_server, "/v1/completions", {**body, "max_tokens": 10 ** 6, "truncate_prompt_tokens": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_model_cards_have_vllms_fields(tiny_server):
+    cards = httpx.get(f"{tiny_server}/v1/models", timeout=30).json()["data"]
+    card = cards[0]
+    assert card["id"] == MODEL and card["object"] == "model" and card["parent"] is None and card["root"]
+    assert isinstance(card["max_model_len"], int) and card["permission"][0]["object"] == "model_permission"
+    assert httpx.get(f"{tiny_server}/v1/models/{MODEL}", timeout=30).json() == card

@@ -234,8 +234,15 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "kvfit",
-            "max_model_len": state.engine.max_model_len}
+    """vLLM's ModelCard: root is the model's folder (the first served name where there is none), no parent (no
+    adapters), one permission entry as vLLM writes it."""
+    root = getattr(state.engine, "model_folder", None) or state.model_names[0]
+    permission = {"id": f"modelperm-{state.created}", "object": "model_permission", "created": state.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "kvfit", "root": root,
+            "parent": None, "max_model_len": state.engine.max_model_len, "permission": [permission]}
 
 
 # checks -----------------------------------------------------------------------------------------
