@@ -423,3 +423,62 @@ if COMPILE_CHECK:
     _compile_check()
 if __name__ == "__main__" and sys.argv[1:] == ["--huge-slot-check"]:
     _huge_slot_check()
+
+
+def test_an_attention_layer_with_kv_scales_takes_the_scaled_one_launch_write(monkeypatch):
+    # llama.Attention over an fp8 cache with k/v scales: the fused write (opened for CPU tensors here) gives the same
+    # output and cache bytes as the torch path, and is not taken on the step that calculates the scales
+    from kvfit.attention import fused_write
+    from kvfit.attention.base import AttentionMetadata
+    from kvfit.attention.torch_ref import TorchReferenceBackend
+    from kvfit.models import llama
+    from kvfit.models.rope import inv_freq, rope_config_from_raw
+
+    from kvfit.kernels.attention_common import write_kv_cache
+
+    class PlainWriteReference(fused_write.FusedCacheWrite, TorchReferenceBackend):
+        """As the Triton backend: its plain write kernel, so the fused one may stand in (the same fp8 cast: the
+        interpreter's differs from torch's on a few values)."""
+
+        def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+            write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    num_q, num_kv, dim, hidden, page = 4, 2, 16, 64, 4
+    cfg = llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
+                              intermediate_size=96, vocab_size=10, rms_norm_eps=1e-6, qkv_bias=False,
+                              o_bias=False, mlp_bias=False, qk_norm=True, tie_word_embeddings=False,
+                              rope=rope_config_from_raw({}, dim))
+    torch.manual_seed(5)
+    attn = llama.Attention(cfg, PlainWriteReference(), torch.float32, DEVICE, 0, 1)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.5)
+    # in range after the division (past 448 the interpreter's fp8 cast gives NaN where torch's and the GPU's saturate)
+    attn.kv_scales.k_scale.copy_(torch.tensor([0.2, 0.5]))
+    attn.kv_scales.v_scale.copy_(torch.tensor([0.3, 0.1]))
+    attn.kv_scales.applies = True
+    freqs = inv_freq(cfg.rope, DEVICE)
+    tokens, context = 3, 11                      # 8 cached tokens and these 3
+    cache_init = [(torch.randn(4, page, num_kv, dim) * 4).to(DEVICE, torch.float8_e4m3fn) for _ in range(2)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor([8, 9, 10], dtype=torch.int64, device=DEVICE),
+                             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE),
+                             seq_lens=torch.tensor([context], dtype=torch.int32, device=DEVICE),
+                             block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE),
+                             max_query_len=tokens, max_seq_len=context, query_start_loc_host=[0, tokens],
+                             seq_lens_host=[context])
+    x, positions = torch.randn(tokens, hidden).to(DEVICE), torch.arange(8, 11).to(DEVICE)
+    calls = []
+    inner = fused_ops.qk_norm_rope_write_kv_
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_write_kv_", lambda *a, **k: (calls.append(len(a)), inner(*a, **k))[1])
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(fused_ops, "available", lambda t, fused=fused: fused)
+        caches = tuple(c.clone() for c in cache_init)
+        results[fused] = (attn(x, positions, caches, meta, freqs), caches)
+    (out, caches), (f_out, f_caches) = results[False], results[True]
+    assert calls == [13]                                  # the fused run, with the two scales (11 + 2 arguments)
+    for got, expected in zip(f_caches, caches):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    torch.testing.assert_close(f_out, out, rtol=1e-5, atol=1e-5)
+    attn.kv_scales.calculate_next = True                  # --calculate-kv-scales' first batch: the torch path
+    attn(x, positions, tuple(c.clone() for c in cache_init), meta, freqs)
+    assert calls == [13] and not attn.kv_scales.calculate_next
