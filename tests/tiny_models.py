@@ -208,3 +208,13 @@ def make_loud_model(tmp_path, loud: float, **kwargs) -> str:
             tensors[name] = tensors[name] / loud
     save_file(tensors, path, metadata={"format": "pt"})
     return folder
+
+
+def tiny_decoder_config(num_q: int, num_kv: int, dim: int, hidden: int, qkv_bias: bool = False, qk_norm: bool = False):
+    """A one-layer llama.DecoderConfig for layer tests (vocabulary 10, MLP width 96, RoPE without scaling)."""
+    from kvfit.models import llama
+    from kvfit.models.rope import rope_config_from_raw
+    return llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
+                               intermediate_size=96, vocab_size=10, rms_norm_eps=1e-6, qkv_bias=qkv_bias,
+                               o_bias=False, mlp_bias=False, qk_norm=qk_norm, tie_word_embeddings=False,
+                               rope=rope_config_from_raw({}, dim))

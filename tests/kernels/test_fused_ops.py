@@ -431,10 +431,10 @@ def test_an_attention_layer_with_kv_scales_takes_the_scaled_one_launch_write(mon
     from kvfit.attention import fused_write
     from kvfit.attention.base import AttentionMetadata
     from kvfit.attention.torch_ref import TorchReferenceBackend
-    from kvfit.models import llama
-    from kvfit.models.rope import inv_freq, rope_config_from_raw
-
     from kvfit.kernels.attention_common import write_kv_cache
+    from kvfit.models import llama
+    from kvfit.models.rope import inv_freq
+    from tiny_models import tiny_decoder_config
 
     class PlainWriteReference(fused_write.FusedCacheWrite, TorchReferenceBackend):
         """As the Triton backend: its plain write kernel, so the fused one may stand in (the same fp8 cast: the
@@ -444,10 +444,7 @@ def test_an_attention_layer_with_kv_scales_takes_the_scaled_one_launch_write(mon
             write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     num_q, num_kv, dim, hidden, page = 4, 2, 16, 64, 4
-    cfg = llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
-                              intermediate_size=96, vocab_size=10, rms_norm_eps=1e-6, qkv_bias=False,
-                              o_bias=False, mlp_bias=False, qk_norm=True, tie_word_embeddings=False,
-                              rope=rope_config_from_raw({}, dim))
+    cfg = tiny_decoder_config(num_q, num_kv, dim, hidden, qk_norm=True)
     torch.manual_seed(5)
     attn = llama.Attention(cfg, PlainWriteReference(), torch.float32, DEVICE, 0, 1)
     for p in attn.parameters():

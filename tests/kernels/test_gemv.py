@@ -165,16 +165,14 @@ def test_a_one_token_attention_layer_through_the_fused_gemvs_equals_the_unfused_
     from kvfit.attention.base import AttentionMetadata
     from kvfit.attention.torch_ref import TorchReferenceBackend
     from kvfit.models import layers, llama
-    from kvfit.models.rope import inv_freq, rope_config_from_raw
+    from kvfit.models.rope import inv_freq
+    from tiny_models import tiny_decoder_config
 
     class PlainWriteReference(fused_write.FusedCacheWrite, TorchReferenceBackend):
         """As the Triton backend: a plain write, so the fused one may stand in."""
 
     num_q, num_kv, dim, hidden, page = 4, 2, 16, 64, 4
-    cfg = llama.DecoderConfig(num_layers=1, hidden_size=hidden, num_heads=num_q, num_kv_heads=num_kv, head_dim=dim,
-                              intermediate_size=96, vocab_size=10, rms_norm_eps=1e-6, qkv_bias=qkv_bias,
-                              o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
-                              rope=rope_config_from_raw({}, dim))
+    cfg = tiny_decoder_config(num_q, num_kv, dim, hidden, qkv_bias=qkv_bias)
     torch.manual_seed(4)
     attn = llama.Attention(cfg, PlainWriteReference(), torch.float32, DEVICE, 0, 1)
     mlp = layers.SwiGLU(hidden, 96, False, torch.float32, DEVICE)
