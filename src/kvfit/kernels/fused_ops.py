@@ -144,9 +144,8 @@ if triton is not None:
         k1, k2 = o1, o2
         if SCALED:
             is_q = heads < num_first
-            kv_of = tl.where(is_q, heads // group, tl.where(heads < num_first + num_kv, heads - num_first,
-                                                             heads - num_first - num_kv))
-            kv_of = tl.minimum(tl.maximum(kv_of, 0), num_kv - 1)
+            # the KV head each row reads: a q head its group's, a k or v row (or the tile's padding) its own
+            kv_of = tl.where(is_q, heads // group, (heads - num_first) % num_kv)        # 0..num_kv-1
             ks = tl.load(k_scale_ptr + kv_of)[:, None]
             vs = tl.load(v_scale_ptr + kv_of)[:, None]
             qs1, qs2 = (o1.to(tl.float32) * ks).to(dtype), (o2.to(tl.float32) * ks).to(dtype)

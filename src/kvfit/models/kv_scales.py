@@ -61,7 +61,7 @@ class KVScales(torch.nn.Module):
     @torch.no_grad()
     def load(self, which: str, name: str, source) -> None:
         """Read checkpoint tensor `name` into the k or v scale: one value for the layer, or one per KV head."""
-        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, None).reshape(-1)
+        value = scale_values(source, name, None).reshape(-1)
         if value.numel() not in (1, self.total_kv_heads):
             raise ConfigError(f"checkpoint tensor {name} holds {value.numel()} values; a KV cache scale is one "
                               f"per layer or one per KV head ({self.total_kv_heads}): the checkpoint does not match "

@@ -47,6 +47,22 @@ def filter_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return _sorted_thresholds(scaled, top_k, top_p, any_top_p, n)
 
 
+def _top_k_ranks(top_k: torch.Tensor, n: int) -> torch.Tensor:
+    """[F] int64: the ranks top-k keeps among n (n where top-k is off or reaches past n)."""
+    return torch.where((top_k > 0) & (top_k < n), top_k, n).to(torch.int64)
+
+
+def _top_p_keep(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[F] int64: the ranks top-p keeps of descending probabilities [F, n] within top-k's k: rank r is dropped when
+    the mass before it exceeds top_p; rank 0 always (a row with a NaN or inf logit, whose probabilities are all
+    NaN, keeps one rank too, so it cannot index -1 and fail the whole step; its token is NONFINITE_TOKEN anyway,
+    and its request ends alone). top_p 1 is off: rounding can push the mass before the tail over 1.0, which must
+    not drop it."""
+    mass_before = torch.cumsum(probs, dim=-1).sub_(probs)                                # [F, n] nondecreasing
+    within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
+    return torch.where(top_p < 1.0, torch.minimum(within, k), k)
+
+
 def _sorted_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_p: bool,
                        n: int) -> torch.Tensor:
     """filter_thresholds over each row's n largest logits, sorted (n = V: the whole row)."""
@@ -55,19 +71,12 @@ def _sorted_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         sorted_logits = torch.topk(scaled, n, dim=-1).values                             # [F, n] descending
     else:
         sorted_logits = torch.sort(scaled, dim=-1, descending=True).values               # [F, V]
-    k = torch.where((top_k > 0) & (top_k < n), top_k, n).to(torch.int64)                 # [F]
+    k = _top_k_ranks(top_k, n)                                                           # [F]
     num_keep = k
     if any_top_p:
         ranks = torch.arange(n, device=scaled.device)                                     # [n]
         sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)                                      # [F, n]
-        mass_before = torch.cumsum(probs, dim=-1).sub_(probs)                            # [F, n] nondecreasing
-        # [F]; rank 0 always: a finite row's mass before it is 0, and a row with a NaN or inf logit (whose
-        # probabilities are all NaN) keeps one rank too, so it cannot index -1 and fail the whole step; its
-        # token is NONFINITE_TOKEN anyway (_count), and its request ends alone
-        within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
-        # top_p 1 is off: rounding can push the mass before the tail over 1.0, which must not drop it
-        num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
+        num_keep = _top_p_keep(torch.softmax(sorted_logits, dim=-1), k, top_p)            # [F]
     return sorted_logits.gather(1, (num_keep - 1)[:, None]).squeeze(1)                    # rank < k: unmasked
 
 
@@ -79,7 +88,7 @@ def _cpu_top_p_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
     m = CPU_TOP_P_CANDIDATES
     vocab_size = scaled.shape[-1]
     candidates = torch.topk(scaled, m, dim=-1).values                                     # [F, m] descending
-    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).to(torch.int64)  # [F]
+    k = _top_k_ranks(top_k, vocab_size)                                                  # [F]
     # logits less the row's max, as softmax takes them: exact differences, however large the logits (a logsumexp
     # of the logits themselves is rounded at the max's magnitude, and temperature 1e-5 makes logits of 1e6)
     top = candidates[:, :1]                                                               # [F, 1] the row max
@@ -89,9 +98,7 @@ def _cpu_top_p_thresholds(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
     row_mass = scaled.sub(top).exp_().sum(dim=-1)                                         # [F]
     log_mass = torch.where(k <= m, torch.logsumexp(shifted, dim=-1), row_mass.log())      # [F]
     probs = shifted.sub_(log_mass[:, None]).exp_()                                        # [F, m]
-    mass_before = torch.cumsum(probs, dim=-1).sub_(probs)
-    within = (mass_before <= top_p[:, None]).sum(dim=-1).clamp_(min=1)
-    num_keep = torch.where(top_p < 1.0, torch.minimum(within, k), k)
+    num_keep = _top_p_keep(probs, k, top_p)
     # rows whose cut lies among the candidates (a NaN row fails both tests and is sorted whole)
     exact = torch.where(top_p < 1.0, (probs.sum(dim=-1) > top_p) & ((k <= m) | (k == vocab_size)), k <= m)
     out = candidates.gather(1, (num_keep.clamp(max=m) - 1)[:, None]).squeeze(1)            # [F]

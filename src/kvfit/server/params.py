@@ -237,8 +237,10 @@ def _stream_flags(req, force_usage: bool = False) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and options.continuous_usage_stats
 
 
-def _truncation(req) -> tuple[int, str] | None:
-    keep = req.truncate_prompt_tokens
+def truncation(req) -> tuple[int, str] | None:
+    """(truncate_prompt_tokens, side) of a request, the side "left" unless it says (vLLM's for generative models);
+    None without truncation."""
+    keep = getattr(req, "truncate_prompt_tokens", None)
     return None if keep is None else (keep, req.truncation_side or "left")
 
 
@@ -312,7 +314,7 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                           prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
-                          cache_salt=salt, echo_only=echo_only, truncate=_truncation(req), **_rendering(req, defaults))
+                          cache_salt=salt, echo_only=echo_only, truncate=truncation(req), **_rendering(req, defaults))
             for prompt in prompts]
 
 
@@ -366,5 +368,5 @@ def chat_input(req: ChatCompletionRequest, prompt: str | list[int], messages: li
     return GenerateInput(prompt, params, max_tokens is not None, stream, include_usage, echo=bool(req.echo),
                          echo_text=echo_text, top_logprobs=top_logprobs,
                          prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
-                         cache_salt=_cache_salt(req), truncate=_truncation(req), **_rendering(req, defaults),
+                         cache_salt=_cache_salt(req), truncate=truncation(req), **_rendering(req, defaults),
                          role="assistant" if req.add_generation_prompt else messages[-1]["role"])

@@ -20,7 +20,8 @@ import logging
 from dataclasses import dataclass
 
 from kvfit.errors import ConfigError, KvfitError, RequestError
-from kvfit.server.params import chat_messages, check_unsupported, cut_prompt_text, structured_outputs_params
+from kvfit.server.params import (chat_messages, check_unsupported, cut_prompt_text, structured_outputs_params,
+                                 truncation)
 from kvfit.server.protocol import APIError, TokenizeRequest, bad_request, parse_body
 from kvfit.server.tools import check_tool_constraint
 
@@ -96,9 +97,7 @@ def finish_request(body, model_class, context: PrepareContext, tokenizer, templa
     messages = chat_messages(body, context.content_format)
     check_unsupported(body)
     text = _render_chat(context, tokenizer, body, messages, template_variables)
-    if getattr(body, "truncate_prompt_tokens", None) is not None:     # cut as vLLM cuts it before tokenizing
-        text = cut_prompt_text(text, (body.truncate_prompt_tokens, body.truncation_side or "left"),
-                               context.max_prompt_chars)
+    text = cut_prompt_text(text, truncation(body), context.max_prompt_chars)     # as vLLM, before tokenizing
     check_prompt_chars(text, context.max_prompt_chars, context.max_model_len)
     try:
         # as transformers' apply_chat_template(tokenize=True): the template writes its own special

@@ -93,7 +93,7 @@ class Fp8Experts(torch.nn.Module):
         if source_shape(source) not in ((), (1,)):
             raise ConfigError(f"checkpoint tensor {name} has shape {list(source_shape(source))}; a static input "
                               "scale is one number (per tensor)")
-        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, self.scheme).reshape(())
+        value = scale_values(source, name, self.scheme).reshape(())
         # 0 is what calibration writes for an expert no token reached; the layer takes the largest (finalize)
         if not bool(torch.isfinite(value)) or float(value) < 0:
             raise ConfigError(f"checkpoint tensor {name} is not a finite number >= 0; the checkpoint is damaged")
@@ -136,8 +136,7 @@ class Fp8Experts(torch.nn.Module):
 
     def _load_scale(self, expert: int, part: str, source, name: str) -> None:
         shape, scheme = source_shape(source), self.scheme
-        # [...] reads any rank; [:] fails on a 0-dim slice (AutoFP8's per-tensor scales)
-        value = scale_values(source if isinstance(source, torch.Tensor) else source[...], name, scheme)
+        value = scale_values(source, name, scheme)              # whole: each rank takes its part below
         target = self._scale_rows(expert, part)
         s, n, h = self.start, self.size, self.down_proj.shape[1]
         if scheme.weight_strategy == "tensor" and shape in ((), (1,)):

@@ -54,10 +54,12 @@ def source_dtype_name(source) -> str:
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e8m0fnu)
 
 
-def scale_values(value: torch.Tensor, name: str, scheme: Fp8Scheme | None) -> torch.Tensor:
-    """A checkpoint's scale tensor (already read) as fp32: a float dtype as it is; uint8 exponent bytes
-    (2^(b - 127), float8_e8m0fnu's encoding) only where quantization_config says scale_fmt "ue8m0". Any other
-    dtype is a ConfigError: its raw numbers taken as scales would run a wrong model without a word."""
+def scale_values(source, name: str, scheme: Fp8Scheme | None) -> torch.Tensor:
+    """A checkpoint's scale (a tensor, or a lazy safetensors slice read whole: [...] reads a 0-dim one, [:] does
+    not) as fp32: a float dtype as it is; uint8 exponent bytes (2^(b - 127), float8_e8m0fnu's encoding) only where
+    quantization_config says scale_fmt "ue8m0". Any other dtype is a ConfigError: its raw numbers taken as
+    scales would run a wrong model without a word."""
+    value = source if isinstance(source, torch.Tensor) else source[...]
     if value.dtype in FLOAT_SCALE_DTYPES:
         return value.float()
     if value.dtype == torch.uint8 and scheme is not None and scheme.ue8m0_scales:
@@ -187,11 +189,7 @@ class Fp8Linear(torch.nn.Module):
                               f"scale of this layer is {list(full)}; the scales do not match config.json's "
                               "quantization_config")
         target = param[part.rows]
-        if shape == ():
-            value = source if isinstance(source, torch.Tensor) else source[...]   # [:] fails on a 0-dim slice
-        else:
-            value = read_slice(part.shard, source)
-        value = scale_values(value, name, self.scheme)
+        value = scale_values(source if shape == () else read_slice(part.shard, source), name, self.scheme)
         if param is self.input_scale and not (bool(torch.isfinite(value).all()) and bool((value > 0).all())):
             raise ConfigError(f"checkpoint tensor {name} is {value.flatten().tolist()[:4]}, not a positive number: a "
                               "static activation scale of 0 or less quantizes every input to garbage; the checkpoint "
