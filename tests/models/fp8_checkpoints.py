@@ -1,6 +1,7 @@
 """FP8 checkpoints in the Hub's layouts, written from a tiny transformers model folder (tests/tiny_models.py).
 
-`write_fp8_copy(src, dst, fmt)` quantizes every decoder linear weight (attention, MLP, experts; not the
+`write_fp8_copy(src, dst, fmt)` quantizes every decoder linear weight (attention, MLP, experts, Phi-3's fused
+qkv_proj and gate_up_proj as one module each, as llm-compressor does; not the
 embedding, lm_head, norms or routers) and writes config.json's quantization_config as the Hub does:
 - "ct-channel" / "ct-tensor" / "ct-static": compressed-tensors float-quantized, `weight_scale` [N, 1] / [1]
   (+ `input_scale` [1], static activations), ignore ["lm_head"];
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from kvfit.kernels.fp8 import (dequantize_weight, quantize_weight_blocks, quantize_weight_per_channel,
                                quantize_weight_per_tensor)
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj|"
                     r"(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)|"
                     r"mlp\.shared_expert\.(gate|up|down)_proj)\.weight")
 STATIC_INPUT_SCALE = 1.0 / 32

@@ -27,6 +27,8 @@ from kvfit.models.loader import load_model  # noqa: E402
 from kvfit.models.linear import SplitColumnLinear  # noqa: E402
 from kvfit.models.quant.linear import Fp8Linear  # noqa: E402
 from kvfit.quant_scheme import parse_quantization_config  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from test_phi3 import make_tiny_phi3  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 BACKEND = TorchReferenceBackend()
@@ -43,9 +45,14 @@ def _logits(folder: str, quantization: str | None = None, load_format: str = "au
 
 
 def _reference(folder: str, tokens, fmt: str, block=(128, 128), experts: bool = False):
+    return _reference_skipping(folder, tokens, fmt, block, experts)
+
+
+def _reference_skipping(folder: str, tokens, fmt: str, block=(128, 128), experts: bool = False, skip=()):
+    """transformers on the dequantized weights, quantizing the inputs of the linears not in `skip`."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    fake_quant_hooks(hf, fmt, block)
+    fake_quant_hooks(hf, fmt, block, skip)
     if experts:
         assert fake_quant_experts(hf, fmt, block) > 0
     return hf_logits(hf, tokens)
@@ -54,12 +61,12 @@ def _reference(folder: str, tokens, fmt: str, block=(128, 128), experts: bool = 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
-    return root, {arch: make_tiny_model(root, arch=arch) for arch in ("llama", "qwen2", "qwen3")}
+    return root, {arch: make_tiny_model(root, arch=arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
 
 
 @pytest.mark.parametrize("arch,fmt", [("llama", "ct-channel"), ("llama", "ct-tensor"), ("llama", "ct-static"),
                                       ("llama", "block"), ("qwen2", "ct-tensor"), ("qwen3", "block"),
-                                      ("qwen3", "ct-channel")])
+                                      ("qwen3", "ct-channel"), ("mistral", "ct-channel")])
 def test_dense_fp8_checkpoint_matches_the_dequantized_reference(models, arch, fmt):
     root, src = models
     fp8, deq = write_fp8_copy(src[arch], root / f"{arch}-{fmt}", fmt)
@@ -93,6 +100,65 @@ def test_per_tensor_scales_stored_as_0_dim_tensors_load(models):
     save_file(scalars, path, metadata={"format": "pt"})
     _, got, _ = _logits(fp8)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "ct-tensor", "ct-static", "block"])
+def test_phi3_fused_fp8_tensors_split_into_their_parts(tmp_path, fmt):
+    """Phi-3 stores qkv_proj and gate_up_proj fused; its FP8 checkpoints quantize each as one module (one per-tensor
+    scale, per-channel scales over the fused rows, block scales over its row blocks): kvfit's parts take their rows
+    of each and give the dequantized model's logits."""
+    folder = make_tiny_phi3(tmp_path)
+    block = (32, 32)                    # whole blocks of every part (q 64, k and v 32, gate and up 96 rows)
+    fp8, deq = write_fp8_copy(folder, tmp_path, fmt, block=block)
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale" + ("_inv" if fmt == "block" else "") in \
+        load_file(os.path.join(fp8, "model.safetensors"))
+    model, got, tokens = _logits(fp8)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and isinstance(layer.mlp.gate_up_proj, Fp8Linear)
+    want = _reference(deq, tokens, fmt, block)
+    assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
+    assert got[-1].argmax() == want[-1].argmax()
+
+
+def test_each_rank_holds_its_rows_of_phi3s_fused_per_channel_scales(tmp_path):
+    """Two ranks (in-process, loading only): each holds its rows of q, k and v (gate and up) of the fused FP8 weight
+    and of its per-channel scales, the rows one rank holds. (Per-token activation scales differ between ranks in
+    the row-parallel layers, so logits are compared over ranks with static scales, in the test above.)"""
+    fp8, _ = write_fp8_copy(make_tiny_phi3(tmp_path), tmp_path, "ct-channel")
+    facts = load_model_facts(fp8)
+    one = load_model(fp8, facts, torch.float32, "cpu", BACKEND).model.layers[1]
+    d, inter = facts.head_dim, facts.intermediate_size
+    q_rows, kv_rows = facts.num_attention_heads * d, facts.num_kv_heads * d
+    for rank in range(2):
+        layer = load_model(fp8, facts, torch.float32, "cpu", BACKEND, tp_rank=rank, tp_size=2).model.layers[1]
+        for name in ("weight", "weight_scale"):
+            qkv = getattr(one.self_attn.qkv_proj, name)
+            q, k, v = qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
+            half = [t.chunk(2)[rank] for t in (q, k, v)]
+            assert torch.equal(getattr(layer.self_attn.qkv_proj, name).float(), torch.cat(half).float())
+            gate, up = getattr(one.mlp.gate_up_proj, name).split(inter)
+            assert torch.equal(getattr(layer.mlp.gate_up_proj, name).float(),
+                               torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]).float())
+
+
+def test_phi3_fused_tensors_ignored_or_on_straddling_blocks(tmp_path):
+    """An ignore list naming a fused module keeps its parts 16-bit; block scales where a part starts inside a row
+    block and leaves it (up_proj at row 96 of 128-row blocks) cannot be split: a one-line error."""
+    folder = make_tiny_phi3(tmp_path)
+    fp8, deq = write_fp8_copy(folder, tmp_path / "ignored", "ct-channel", skip=("layers.1.mlp.gate_up_proj",))
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"]["ignore"] += ["model.layers.1.mlp.gate_up_proj"]
+    json.dump(config, open(path, "w"))
+    model, got, tokens = _logits(fp8)
+    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    hf = _reference_skipping(deq, tokens, "ct-channel", skip=("layers.1.mlp.gate_up_proj",))
+    assert torch.allclose(got, hf, atol=FLIP_ATOL), (got - hf).abs().max()
+    fp8, _ = write_fp8_copy(folder, tmp_path / "straddle", "block")
+    with pytest.raises(ConfigError, match=r"gate_up_proj.weight_scale_inv: a part of gate_up_proj starts at row 96, "
+                                          r"inside a 128-row scale block"):
+        _logits(fp8)
 
 
 @pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "block"), ("mixtral", "ct-channel"), ("qwen2_moe", "ct-tensor"),
@@ -298,9 +364,12 @@ def test_two_ranks_shard_fp8_weights_and_scales(tmp_path):
     from tp_ranks import rank_main
     llama = make_tiny_model(tmp_path, arch="llama")
     moe = make_tiny_model(tmp_path, arch="qwen3_moe")
+    phi3 = make_tiny_phi3(tmp_path)          # fused qkv_proj / gate_up_proj: each rank's rows of every part
     folders = [write_fp8_copy(llama, tmp_path / "llama", "block", block=(16, 16))[0],
                write_fp8_copy(llama, tmp_path / "llama", "ct-static")[0],
-               write_fp8_copy(moe, tmp_path / "moe", "block", block=(16, 16))[0]]
+               write_fp8_copy(moe, tmp_path / "moe", "block", block=(16, 16))[0],
+               write_fp8_copy(phi3, tmp_path / "phi3", "block", block=(16, 16))[0],
+               write_fp8_copy(phi3, tmp_path / "phi3", "ct-static")[0]]
     tokens = random_tokens(load_model_facts(llama).vocab_size, 12, seed=3)
     out_file = str(tmp_path / "logits.pt")
     mp.spawn(rank_main, args=(2, str(tmp_path / "init"), folders, tokens, 8, out_file), nprocs=2, join=True)

@@ -5,10 +5,16 @@ kvfit builds those projections fused already, from parts named after Llama's ten
 gate_proj, up_proj). The loader splits each fused checkpoint tensor into those parts by rows (q: heads x head_dim,
 k and v: kv heads x head_dim; gate and up: intermediate_size each), so each part loads as a Llama tensor would:
 shape-checked, and with tensor parallelism only this rank's slice of each part read (lazily from safetensors).
+
+An FP8 checkpoint (llm-compressor and the fp8 method quantize the fused linear as one module) splits the same way:
+per-channel scales by the parts' rows, block scales by their row blocks (a part that starts inside a block and
+leaves it cannot be given its own scales: a ConfigError), and a per-tensor weight scale or static input scale,
+one for the fused tensor, goes to every part. The ignore list may name the fused module; its parts stay 16-bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Iterator
 
 import torch
@@ -16,6 +22,11 @@ import torch
 from kvfit.errors import ConfigError
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import check_source_shape, source_shape
+from kvfit.quant_scheme import Fp8Scheme
+
+# a fused tensor's leaves: split by rows (weights, per-channel and block scales) or one value for every part
+ROW_LEAVES = ("weight", "weight_scale", "weight_scale_inv")
+SHARED_LEAVES = ("input_scale",)
 
 
 class RowBlock:
@@ -53,10 +64,21 @@ class Phi3CausalLM(CausalLM):
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, facts, dtype, device, attention_backend, tp_rank: int = 0, tp_size: int = 1):
-        if facts.quantization is not None and not facts.quantization.online:
-            raise ConfigError(f"{facts.architecture} checkpoints with quantized weights ({facts.quantization.method}) "
-                              "are not supported; use its 16-bit checkpoint (--quantization fp8 quantizes it at load)")
+        if facts.quantization is not None and facts.quantization.ignore:
+            facts = dataclasses.replace(facts, quantization=self.parts_ignored(facts.quantization))
         super().__init__(facts, dtype, device, attention_backend, tp_rank, tp_size)
+
+    @classmethod
+    def parts_ignored(cls, scheme: Fp8Scheme) -> Fp8Scheme:
+        """The scheme with an ignored fused module's parts ignored too (kvfit builds and names the parts)."""
+        extra = []
+        for pattern in scheme.ignore:
+            for packed, parts in cls.packed_modules.items():
+                if pattern.startswith("re:") and packed in pattern:
+                    extra.append(pattern.replace(packed, f"(?:{'|'.join(parts)})"))
+                elif not pattern.startswith("re:") and pattern.rsplit(".", 1)[-1] == packed:
+                    extra.extend(pattern[:-len(packed)] + part for part in parts)
+        return dataclasses.replace(scheme, ignore=scheme.ignore + tuple(extra))
 
     def part_rows(self, leaf: str) -> tuple[int, ...]:
         """The rows of each part a fused checkpoint tensor stacks (its packed_modules order)."""
@@ -67,27 +89,47 @@ class Phi3CausalLM(CausalLM):
         return cfg.intermediate_size, cfg.intermediate_size
 
     def split_packed(self, named_tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
-        """Each fused checkpoint weight as its parts' tensors (model.layers.0.self_attn.qkv_proj.weight ->
-        ...q_proj.weight, ...k_proj.weight, ...v_proj.weight), every other tensor as it is."""
+        """Each fused checkpoint tensor as its parts' tensors (model.layers.0.self_attn.qkv_proj.weight ->
+        ...q_proj.weight, ...k_proj.weight, ...v_proj.weight; FP8 scales as the module docstring says), every
+        other tensor as it is."""
         for name, source in named_tensors:
             module, _, leaf = name.rpartition(".")
             prefix, _, packed = module.rpartition(".")
-            if packed not in self.packed_modules or leaf != "weight":
+            if packed not in self.packed_modules or leaf not in ROW_LEAVES + SHARED_LEAVES:
                 yield name, source
                 continue
-            rows = self.part_rows(packed)
-            check_source_shape(name, source, (sum(rows), *source_shape(source)[1:]))
-            start = 0
-            for part, size in zip(self.packed_modules[packed], rows):
-                yield f"{prefix}.{part}.{leaf}", row_block(source, start, size)
-                start += size
+            parts = [f"{prefix}.{part}.{leaf}" for part in self.packed_modules[packed]]
+            shape = source_shape(source)
+            if leaf in SHARED_LEAVES or (leaf != "weight" and len(shape) < 2 and
+                                        self.scheme is not None and self.scheme.weight_strategy == "tensor"):
+                yield from ((part, source) for part in parts)        # one scale for the fused tensor
+                continue
+            for part, (start, size) in zip(parts, self.split_rows(name, source, packed, leaf)):
+                yield part, row_block(source, start, size)
+
+    def split_rows(self, name: str, source, packed: str, leaf: str) -> list[tuple[int, int]]:
+        """(first row, rows) of each part in fused tensor `name`: its weight rows, or for a block scale its row
+        blocks (a ConfigError where a part starts inside a block and leaves it)."""
+        rows = self.part_rows(packed)
+        bn = self.scheme.block_size[0] if leaf != "weight" and self.scheme and self.scheme.block_size else 1
+        check_source_shape(name, source, (-(-sum(rows) // bn), *source_shape(source)[1:]))
+        spans, start = [], 0
+        for size in rows:
+            first, last = start // bn, (start + size - 1) // bn
+            if start % bn and first != last:
+                raise ConfigError(f"checkpoint tensor {name}: a part of {packed} starts at row {start}, inside a "
+                                  f"{bn}-row scale block, and leaves it; kvfit cannot give that part its own block "
+                                  "scales (use the 16-bit checkpoint with --quantization fp8)")
+            spans.append((first, last - first + 1))
+            start += size
+        return spans
 
     def missing_name(self, param_name: str) -> str:
         """A part's name as the checkpoint stores it: ...self_attn.q_proj.weight -> ...self_attn.qkv_proj.weight."""
         module, _, leaf = param_name.rpartition(".")
         prefix, _, part = module.rpartition(".")
         for packed, parts in self.packed_modules.items():
-            if part in parts and leaf == "weight":
+            if part in parts and leaf in ROW_LEAVES + SHARED_LEAVES:
                 return f"{prefix}.{packed}.{leaf}"
         return param_name
 
