@@ -83,3 +83,31 @@ def test_a_large_head_pipelined_behind_a_request_is_a_431(parser):
             while chunk := conn.recv(65536):
                 data += chunk
             assert b"HTTP/1.1 431" in data and data.count(b"HTTP/1.1 200") <= 1
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_refused_head_is_answered_before_the_close_however_much_more_comes(parser):
+    """A lingering close: after the 431 the server reads and drops what the client still sends, then closes, so
+    the client reads the 431 and an orderly end (closing with its bytes unread would reset the connection, and a
+    reset can overtake the answer). Past LINGER_BYTES the connection is closed, whatever it costs the client."""
+    from kvfit.server.limits import LINGER_BYTES
+    with _server(parser) as address:
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024)
+            time.sleep(0.2)                                  # refused by now, with these bytes still coming
+            for _ in range(20):
+                conn.sendall(b"a" * 16 * 1024)
+            conn.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := conn.recv(65536):                 # a reset here would be a ConnectionResetError
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 431"), data[:200]
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024)
+            assert conn.recv(100).startswith(b"HTTP/1.1 431")
+            start, sent = time.monotonic(), 0
+            with pytest.raises(OSError):                     # reset or broken pipe once the server stops reading
+                while time.monotonic() - start < 10:
+                    conn.sendall(b"a" * 65536)
+                    sent += 65536
+            assert sent <= 2 * LINGER_BYTES + (8 << 20)      # the kernel's buffers hold some of it

@@ -39,8 +39,8 @@ except ImportError:       # httptools not installed: h11 serves
 from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, HeadSizeCounter, head_too_large_response, is_loopback_host
 from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
-                                 DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, MAX_HEADER_BYTES,
-                                 RESERVED_FDS)
+                                 DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, LINGER_BYTES,
+                                 LINGER_SECONDS, MAX_HEADER_BYTES, RESERVED_FDS)
 from kvfit.server.logs import AccessLogMiddleware
 from kvfit.server.start_gate import StartGate
 
@@ -250,9 +250,15 @@ class _HeadGuard:
     a complete head within head_timeout_s of connecting (or of starting a new request after a response) is
     closed (uvicorn has no such timeout: its keep-alive timer stops at the first byte), and a head past
     MAX_HEADER_BYTES is a 431 however it arrives (h11's own cap holds only for a head still incomplete;
-    httptools has none). The protocol says when it awaits a head (_awaiting_head)."""
+    httptools has none). The protocol says when it awaits a head (_awaiting_head).
+
+    A refused head gets a lingering close: the 431, a half-close, then what the client still sends is read and
+    dropped (up to LINGER_BYTES, for LINGER_SECONDS) before the connection closes. Closing with the client's bytes
+    unread makes TCP reset the connection, and a reset can overtake the 431 on the wire (nginx's lingering_close)."""
 
     head_timeout_s: float = DEFAULT_HEADER_TIMEOUT_SECONDS      # set per server by uvicorn_config
+    _lingering: int | None = None                               # bytes dropped since the refusal; None: not refused
+    _linger_timer = None
 
     def _awaiting_head(self) -> bool:
         raise NotImplementedError
@@ -263,13 +269,16 @@ class _HeadGuard:
         self._head_size = HeadSizeCounter()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:                              # refused: drop it
+            self._lingering += len(data)
+            if self._lingering > LINGER_BYTES:
+                self.transport.close()
+            return
         if self._head_timer is None and self._awaiting_head():      # a new request begins
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
             self._head_size.reset()
         if self._awaiting_head() and self._head_size.feed(data) > MAX_HEADER_BYTES:
-            self._cancel_head_timer()
-            self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
-            self.transport.close()
+            self._refuse_head()
             return
         super().data_received(data)
         if self._head_timer is not None and not self._awaiting_head():   # its head is complete
@@ -277,7 +286,18 @@ class _HeadGuard:
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def _refuse_head(self) -> None:
+        """The 431 for a head past MAX_HEADER_BYTES, then the lingering close (the class docstring)."""
+        self._cancel_head_timer()
+        self._lingering = 0
+        self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -287,9 +307,7 @@ class _HeadGuard:
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a head its parser refused: a 431 where the guard refused it for its size."""
         if getattr(self, "_head_too_large", False):
-            self._cancel_head_timer()
-            self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
-            self.transport.close()
+            self._refuse_head()
             return
         super().send_400_response(msg)
 

@@ -11,6 +11,8 @@ RESERVED_FDS = 256
 DEFAULT_HEADER_TIMEOUT_SECONDS = 10       # from connect (or the last response) to a complete request head
 DEFAULT_BODY_TIMEOUT_SECONDS = 30         # from the request head to its last body byte (>= 35 KB/s for 1 MiB)
 DEFAULT_KEEP_ALIVE_SECONDS = 5            # an idle keep-alive connection is closed after this
-MAX_HEADER_BYTES = 16 * 1024              # a request head past this is a 400 (h11's own default, made explicit)
+MAX_HEADER_BYTES = 16 * 1024              # a request head past this is a 431 (h11's own default, made explicit)
+LINGER_SECONDS = 2.0                      # after a 431: how long the rest of the client's bytes are read and dropped
+LINGER_BYTES = 1 << 20                    # ... and how many at most, before the connection closes
 PUBLIC_MIN_PREFIX_CACHE_QUERY_TOKENS = 100_000   # an open /metrics shows the hit rate only past this many
 API_KEY_ENV = "KVFIT_API_KEY"             # the API key, when neither --api-key nor --api-key-file is given
