@@ -19,6 +19,7 @@ repetition never hits the previous one's prompts. Groups (one engine configurati
           shared-prefix: 256 requests sharing a 2,000-token system prompt + 128-512 own tokens, 128 out
           long-context:  32 requests of 8,000 in / 256 out
 KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment;
+VLLM_BENCH_ARGS='{"kv_cache_dtype": "fp8"}' (JSON) adds arguments to vLLM's LLM(...);
 KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (kvfit.kernels.attention_prefill.PREFILL_CONFIG).
 KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
 config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
@@ -205,9 +206,12 @@ class VllmEngine(_Engine):
         folder = model_folder(model, "vllm")
         # apply_model sends redraw_dummy's function to vLLM's engine-core process, which needs this to take it
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        # VLLM_BENCH_ARGS: JSON of extra LLM(...) arguments (e.g. {"kv_cache_dtype": "fp8"}), as KVFIT_BENCH_ARGS
+        extra = json.loads(os.environ.get("VLLM_BENCH_ARGS", "{}"))
         self.llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                        max_model_len=group["max_model_len"], max_num_seqs=group["max_num_seqs"],
-                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0)
+                       enable_prefix_caching=group["prefix_caching"], gpu_memory_utilization=UTILIZATION, seed=0,
+                       **extra)
 
     def kv_tokens(self) -> int | None:
         """vLLM's KV cache in tokens (its blocks x block size, as the engine core reported them), or None."""

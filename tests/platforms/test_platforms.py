@@ -47,6 +47,8 @@ class FakeCuda:
         m.memory_allocated = lambda d=None: self.allocated
         m.max_memory_allocated = lambda d=None: self.peak
         m.max_memory_reserved = lambda d=None: self.peak_reserved
+        m.memory_stats = lambda d=None: {"reserved_bytes.all.current": self.reserved,
+                                         "allocated_bytes.all.current": self.allocated}
         m.reset_peak_memory_stats = lambda d=None: (setattr(self, "peak", self.allocated),
                                                     setattr(self, "peak_reserved", self.reserved))
         m.empty_cache = lambda: setattr(self, "reserved", self.allocated)

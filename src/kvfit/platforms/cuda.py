@@ -14,7 +14,7 @@ from kvfit.kv.plan import MemoryReading, device_budget_bytes, over_budget
 from kvfit.platforms.base import Platform, StartupSteps
 from kvfit.platforms.estimate import CUDA_CONTEXT_BYTES
 from kvfit.platforms.nvml import co_tenant_note, co_tenants, unlisted_tenant
-from kvfit.units import MiB
+from kvfit.units import MiB, gib
 
 logger = logging.getLogger("kvfit")
 
@@ -24,6 +24,7 @@ HOLD_SLACK_BYTES = 64 * MiB
 # (the steps could not use the held block: e.g. a user's max_split_size_mb, under which a large cached block
 # serves no smaller request), each one a device sync and a reallocation of the activation peak
 MAX_FUTILE_REHOLDS = 3
+LOGGED_RELEASES = 5                  # releases logged at info (the rest at debug)
 
 
 def _expandable_segments() -> None:
@@ -179,9 +180,18 @@ class CudaPlatform(Platform):
         if cap is None or torch.cuda.memory_reserved(self.device) <= cap:
             self._releases_in_a_row = 0
             return
+        stats = torch.cuda.memory_stats(self.device)
         torch.cuda.empty_cache()
         self.num_cache_releases += 1
         self._releases_in_a_row += 1
+        # what was cached where: live tensors, the free parts of split blocks, and what the release gave back (the
+        # first releases at info: the start-up's are the ones to explain; then at debug)
+        (logger.info if self.num_cache_releases <= LOGGED_RELEASES else logger.debug)(
+            "allocator cache release %d: reserved %s over the cap %s (live tensors %s, free in split blocks %s, "
+            "activation reserve %s); %s given back", self.num_cache_releases,
+            gib(stats.get("reserved_bytes.all.current", 0)), gib(cap), gib(stats.get("allocated_bytes.all.current", 0)),
+            gib(stats.get("inactive_split_bytes.all.current", 0)), gib(reading.activation_peak_bytes),
+            gib(stats.get("reserved_bytes.all.current", 0) - torch.cuda.memory_reserved(self.device)))
         futile = self._releases_in_a_row - 1          # re-holds in a row that the very next step released
         if futile < MAX_FUTILE_REHOLDS:
             self.hold_activation_reserve(reading)
