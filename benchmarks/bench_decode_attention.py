@@ -51,10 +51,11 @@ def spot_check(backend, query, k_cache, v_cache, meta, scale):
     """The timed kernel's output for the first two sequences against the torch reference."""
     from kvfit.attention.base import AttentionMetadata
     from kvfit.attention.torch_ref import TorchReferenceBackend
-    sub = AttentionMetadata(meta.slot_mapping[:2], meta.query_start_loc[:3], meta.seq_lens[:2],
-                            meta.block_tables[:2], 1, meta.max_seq_len, [0, 1, 2], meta.seq_lens_host[:2])
-    got = backend.attend(query, k_cache, v_cache, meta, scale)[:2].float()
-    expected = TorchReferenceBackend().attend(query[:2], k_cache, v_cache, sub, scale).float()
+    n = min(2, len(meta.seq_lens_host))
+    sub = AttentionMetadata(meta.slot_mapping[:n], meta.query_start_loc[:n + 1], meta.seq_lens[:n],
+                            meta.block_tables[:n], 1, meta.max_seq_len, list(range(n + 1)), meta.seq_lens_host[:n])
+    got = backend.attend(query, k_cache, v_cache, meta, scale)[:n].float()
+    expected = TorchReferenceBackend().attend(query[:n], k_cache, v_cache, sub, scale).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 

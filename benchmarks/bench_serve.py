@@ -585,7 +585,9 @@ def main() -> None:
             except ImportError:
                 print("vllm: not importable here; its rows are skipped")
                 continue
-        proc, port, startup = start_server(engine, folder, args, f"{root}/{engine}-{os.path.basename(args.model)}.log")
+        # the server's own log beside --out (it comes back from a device call with the results), else in root
+        logs = os.path.dirname(os.path.abspath(args.out)) if args.out else root
+        proc, port, startup = start_server(engine, folder, args, f"{logs}/{engine}-{os.path.basename(args.model)}.log")
         try:
             print(f"{engine}: up in {startup:.0f} s", flush=True)
             asyncio.run(run_load(port, warmup, float("inf"), None, 0))

@@ -242,7 +242,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, num_splits: int, block_n: int | None = None,
                            num_warps: int = 4, out: torch.Tensor | None = None,
-                           prefix_len: torch.Tensor | None = None, prefix_splits: int = 0) -> torch.Tensor:
+                           prefix_len: torch.Tensor | None = None, prefix_splits: int = 0,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
@@ -290,6 +291,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
         DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, num_warps=num_warps, **launch,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if not direct:
         s_pad = next_pow2(total)

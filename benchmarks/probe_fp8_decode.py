@@ -1,0 +1,73 @@
+"""Why an fp8 KV cache's decode attention reads at half the bandwidth a bf16 cache's does: the decode kernel over
+an fp8 cache timed per tile size, warps and pipeline stages, with the query (and so the dot products) in bf16 and
+in fp16 (e4m3 converts to fp16 in one instruction, to bf16 through fp16), against the bf16 cache's own launch.
+
+python benchmarks/probe_fp8_decode.py --batch 256 64 --context 647 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+
+def main() -> int:
+    import triton.testing
+    from bench_decode_attention import build_step
+    from common import copy_bandwidth
+
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.kernels.attention_decode import decode_read_bytes, paged_decode_attention
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[256, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[647, 2048])
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    args.shared_prefix = 0
+    backend = TritonBackend()
+    copy_bps = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bps / 1e9:.0f} GB/s")
+    gen = torch.Generator().manual_seed(0)
+    for batch, context in itertools.product(args.batch, args.context):
+        scale = args.head_dim ** -0.5
+        rows = []
+        for cache in ("bfloat16", "fp8_e4m3"):
+            args.kv_cache_dtype = cache
+            query, k_cache, v_cache, meta = build_step(batch, context, 16, args, gen)
+            read = decode_read_bytes(meta.seq_lens_host, args.kv_heads, args.head_dim, k_cache.dtype)
+            splits = backend.decode_num_splits(meta, query, args.kv_heads)
+            t = triton.testing.do_bench(lambda: backend.attend(query, k_cache, v_cache, meta, scale),
+                                        warmup=25, rep=100, return_mode="median") / 1e3
+            rows.append((t, f"{cache} cache, the backend's launch (splits {splits})", read))
+            if cache == "bfloat16":
+                continue
+            want = backend.attend(query, k_cache, v_cache, meta, scale).float()
+            for qdtype, block_n, warps, stages in itertools.product((torch.bfloat16, torch.float16), (64, 128),
+                                                                    (4, 8), (None, 2, 3, 4)):
+                q = query.to(qdtype)
+
+                def run():
+                    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                  meta.query_start_loc, scale, splits, block_n=block_n,
+                                                  num_warps=warps, num_stages=stages)
+                try:
+                    err = (run().float() - want).abs().max().item()
+                    t = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") / 1e3
+                except Exception as exc:     # a config that does not compile (shared memory) is reported
+                    print(f"  {qdtype} block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}")
+                    continue
+                rows.append((t, f"fp8 cache, query {str(qdtype)[6:]} block_n={block_n} warps={warps} "
+                                f"stages={stages} (max diff {err:.1e})", read))
+        print(f"== batch {batch}, context {context}")
+        for t, what, read in sorted(rows)[:12] + [r for r in rows if "backend" in r[1]]:
+            print(f"  {t * 1e6:8.1f} us  {read / t / copy_bps:5.2f} of copy  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
