@@ -1,14 +1,17 @@
 """Why an fp8 KV cache's decode attention reads at half the bandwidth a bf16 cache's does: the decode kernel over
-an fp8 cache timed per tile size, warps and pipeline stages, with the query (and so the dot products) in bf16 and
-in fp16 (e4m3 converts to fp16 in one instruction, to bf16 through fp16), against the bf16 cache's own launch.
+an fp8 cache timed per tile size, warps and pipeline stages, with its dots in bf16 and in fp16 (DOT_F16: e4m3
+converts to fp16 in one instruction, to bf16 through fp16), against the bf16 cache's own launch. --write FILE
+saves the config with the lowest total time over the shapes (attention_decode.FP8_DECODE_CONFIG's form, JSON),
+for KVFIT_BENCH_FP8_DECODE.
 
-python benchmarks/probe_fp8_decode.py --batch 256 64 --context 647 2048
+python benchmarks/probe_fp8_decode.py --batch 256 64 --context 647 2048 --write /root/fp8_decode.json
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 
 import torch
@@ -27,7 +30,9 @@ def main() -> int:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--write", default=None, help="save the best config here (JSON)")
     args = ap.parse_args()
+    totals: dict[tuple, float] = {}
     args.shared_prefix = 0
     backend = TritonBackend()
     copy_bps = copy_bandwidth()
@@ -47,25 +52,32 @@ def main() -> int:
             if cache == "bfloat16":
                 continue
             want = backend.attend(query, k_cache, v_cache, meta, scale).float()
-            for qdtype, block_n, warps, stages in itertools.product((torch.bfloat16, torch.float16), (64, 128),
-                                                                    (4, 8), (None, 2, 3, 4)):
-                q = query.to(qdtype)
-
+            for f16, block_n, warps, stages in itertools.product((False, True), (64, 128), (4, 8), (None, 2, 3, 4)):
                 def run():
-                    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                    return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                   meta.query_start_loc, scale, splits, block_n=block_n,
-                                                  num_warps=warps, num_stages=stages)
+                                                  num_warps=warps, num_stages=stages, dot_f16=f16)
                 try:
                     err = (run().float() - want).abs().max().item()
                     t = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") / 1e3
                 except Exception as exc:     # a config that does not compile (shared memory) is reported
-                    print(f"  {qdtype} block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}")
+                    print(f"  fp16 dots {f16} block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}")
+                    totals[(block_n, warps, stages, f16)] = float("inf")
                     continue
-                rows.append((t, f"fp8 cache, query {str(qdtype)[6:]} block_n={block_n} warps={warps} "
-                                f"stages={stages} (max diff {err:.1e})", read))
+                key = (block_n, warps, stages, f16)
+                totals[key] = totals.get(key, 0.0) + t
+                rows.append((t, f"fp8 cache, block_n={block_n} warps={warps} stages={stages} fp16 dots {f16} "
+                                f"(max diff {err:.1e})", read))
         print(f"== batch {batch}, context {context}")
         for t, what, read in sorted(rows)[:12] + [r for r in rows if "backend" in r[1]]:
             print(f"  {t * 1e6:8.1f} us  {read / t / copy_bps:5.2f} of copy  {what}")
+    best = min(totals, key=totals.get)
+    default = (64, 4, None, False)
+    print(f"best over the shapes: {best} ({totals[best] * 1e6:.1f} us in all; the current default {default}: "
+          f"{totals.get(default, float('nan')) * 1e6:.1f} us)")
+    if args.write:
+        with open(args.write, "w") as fh:
+            json.dump(list(best), fh)
     return 0
 
 

@@ -275,6 +275,34 @@ def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, s
     torch.testing.assert_close(via_backend.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
+def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
+    """DOT_F16 (an fp8 cache's decode dots in fp16): the same output as the bf16 dots, within bf16's rounding,
+    split or not; a query past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
+    num_q, num_kv, page, head_dim = 8, 2, 4, 32
+    seq_lens = [13, 30, 7]
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
+    table = make_tables(seq_lens, page, num_blocks, gen)
+    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
+    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
+    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    meta = make_meta([1] * len(seq_lens), seq_lens, table.to(DEVICE))
+    query = (torch.randn(len(seq_lens), num_q, head_dim, generator=gen) * loud / head_dim).to(DEVICE, torch.bfloat16)
+    scale = head_dim ** -0.5 / loud
+    assert (query.abs().max() > 65504) == (loud > 1)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
+    for splits in (1, 3):
+        args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        f16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dot_f16=True).float()
+        bf16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dot_f16=False).float()
+        assert torch.isfinite(f16).all()
+        torch.testing.assert_close(f16, expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(f16, bf16, atol=2e-2, rtol=2e-2)
+
+
 def test_cascade_rule_and_prefix_splits():
     backend = TritonBackend()
     # the H200 in CUDA graphs (benchmarks/run_gpu_steps.sh cascade-rule): faster from about 32,000 sequences x tokens
@@ -531,7 +559,7 @@ def _compile_check() -> None:
             build(dec._decode_split_kernel, qd, cache, dict(
                 NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
                 D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, CASCADE=cascade,
-                PDL=True))
+                PDL=True, DOT_F16=False))
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
             ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True))
@@ -539,6 +567,11 @@ def _compile_check() -> None:
             build(pre._prefill_kernel, qd, cache, dict(
                 GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
                 BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped))
+    fp8 = types[torch.float8_e4m3fn]
+    for tile, warps, f16 in ((64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True)):   # probe_fp8_decode's
+        build(dec._decode_split_kernel, bf, fp8, dict(
+            NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
+            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=f16), warps)
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

@@ -60,6 +60,14 @@ def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_byte
     return max(MIN_PREFIX_SPLITS, min(wanted, MAX_PREFIX_SPLITS))
 
 
+# a query scaled into fp16 for DOT_F16 stays below this (2^14: a score sums 128+ products of it with keys up to
+# 448, in fp32, so only the query itself must fit fp16's 65,504)
+F16_QUERY_MAX = tl.constexpr(16384.0)
+# an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, fp16 dots);
+# benchmarks/probe_fp8_decode.py times the alternatives
+FP8_DECODE_CONFIG = (64, 4, None, False)
+
+
 def heads_per_program(group: int) -> int:
     """Query heads one program handles: the GQA group padded to >= 16 rows (tl.dot's smallest M), <= 64."""
     return max(16, min(next_pow2(group), 64))
@@ -79,7 +87,11 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr,
+    DOT_F16: tl.constexpr = False,
 ):
+    # DOT_F16 (an fp8 cache under a bf16 query): the dots run in fp16, to which e4m3 converts in one instruction
+    # and exactly (to bf16 it goes through fp16). The query is scaled by a power of two into fp16's range first
+    # (exact; undone in the score scale), so no query overflows.
     # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
     # _shared_prefix_kernel into partials 0..prefix_splits-1); this kernel's go after them. prefix_splits is
     # a runtime int (0 without CASCADE) so each bucket's split count compiles no variant of its own
@@ -110,6 +122,11 @@ def _decode_split_kernel(
     d_mask = head_dim_mask(HEAD_DIM, D_PAD)
     q_mask = head_mask[:, None] & d_mask[None, :] & has_query
     q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_F16:
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)
+        q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
+        scale_log2 = scale_log2 * tl.exp2(shift)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -241,9 +258,9 @@ def reduce_heads_per_program(num_q_heads: int, s_pad: int, d_pad: int, num_seqs:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, num_splits: int, block_n: int | None = None,
-                           num_warps: int = 4, out: torch.Tensor | None = None,
+                           num_warps: int | None = None, out: torch.Tensor | None = None,
                            prefix_len: torch.Tensor | None = None, prefix_splits: int = 0,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, dot_f16: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
@@ -263,7 +280,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     d_pad = padded_head_dim(head_dim)
     g_pad = heads_per_program(group)
     head_chunks = -(-group // g_pad)
-    block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    # an fp8 cache under a bf16 query on a GPU: FP8_DECODE_CONFIG; an argument given wins
+    fp8 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16 and on_gpu(query)
+    tile, warps, stages, f16 = FP8_DECODE_CONFIG if fp8 else (None, 4, None, False)
+    block_n = block_n or tile or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    num_warps = num_warps or warps
+    num_stages = stages if num_stages is None else num_stages
+    dot_f16 = f16 if dot_f16 is None else dot_f16
     num_splits = max(1, int(num_splits))
     cascade = prefix_splits > 0
     assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"
@@ -290,7 +313,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, num_warps=num_warps, **launch,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dot_f16, num_warps=num_warps, **launch,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if not direct:
