@@ -23,6 +23,7 @@ def main() -> int:
     from common import copy_bandwidth
 
     from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.kernels import attention_decode
     from kvfit.kernels.attention_decode import decode_read_bytes, paged_decode_attention
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 64])
@@ -72,7 +73,7 @@ def main() -> int:
         for t, what, read in sorted(rows)[:12] + [r for r in rows if "backend" in r[1]]:
             print(f"  {t * 1e6:8.1f} us  {read / t / copy_bps:5.2f} of copy  {what}")
     best = min(totals, key=totals.get)
-    default = (64, 4, None, False)
+    default = attention_decode.FP8_DECODE_CONFIG
     print(f"best over the shapes: {best} ({totals[best] * 1e6:.1f} us in all; the current default {default}: "
           f"{totals.get(default, float('nan')) * 1e6:.1f} us)")
     if args.write:

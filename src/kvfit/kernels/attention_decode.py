@@ -63,9 +63,11 @@ def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_byte
 # a query scaled into fp16 for DOT_F16 stays below this (2^14: a score sums 128+ products of it with keys up to
 # 448, in fp32, so only the query itself must fit fp16's 65,504)
 F16_QUERY_MAX = tl.constexpr(16384.0)
-# an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, fp16 dots);
-# benchmarks/probe_fp8_decode.py times the alternatives
-FP8_DECODE_CONFIG = (64, 4, None, False)
+# an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, fp16 dots).
+# The best of 32 on the H100 over batch 64 and 256 at contexts 647 and 2,048 (benchmarks/probe_fp8_decode.py,
+# 2026-12-07): 879 us in all against 1,012 for the bf16 cache's launch (64 tokens, bf16 dots); 128-token tiles
+# move as many bytes a tile as a bf16 cache's 64
+FP8_DECODE_CONFIG = (128, 4, 2, True)
 
 
 def heads_per_program(group: int) -> int:
