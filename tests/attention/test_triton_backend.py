@@ -303,6 +303,48 @@ def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
         torch.testing.assert_close(f16, bf16, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("step", ["decode", "decode-split", "cascade", "prefill"])
+def test_the_kernels_scale_the_output_per_kv_head(step):
+    """out_scale (an fp8 cache's v scales, one per KV head): every kernel multiplies its output, or its partial
+    sums, by its KV head's scale before the output's rounding, as the torch reference does; the same as the
+    unscaled output times the scale, within bf16's rounding."""
+    num_q, num_kv, page, head_dim = 6, 2, 4, 16
+    seq_lens = [13, 22, 9]
+    q_lens = [5, 3, 9] if step == "prefill" else [1, 1, 1]
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
+    table = make_tables(seq_lens, page, num_blocks, gen)
+    if step == "cascade":
+        table[:, :2] = table[0, :2].clone()
+    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
+    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
+    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    meta = make_meta(q_lens, seq_lens, table.to(DEVICE))
+    query = torch.randn(sum(q_lens), num_q, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    out_scale = torch.tensor([0.037, 3.3], device=DEVICE)
+    scale = head_dim ** -0.5
+    if step == "prefill":
+        def run(out_scale=None):
+            return TritonBackend().attend(query, k_cache, v_cache, meta, scale, out_scale)
+    else:
+        prefix = torch.tensor([2 * page], dtype=torch.int32, device=DEVICE)
+        kwargs = dict(num_splits=3 if step == "decode-split" else 1, prefix_len=prefix if step == "cascade" else None,
+                      prefix_splits=2 if step == "cascade" else 0)
+
+        def run(out_scale=None):
+            return triton_decode.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                        meta.query_start_loc, scale, out_scale=out_scale, **kwargs)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale, out_scale).float()
+    plain = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
+    per_head = out_scale.repeat_interleave(num_q // num_kv)[None, :, None]
+    torch.testing.assert_close(expected, plain * per_head, atol=2e-2, rtol=2e-2)
+    got = run(out_scale).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, run().float() * per_head, atol=2e-2, rtol=2e-2)
+
+
 def test_cascade_rule_and_prefix_splits():
     backend = TritonBackend()
     # the H200 in CUDA graphs (benchmarks/run_gpu_steps.sh cascade-rule): faster from about 32,000 sequences x tokens
@@ -559,19 +601,19 @@ def _compile_check() -> None:
             build(dec._decode_split_kernel, qd, cache, dict(
                 NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
                 D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, CASCADE=cascade,
-                PDL=True, DOT_F16=False))
+                PDL=True, DOT_F16=False, OUT_SCALED=cache != bf))
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
-            ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True))
+            ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True, OUT_SCALED=cache != bf))
         for mapped in (False, True):        # the grid of an eager step, and a CUDA graph's tile-mapped one
             build(pre._prefill_kernel, qd, cache, dict(
                 GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
-                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped))
+                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf))
     fp8 = types[torch.float8_e4m3fn]
     for tile, warps, f16 in ((64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True)):   # probe_fp8_decode's
         build(dec._decode_split_kernel, bf, fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
-            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=f16), warps)
+            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=f16, OUT_SCALED=True), warps)
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

@@ -269,18 +269,6 @@ def test_fused_cache_write_with_kv_scales_equals_the_scaled_torch_path(heads, no
     assert torch.equal(v_cache.view(torch.uint8), ref_v_cache.view(torch.uint8))
 
 
-def test_scale_output_in_place_equals_the_product_rounded():
-    from kvfit.models.kv_scales import KVScales
-    scales = KVScales(4, 0, 2, 6, "cpu")
-    scales.v_scale.copy_(torch.tensor([0.037, 3.3]))
-    out = torch.randn(5, 6, 8).to(torch.bfloat16)
-    want = (out * scales.v_scale.repeat_interleave(3)[None, :, None]).to(out.dtype)
-    assert torch.equal(scales.scale_output(out.clone()), want)
-    strided = torch.randn(6, 5, 8).to(torch.bfloat16).transpose(0, 1)        # not contiguous: a new tensor
-    assert torch.equal(scales.scale_output(strided), (strided * scales.v_scale.repeat_interleave(3)[None, :, None])
-                       .to(torch.bfloat16))
-
-
 def test_fused_cache_write_declines_views_that_are_not_one_row():
     qkv = torch.randn(2, 4 * 16).to(DEVICE)
     q, k, v = _qkv_views(qkv, 2, 1, 16)

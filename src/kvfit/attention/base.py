@@ -92,7 +92,8 @@ class Rotary(Protocol):
 
 
 class KVCacheScales(Protocol):
-    """The scales of an fp8 cache (models/kv_scales.py): k, v divided on the way in, q and the output scaled."""
+    """The scales of an fp8 cache (models/kv_scales.py): k, v divided on the way in, q scaled, and the output
+    scaled by the attention kernels (attend's out_scale)."""
 
     k_scale: torch.Tensor            # fp32 [Hkv]: a kernel that writes the cache may divide by them itself
     v_scale: torch.Tensor
@@ -101,8 +102,6 @@ class KVCacheScales(Protocol):
     def for_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def scale_query(self, q: torch.Tensor) -> torch.Tensor: ...
-
-    def scale_output(self, out: torch.Tensor) -> torch.Tensor: ...
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: list[int],
@@ -146,8 +145,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [T, Hq, D] -> output [T, Hq, D] in query's dtype."""
+               meta: AttentionMetadata, scale: float, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query: [T, Hq, D] -> output [T, Hq, D] in query's dtype. out_scale: fp32 [Hkv] (an fp8 cache's v
+        scales): query head h's output times out_scale[h // group], in fp32 before the output's rounding."""
         raise NotImplementedError
 
     # what a model's attention layer calls ----------------------------------------------------------
@@ -177,5 +177,4 @@ class AttentionBackend:
         sequence attends causally to its own k, v of this step."""
         if kv_cache is None:
             return causal_attention(q, k, v, meta.query_start_loc_host or meta.query_start_loc.tolist(), scale)
-        out = self.attend(q, *kv_cache, meta, scale)
-        return out if kv_scales is None else kv_scales.scale_output(out)
+        return self.attend(q, *kv_cache, meta, scale, None if kv_scales is None else kv_scales.v_scale)

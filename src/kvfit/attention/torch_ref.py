@@ -26,7 +26,7 @@ class TorchReferenceBackend(AttentionBackend):
         k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
         v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, out_scale=None):
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
         q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -35,6 +35,8 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(query)
         if max_q == 0:
             return out
+        # [Hq] fp32: each query head's output scale (its KV head's), applied before the rounding to out's dtype
+        head_scale = None if out_scale is None else out_scale.float().repeat_interleave(num_heads // num_kv_heads)
         if num_seqs * max_ctx * max(num_heads * max_q, num_kv_heads * head_dim) <= MAX_SCORE_ELEMENTS:
             # every sequence in one padded call (decode steps, the profile's widest step)
             q = _padded_queries(query, starts, q_lens, max_q)                          # [B, Lmax, Hq, D]
@@ -44,6 +46,8 @@ class TorchReferenceBackend(AttentionBackend):
             pad = torch.arange(max_ctx, device=query.device)[None, :] >= torch.tensor(lens, device=query.device)[:, None]
             k, v = k.masked_fill_(pad[:, :, None, None], 0.0), v.masked_fill_(pad[:, :, None, None], 0.0)
             o = padded_causal_attention(q, k, v, q_lens, lens, scale)                  # [B, Lmax, Hq, D]
+            if head_scale is not None:
+                o = o.float() * head_scale[:, None]
             return out.copy_(o.reshape(-1, num_heads, head_dim)[_valid_rows(q_lens, max_q, query.device)])
         for i, ctx_len in enumerate(lens):
             if q_lens[i] == 0:
@@ -57,6 +61,8 @@ class TorchReferenceBackend(AttentionBackend):
                 end = ctx_len - q_lens[i] + first + c
                 rows = slice(starts[i] + first, starts[i] + first + c)
                 o = padded_causal_attention(query[None, rows].float(), k[:, :end], v[:, :end], [c], [end], scale)
+                if head_scale is not None:
+                    o = o.float() * head_scale[:, None]
                 out[rows] = o[0].to(query.dtype)
         return out
 

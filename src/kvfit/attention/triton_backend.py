@@ -81,7 +81,7 @@ class TritonBackend(FusedCacheWrite, AttentionBackend):
         self._check_device(key)
         write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, out_scale=None):
         # query: [T, Hq, D] -> [T, Hq, D] in query's dtype
         self._check_device(query)
         num_kv_heads = k_cache.shape[2]
@@ -95,7 +95,7 @@ class TritonBackend(FusedCacheWrite, AttentionBackend):
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 num_splits=self.decode_num_splits(meta, query, num_kv_heads), prefix_len=meta.prefix_len,
-                prefix_splits=prefix_splits)
+                prefix_splits=prefix_splits, out_scale=out_scale)
         return paged_prefill_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            max_query_len=meta.max_query_len, scale=scale, tile_maps=meta.tile_maps)
+            max_query_len=meta.max_query_len, scale=scale, tile_maps=meta.tile_maps, out_scale=out_scale)

@@ -79,7 +79,7 @@ def heads_per_program(group: int) -> int:
 # would compile there, in the timed region (the first throughput repetition lost 30% to two compiles)
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits", "stride_bt"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prefix_len_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,     # [B, Hq, P + S], [B, Hq, P + S], [B, Hq, P + S, D_PAD] fp32
     scale_log2, num_splits, prefix_splits,
@@ -89,8 +89,10 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr,
-    DOT_F16: tl.constexpr = False,
+    DOT_F16: tl.constexpr = False, OUT_SCALED: tl.constexpr = False,
 ):
+    # OUT_SCALED: the output (or the partial acc, which the reduce sums linearly) times out_scale_ptr[kv_head] (an
+    # fp8 cache's v scale), in fp32 before the rounding
     # DOT_F16 (an fp8 cache under a bf16 query): the dots run in fp16, to which e4m3 converts in one instruction
     # and exactly (to bf16 it goes through fp16). The query is scaled by a power of two into fp16's range first
     # (exact; undone in the score scale), so no query overflows.
@@ -144,6 +146,8 @@ def _decode_split_kernel(
     if PDL:
         gdc_launch_dependents()
 
+    if OUT_SCALED:
+        acc = acc * tl.load(out_scale_ptr + kv_head)
     if DIRECT_OUT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -157,12 +161,13 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "prefix_splits"])
 def _shared_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, prefix_len_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_scale_ptr, block_tables_ptr, query_start_loc_ptr, prefix_len_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,     # as _decode_split_kernel's; this kernel writes partials 0..P-1
     scale_log2, num_seqs, num_splits, prefix_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    OUT_SCALED: tl.constexpr = False,
 ):
     """Cascade attention's first level: the prefix_len_ptr[0] tokens every sequence shares (read through
     block_tables row 0's blocks), once per tile for ROWS query rows of many sequences, instead of once per
@@ -199,6 +204,8 @@ def _shared_prefix_kernel(
             PAGE, D_PAD, IEEE, False)
     if PDL:
         gdc_launch_dependents()
+    if OUT_SCALED:
+        acc = acc * tl.load(out_scale_ptr + kv_head)
     part = (seq * NUM_Q_HEADS + heads) * (prefix_splits + num_splits) + split        # [ROWS] int64
     tl.store(part_m_ptr + part, m_i, mask=row_ok)
     tl.store(part_l_ptr + part, l_i, mask=row_ok)
@@ -262,7 +269,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float, num_splits: int, block_n: int | None = None,
                            num_warps: int | None = None, out: torch.Tensor | None = None,
                            prefix_len: torch.Tensor | None = None, prefix_splits: int = 0,
-                           num_stages: int | None = None, dot_f16: bool | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, dot_f16: bool | None = None,
+                           out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query: [T, Hq, D] (token query_start_loc[i] belongs to seq i); caches: [num_blocks, PAGE, Hkv, D];
@@ -271,6 +279,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     of PAGE, 0 allowed) whose K/V every sequence shares with block_tables[0]'s blocks (the same blocks, or
     copies), and every sequence with a query has more tokens than; those are attended once for all
     sequences through row 0's blocks, in prefix_splits splits.
+    out_scale: fp32 [Hkv] or None: query head h's output times out_scale[h // group] (AttentionBackend.attend).
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -300,22 +309,26 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     part_l = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_acc = torch.empty((*parts, d_pad), dtype=torch.float32, device=query.device)
     ieee, launch = dot_ieee(query.dtype), pdl.launch_args(query)
+    scaled = out_scale is not None
+    assert not scaled or (out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,)), out_scale
+    out_scale = out_scale if scaled else seq_lens             # not read
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     if cascade:
         rows = shared_prefix_rows(query.element_size())
         _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
-            query, k_cache, v_cache, block_tables, query_start_loc, prefix_len, part_m, part_l, part_acc,
+            query, k_cache, v_cache, out_scale, block_tables, query_start_loc, prefix_len, part_m, part_l, part_acc,
             scale * LOG2_E, num_seqs, num_splits, prefix_splits, query.stride(0), query.stride(1), *strides,
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-            ROWS=rows, IEEE=ieee, num_warps=4, **launch)
+            ROWS=rows, IEEE=ieee, OUT_SCALED=scaled, num_warps=4, **launch)
     _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, out, out_scale, block_tables, seq_lens, query_start_loc,
         prefix_len if cascade else seq_lens, part_m, part_l, part_acc, scale * LOG2_E, num_splits, prefix_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dot_f16, num_warps=num_warps, **launch,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dot_f16, OUT_SCALED=scaled, num_warps=num_warps,
+        **launch,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if not direct:

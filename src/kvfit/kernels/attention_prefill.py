@@ -26,7 +26,7 @@ from kvfit.platforms.gate import on_gpu
 # variant (== 1, divisible by 16) in the middle of serving (see _decode_split_kernel)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seqs_ptr, tile_rows_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -34,8 +34,9 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-    MAPPED: tl.constexpr,
+    MAPPED: tl.constexpr, OUT_SCALED: tl.constexpr = False,
 ):
+    # OUT_SCALED: the output times out_scale_ptr[kv_head] (an fp8 cache's v scale), in fp32 before the rounding
     if MAPPED:      # program (tile, 0, kv head): its sequence and first row from the tile map (-1: no work)
         tile_seq = tl.load(tile_seqs_ptr + tl.program_id(0))
         if tile_seq < 0:
@@ -93,6 +94,8 @@ def _prefill_kernel(
             PAGE, D_PAD, IEEE, False)
 
     out = acc / l_i[:, None]
+    if OUT_SCALED:
+        out = out * tl.load(out_scale_ptr + kv_head)
     tl.store(out_ptr + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -142,7 +145,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             max_query_len: int, scale: float, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             out: torch.Tensor | None = None, num_stages: int | None = None,
-                            split: bool | None = None, tile_maps: dict | None = None) -> torch.Tensor:
+                            split: bool | None = None, tile_maps: dict | None = None,
+                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
@@ -152,6 +156,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     tile_maps: a launch whose grid depends on T and B only (AttentionMetadata.tile_maps, a CUDA graph's step):
     programs find their rows through prefill_tile_map, built once a step and kept in this dict for the
     other layers; None: the grid is (B, row tiles of max_query_len, Hkv).
+    out_scale: fp32 [Hkv] or None: query head h's output times out_scale[h // group] (AttentionBackend.attend).
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -181,12 +186,14 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             tile_maps[key] = prefill_tile_map(query_start_loc, group, block_m, num_tiles)
         tile_seqs, tile_rows = tile_maps[key]
         grid = (num_tiles, 1, num_kv_heads)
+    scaled = out_scale is not None
+    assert not scaled or (out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,)), out_scale
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seqs, tile_rows, scale * LOG2_E,
+        query, k_cache, v_cache, out, out_scale if scaled else seq_lens, block_tables, seq_lens, query_start_loc, tile_seqs, tile_rows, scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=ieee, SPLIT=split, MAPPED=tile_maps is not None, num_warps=num_warps, **stages,
+        IEEE=ieee, SPLIT=split, MAPPED=tile_maps is not None, OUT_SCALED=scaled, num_warps=num_warps, **stages,
     )
     return out

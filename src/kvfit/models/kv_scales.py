@@ -92,14 +92,6 @@ class KVScales(torch.nn.Module):
         """q [T, Hq, D] times the k scale of the KV head each query head reads."""
         return (q * self.k_scale.repeat_interleave(self.group)[None, :, None]).to(q.dtype)
 
-    def scale_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The attention output [T, Hq, D] times the v scale of each query head's KV head, in place (one launch:
-        the product in fp32, rounded to out's dtype, as `(out * scale).to(out.dtype)`)."""
-        if not out.is_contiguous() or out.numel() == 0:
-            return (out * self.v_scale.repeat_interleave(self.group)[None, :, None]).to(out.dtype)
-        return out.view(out.shape[0], self.num_kv_heads, self.group, -1).mul_(self.v_scale[None, :, None, None]) \
-            .view(out.shape)
-
 
 def kv_scale_layers(model: torch.nn.Module) -> list[KVScales]:
     """Every attention layer's scales in a model."""
