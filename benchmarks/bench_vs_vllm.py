@@ -21,7 +21,7 @@ repetition never hits the previous one's prompts. Groups (one engine configurati
 KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's LLM(...) for an experiment;
 VLLM_BENCH_ARGS='{"kv_cache_dtype": "fp8"}' (JSON) adds arguments to vLLM's LLM(...);
 KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (kvfit.kernels.attention_prefill.PREFILL_CONFIG).
-KVFIT_BENCH_FP8_DECODE='[128, 4, 3, true]' sets an fp8 cache's decode launch (attention_decode.FP8_DECODE_CONFIG).
+KVFIT_BENCH_FP8_DECODE='[128, 4, 2, "fp16"]' sets an fp8 cache's decode launch (attention_decode.FP8_DECODE_CONFIG).
 KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
 config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
 "-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8). On FP8 runs vLLM's
@@ -182,7 +182,7 @@ class KvfitEngine(_Engine):
             print("NOTE kvfit weights drawn as vLLM's dummy loader draws them (KVFIT_BENCH_DUMMY=vllm)", flush=True)
         # KVFIT_BENCH_ARGS: JSON of extra LLM(...) arguments for an experiment (e.g. max_num_batched_tokens)
         extra = json.loads(os.environ.get("KVFIT_BENCH_ARGS", "{}"))
-        if os.environ.get("KVFIT_BENCH_FP8_DECODE"):      # e.g. [128, 4, 3, true] (probe_fp8_decode.py --write)
+        if os.environ.get("KVFIT_BENCH_FP8_DECODE"):      # e.g. [128, 4, 2, "fp16"] (probe_fp8_decode.py --write)
             from kvfit.kernels import attention_decode
             attention_decode.FP8_DECODE_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_FP8_DECODE"]))
             print(f"NOTE fp8 decode config {attention_decode.FP8_DECODE_CONFIG}", flush=True)

@@ -296,11 +296,43 @@ def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
     expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
     for splits in (1, 3):
         args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-        f16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dot_f16=True).float()
-        bf16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dot_f16=False).float()
+        f16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dots="fp16").float()
+        bf16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dots="query").float()
         assert torch.isfinite(f16).all()
         torch.testing.assert_close(f16, expected, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(f16, bf16, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_dots_come_close_to_the_reference():
+    """dots="fp8" (FlashAttention-3's scheme: each query row and the probabilities quantized to e4m3): close to the
+    reference (3 mantissa bits: a mean error of about 1% of the values here), split or not; the probabilities'
+    scale keeps the small weights of a long context (1,000 equal ones) from flushing to zero."""
+    num_q, num_kv, page, head_dim = 8, 2, 4, 32
+    seq_lens = [13, 1000, 7]
+    gen = torch.Generator().manual_seed(6)
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
+    table = make_tables(seq_lens, page, num_blocks, gen)
+    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
+    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
+    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    key[13:1013] = 0               # the long context's scores are all equal: each probability is 1/1000, under
+    value = (torch.randn(len(slots), num_kv, head_dim, generator=gen) + 1).to(DEVICE)  # e4m3's smallest, 2^-9
+    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    meta = make_meta([1] * len(seq_lens), seq_lens, table.to(DEVICE))
+    query = torch.randn(len(seq_lens), num_q, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    scale = head_dim ** -0.5
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
+    for splits in (1, 3):
+        got = triton_decode.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                   meta.query_start_loc, scale, num_splits=splits, dots="fp8").float()
+        assert torch.isfinite(got).all()
+        # e4m3 keeps 3 mantissa bits: each query element and probability rounds by up to 1/16 of itself
+        diff = (got - expected).abs()
+        assert diff.mean() < 0.03 and diff.max() < 0.3, (diff.mean(), diff.max())
+    with pytest.raises(AssertionError):          # fp8 dots need an fp8 cache
+        bf_cache = k_cache.to(torch.bfloat16)
+        triton_decode.paged_decode_attention(query, bf_cache, bf_cache, meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, scale, num_splits=1, dots="fp8")
 
 
 @pytest.mark.parametrize("step", ["decode", "decode-split", "cascade", "prefill"])
@@ -601,7 +633,7 @@ def _compile_check() -> None:
             build(dec._decode_split_kernel, qd, cache, dict(
                 NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
                 D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, CASCADE=cascade,
-                PDL=True, DOT_F16=False, OUT_SCALED=cache != bf))
+                PDL=True, DOT_F16=False, DOT_FP8=False, OUT_SCALED=cache != bf))
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
             ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True, OUT_SCALED=cache != bf))
@@ -610,10 +642,12 @@ def _compile_check() -> None:
                 GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
                 BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf))
     fp8 = types[torch.float8_e4m3fn]
-    for tile, warps, f16 in ((64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True)):   # probe_fp8_decode's
+    for tile, warps, dots in ((64, 4, "fp16"), (128, 4, "query"), (128, 4, "fp16"), (128, 8, "fp16"), (128, 4, "fp8"),
+                              (64, 4, "fp8")):      # probe_fp8_decode's
         build(dec._decode_split_kernel, bf, fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
-            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=f16, OUT_SCALED=True), warps)
+            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8",
+            OUT_SCALED=True), warps)
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

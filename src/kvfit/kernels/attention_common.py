@@ -117,8 +117,13 @@ def attend_paged_tile(
     kv_head, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     PAGE: tl.constexpr, D_PAD: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr,
+    P_SCALE: tl.constexpr = 1.0,
 ):
     """One online-softmax step (log2 domain) of q over the paged K/V tile at offs_n -> (m_i, l_i, acc).
+
+    K and V are read as q's dtype, and the probabilities multiplied by P_SCALE before their cast to it (fp8 dots:
+    p <= 1 times 448 uses e4m3's range; the caller divides acc by P_SCALE). scale_log2 may be [M, 1] (a scale
+    per query row).
 
     The caller owns the mask: `visible` says which (row, key) scores count (decode: the key is in the
     split; prefill: also causal). FULL says every key of the tile is in range and visible to every row
@@ -143,7 +148,11 @@ def attend_paged_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs, stride_vh, kv_mask, D_PAD, q.dtype)
-    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
+    if P_SCALE == 1.0:
+        pv = p.to(v.dtype)
+    else:
+        pv = (p * P_SCALE).to(v.dtype)
+    acc = acc * alpha[:, None] + tile_dot(pv, v, IEEE)
     return m_new, l_i, acc
 
 

@@ -63,11 +63,14 @@ def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_byte
 # a query scaled into fp16 for DOT_F16 stays below this (2^14: a score sums 128+ products of it with keys up to
 # 448, in fp32, so only the query itself must fit fp16's 65,504)
 F16_QUERY_MAX = tl.constexpr(16384.0)
-# an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, fp16 dots).
+FP8_MAX = tl.constexpr(448.0)          # e4m3's largest
+# an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, the dots:
+# "query" (bf16), "fp16" or "fp8").
 # The best of 32 on the H100 over batch 64 and 256 at contexts 647 and 2,048 (benchmarks/probe_fp8_decode.py,
 # 2026-12-07): 879 us in all against 1,012 for the bf16 cache's launch (64 tokens, bf16 dots); 128-token tiles
 # move as many bytes a tile as a bf16 cache's 64
-FP8_DECODE_CONFIG = (128, 4, 2, True)
+FP8_DECODE_CONFIG = (128, 4, 2, "fp16")
+DOTS = ("query", "fp16", "fp8")
 
 
 def heads_per_program(group: int) -> int:
@@ -89,13 +92,17 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_CHUNKS: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr,
-    DOT_F16: tl.constexpr = False, OUT_SCALED: tl.constexpr = False,
+    DOT_F16: tl.constexpr = False, DOT_FP8: tl.constexpr = False, OUT_SCALED: tl.constexpr = False,
 ):
     # OUT_SCALED: the output (or the partial acc, which the reduce sums linearly) times out_scale_ptr[kv_head] (an
     # fp8 cache's v scale), in fp32 before the rounding
     # DOT_F16 (an fp8 cache under a bf16 query): the dots run in fp16, to which e4m3 converts in one instruction
     # and exactly (to bf16 it goes through fp16). The query is scaled by a power of two into fp16's range first
     # (exact; undone in the score scale), so no query overflows.
+    # DOT_FP8 (an fp8 cache): fp8 x fp8 dots, no conversion of K or V at all: each query row quantized to e4m3
+    # with its own scale (undone in the score scale), the probabilities times FP8_P_SCALE (448: e4m3's range)
+    # before their cast, undone at the end (FlashAttention-3's fp8 scheme; less exact: probe_fp8_decode.py says
+    # how much)
     # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
     # _shared_prefix_kernel into partials 0..prefix_splits-1); this kernel's go after them. prefix_splits is
     # a runtime int (0 without CASCADE) so each bucket's split count compiles no variant of its own
@@ -131,6 +138,13 @@ def _decode_split_kernel(
         shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)
         q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
         scale_log2 = scale_log2 * tl.exp2(shift)
+    if DOT_FP8:
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / FP8_MAX         # [G_PAD]
+        q = (q.to(tl.float32) / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
+        scale_log2 = scale_log2 * q_scale[:, None]                                         # [G_PAD, 1]
+        P_SCALE: tl.constexpr = FP8_MAX
+    else:
+        P_SCALE: tl.constexpr = 1.0
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -142,10 +156,12 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_paged_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
             kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE, False)
+            PAGE, D_PAD, IEEE, False, P_SCALE)
     if PDL:
         gdc_launch_dependents()
 
+    if DOT_FP8:
+        acc = acc / P_SCALE
     if OUT_SCALED:
         acc = acc * tl.load(out_scale_ptr + kv_head)
     if DIRECT_OUT:
@@ -269,7 +285,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float, num_splits: int, block_n: int | None = None,
                            num_warps: int | None = None, out: torch.Tensor | None = None,
                            prefix_len: torch.Tensor | None = None, prefix_splits: int = 0,
-                           num_stages: int | None = None, dot_f16: bool | None = None,
+                           num_stages: int | None = None, dots: str | None = None,
                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -293,11 +309,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     head_chunks = -(-group // g_pad)
     # an fp8 cache under a bf16 query on a GPU: FP8_DECODE_CONFIG; an argument given wins
     fp8 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16 and on_gpu(query)
-    tile, warps, stages, f16 = FP8_DECODE_CONFIG if fp8 else (None, 4, None, False)
+    tile, warps, stages, config_dots = FP8_DECODE_CONFIG if fp8 else (None, 4, None, "query")
     block_n = block_n or tile or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
     num_warps = num_warps or warps
     num_stages = stages if num_stages is None else num_stages
-    dot_f16 = f16 if dot_f16 is None else dot_f16
+    dots = config_dots if dots is None else dots
+    assert dots in DOTS and (dots == "query" or k_cache.element_size() == 1), (dots, k_cache.dtype)
     num_splits = max(1, int(num_splits))
     cascade = prefix_splits > 0
     assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"
@@ -327,7 +344,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dot_f16, OUT_SCALED=scaled, num_warps=num_warps,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8", OUT_SCALED=scaled, num_warps=num_warps,
         **launch,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
