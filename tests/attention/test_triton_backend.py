@@ -275,21 +275,30 @@ def test_cascade_decode_matches_reference(dtype, heads, prefix_blocks, q_lens, s
     torch.testing.assert_close(via_backend.float(), expected.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
-def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
-    """DOT_F16 (an fp8 cache's decode dots in fp16): the same output as the bf16 dots, within bf16's rounding,
-    split or not; a query past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
-    num_q, num_kv, page, head_dim = 8, 2, 4, 32
-    seq_lens = [13, 30, 7]
-    gen = torch.Generator().manual_seed(5)
+def _fp8_cache_step(seq_lens, q_lens, num_kv, head_dim, seed, shared_blocks=0, edit=None, page=4):
+    """An fp8 cache holding random K/V for seq_lens (edit(key, value) may change them before the write; the first
+    shared_blocks blocks of every sequence are row 0's) -> (k_cache, v_cache, meta, generator)."""
+    gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
     table = make_tables(seq_lens, page, num_blocks, gen)
+    table[:, :shared_blocks] = table[0, :shared_blocks].clone()
     k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
     slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
     key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
     value = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
+    if edit is not None:
+        edit(key, value)
     TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
-    meta = make_meta([1] * len(seq_lens), seq_lens, table.to(DEVICE))
+    return k_cache, v_cache, make_meta(q_lens, seq_lens, table.to(DEVICE)), gen
+
+
+@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
+def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
+    """DOT_F16 (an fp8 cache's decode dots in fp16): the same output as the bf16 dots, within bf16's rounding,
+    split or not; a query past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
+    num_q, num_kv, head_dim = 8, 2, 32
+    seq_lens = [13, 30, 7]
+    k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, [1] * len(seq_lens), num_kv, head_dim, seed=5)
     query = (torch.randn(len(seq_lens), num_q, head_dim, generator=gen) * loud / head_dim).to(DEVICE, torch.bfloat16)
     scale = head_dim ** -0.5 / loud
     assert (query.abs().max() > 65504) == (loud > 1)
@@ -307,18 +316,14 @@ def test_fp8_dots_come_close_to_the_reference():
     """dots="fp8" (FlashAttention-3's scheme: each query row and the probabilities quantized to e4m3): close to the
     reference (3 mantissa bits: a mean error of about 1% of the values here), split or not; the probabilities'
     scale keeps the small weights of a long context (1,000 equal ones) from flushing to zero."""
-    num_q, num_kv, page, head_dim = 8, 2, 4, 32
+    num_q, num_kv, head_dim = 8, 2, 32
     seq_lens = [13, 1000, 7]
-    gen = torch.Generator().manual_seed(6)
-    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
-    table = make_tables(seq_lens, page, num_blocks, gen)
-    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
-    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
-    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
-    key[13:1013] = 0               # the long context's scores are all equal: each probability is 1/1000, under
-    value = (torch.randn(len(slots), num_kv, head_dim, generator=gen) + 1).to(DEVICE)  # e4m3's smallest, 2^-9
-    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
-    meta = make_meta([1] * len(seq_lens), seq_lens, table.to(DEVICE))
+
+    def edit(key, value):
+        key[13:1013] = 0     # the long context's scores are all equal: each probability is 1/1000, under e4m3's
+        value += 1           # smallest (2^-9) unless scaled
+
+    k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, [1] * len(seq_lens), num_kv, head_dim, seed=6, edit=edit)
     query = torch.randn(len(seq_lens), num_q, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
     scale = head_dim ** -0.5
     expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
@@ -343,17 +348,8 @@ def test_the_kernels_scale_the_output_per_kv_head(step):
     num_q, num_kv, page, head_dim = 6, 2, 4, 16
     seq_lens = [13, 22, 9]
     q_lens = [5, 3, 9] if step == "prefill" else [1, 1, 1]
-    gen = torch.Generator().manual_seed(11)
-    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
-    table = make_tables(seq_lens, page, num_blocks, gen)
-    if step == "cascade":
-        table[:, :2] = table[0, :2].clone()
-    k_cache, v_cache = poisoned_caches(num_blocks, page, num_kv, head_dim, torch.float8_e4m3fn)
-    slots = [s for i, n in enumerate(seq_lens) for s in slots_of(table, i, range(n), page)]
-    key = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
-    value = torch.randn(len(slots), num_kv, head_dim, generator=gen).to(DEVICE)
-    TorchReferenceBackend().write_kv(key, value, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
-    meta = make_meta(q_lens, seq_lens, table.to(DEVICE))
+    k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, q_lens, num_kv, head_dim, seed=11,
+                                                  shared_blocks=2 if step == "cascade" else 0, page=page)
     query = torch.randn(sum(q_lens), num_q, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
     out_scale = torch.tensor([0.037, 3.3], device=DEVICE)
     scale = head_dim ** -0.5
