@@ -83,7 +83,8 @@ def main() -> int:
     fastest = min(totals, key=totals.get)
     print(f"fastest of all: {fastest} ({totals[fastest] * 1e6:.1f} us in all)")
     default = attention_decode.FP8_DECODE_CONFIG
-    print(f"best over the shapes with dots in {allowed}: {best} ({totals[best] * 1e6:.1f} us in all; the current default {default}: "
+    print(f"best over the shapes with dots in {allowed}: {best} ({totals[best] * 1e6:.1f} us in all; "
+          f"the current default {default}: "
           f"{totals.get(default, float('nan')) * 1e6:.1f} us)")
     if args.write:
         with open(args.write, "w") as fh:

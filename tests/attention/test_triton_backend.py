@@ -638,7 +638,13 @@ def _compile_check() -> None:
                 GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
                 BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf))
     fp8 = types[torch.float8_e4m3fn]
-    for tile, warps, dots in ((64, 4, "fp16"), (128, 4, "query"), (128, 4, "fp16"), (128, 8, "fp16"), (128, 4, "fp8"),
+    tile, warps, _, default_dots = dec.FP8_DECODE_CONFIG                 # an fp8 cache's launch, both outputs
+    for direct, cascade in ((True, False), (False, False), (False, True)):
+        build(dec._decode_split_kernel, bf, fp8, dict(
+            NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
+            DIRECT_OUT=direct, IEEE=False, CASCADE=cascade, PDL=True, DOT_F16=default_dots == "fp16",
+            DOT_FP8=default_dots == "fp8", OUT_SCALED=True), warps)
+    for tile, warps, dots in ((64, 4, "fp16"), (128, 4, "query"), (128, 8, "fp16"), (128, 4, "fp8"),
                               (64, 4, "fp8")):      # probe_fp8_decode's
         build(dec._decode_split_kernel, bf, fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,

@@ -25,9 +25,9 @@ def spy(monkeypatch):
     seen: list[int] = []
     attend = TorchReferenceBackend.attend
 
-    def attend_prefix(self, query, k_cache, v_cache, meta, scale):
+    def attend_prefix(self, query, k_cache, v_cache, meta, scale, out_scale=None):
         if meta.prefix_len is None:
-            return attend(self, query, k_cache, v_cache, meta, scale)
+            return attend(self, query, k_cache, v_cache, meta, scale, out_scale)
         prefix = int(meta.prefix_len.item())
         blocks = prefix // k_cache.shape[1]
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
@@ -40,7 +40,7 @@ def spy(monkeypatch):
         seen.append(prefix)
         tables = tables.clone()
         tables[:, :blocks] = tables[0, :blocks]
-        return attend(self, query, k_cache, v_cache, dataclasses.replace(meta, block_tables=tables), scale)
+        return attend(self, query, k_cache, v_cache, dataclasses.replace(meta, block_tables=tables), scale, out_scale)
 
     monkeypatch.setattr(TorchReferenceBackend, "attend", attend_prefix)
     monkeypatch.setattr(TorchReferenceBackend, "cascade_tokens",

@@ -147,8 +147,8 @@ def test_cascade_decode_matches_transformers(tiny_qwen3, mode, monkeypatch):
         if mode == "eager":
             assert runner.graphs is None
             attend = runner.backend.attend
-            runner.backend.attend = lambda q, k, v, meta, scale: (
-                seen.append(meta.prefix_len is not None), attend(q, k, v, meta, scale))[1]
+            runner.backend.attend = lambda q, k, v, meta, scale, *rest, **kw: (
+                seen.append(meta.prefix_len is not None), attend(q, k, v, meta, scale, *rest, **kw))[1]
         else:
             assert bool(runner.graphs.cascade_graphs) is cascade
             graphs = runner.graphs

@@ -333,8 +333,9 @@ def _watch_cascade(runner) -> list[bool]:
     seen: list[bool] = []
     if runner.graphs is None:
         attend = runner.backend.attend
-        runner.backend.attend = lambda q, k, v, meta, scale: (
-            seen.append(meta.prefix_len is not None) if meta.decode_only else None, attend(q, k, v, meta, scale))[1]
+        runner.backend.attend = lambda q, k, v, meta, scale, *rest, **kw: (
+            seen.append(meta.prefix_len is not None) if meta.decode_only else None,
+            attend(q, k, v, meta, scale, *rest, **kw))[1]
         return seen
     graphs = runner.graphs
     replay = graphs.replay

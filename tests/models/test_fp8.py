@@ -141,20 +141,33 @@ def test_each_rank_holds_its_rows_of_phi3s_fused_per_channel_scales(tmp_path):
                                torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]).float())
 
 
-def test_phi3_fused_tensors_ignored_or_on_straddling_blocks(tmp_path):
-    """An ignore list naming a fused module keeps its parts 16-bit; block scales where a part starts inside a row
-    block and leaves it (up_proj at row 96 of 128-row blocks) cannot be split: a one-line error."""
+@pytest.mark.parametrize("skip,ignore", [
+    ("layers.1.mlp.gate_up_proj", "model.layers.1.mlp.gate_up_proj"),
+    ("layers.1.self_attn.qkv_proj", r"re:.*layers\.1\.self_attn\.qkv.*"),      # a pattern not spelling the name
+    ("mlp.gate_up_proj", "re:.*up_proj$"),                                     # matches up_proj, not gate_proj
+], ids=["name", "regex-prefix", "regex-suffix"])
+def test_phi3_ignore_lists_name_the_fused_modules(tmp_path, skip, ignore):
+    """The ignore list names the checkpoint's modules: every part of an ignored fused module stays 16-bit (and
+    no other), whatever its own name would match."""
     folder = make_tiny_phi3(tmp_path)
-    fp8, deq = write_fp8_copy(folder, tmp_path / "ignored", "ct-channel", skip=("layers.1.mlp.gate_up_proj",))
+    fp8, deq = write_fp8_copy(folder, tmp_path / "ignored", "ct-channel", skip=(skip,))
     path = os.path.join(fp8, "config.json")
     config = json.load(open(path))
-    config["quantization_config"]["ignore"] += ["model.layers.1.mlp.gate_up_proj"]
+    config["quantization_config"]["ignore"] += [ignore]
     json.dump(config, open(path, "w"))
     model, got, tokens = _logits(fp8)
-    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
-    hf = _reference_skipping(deq, tokens, "ct-channel", skip=("layers.1.mlp.gate_up_proj",))
+    for i, layer in enumerate(model.model.layers):
+        for name, fused in (("self_attn.qkv_proj", layer.self_attn.qkv_proj), ("mlp.gate_up_proj", layer.mlp.gate_up_proj)):
+            ignored = skip in f"layers.{i}.{name}"
+            assert isinstance(fused, Fp8Linear) != ignored, (i, name)
+    hf = _reference_skipping(deq, tokens, "ct-channel", skip=(skip,))
     assert torch.allclose(got, hf, atol=FLIP_ATOL), (got - hf).abs().max()
+
+
+def test_phi3_block_scales_straddling_a_part_are_an_error(tmp_path):
+    """Block scales where a part starts inside a row block and leaves it (up_proj at row 96 of 128-row blocks)
+    cannot be split: a one-line error."""
+    folder = make_tiny_phi3(tmp_path)
     fp8, _ = write_fp8_copy(folder, tmp_path / "straddle", "block")
     with pytest.raises(ConfigError, match=r"gate_up_proj.weight_scale_inv: a part of gate_up_proj starts at row 96, "
                                           r"inside a 128-row scale block"):

@@ -111,3 +111,27 @@ def test_a_refused_head_is_answered_before_the_close_however_much_more_comes(par
                     conn.sendall(b"a" * 65536)
                     sent += 65536
             assert sent <= 2 * LINGER_BYTES + (8 << 20)      # the kernel's buffers hold some of it
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_large_head_behind_a_streaming_response_closes_without_an_app_error(parser):
+    """A head past 16 KiB sent while the previous response still streams: the connection closes (no lingering
+    half-close under a live stream), and the streaming app sees no failed write."""
+    errors = []
+
+    async def app(scope, receive, send):
+        try:
+            await _app(scope, receive, send)
+        except Exception as exc:             # what uvicorn would log as "Exception in ASGI application"
+            errors.append(exc)
+            raise
+    with bare_uvicorn(app, ConnectionLimits(max_connections=16, header_timeout_s=HEAD_TIMEOUT_S,
+                                            http_parser=parser)) as address:
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.recv(1000)
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024 + b"\r\n\r\n")
+            while conn.recv(65536):
+                pass
+            time.sleep(4 * HEAD_TIMEOUT_S)           # the stream would have written its remaining chunks by now
+    assert errors == []

@@ -177,4 +177,6 @@ class AttentionBackend:
         sequence attends causally to its own k, v of this step."""
         if kv_cache is None:
             return causal_attention(q, k, v, meta.query_start_loc_host or meta.query_start_loc.tolist(), scale)
-        return self.attend(q, *kv_cache, meta, scale, None if kv_scales is None else kv_scales.v_scale)
+        if kv_scales is None:
+            return self.attend(q, *kv_cache, meta, scale)
+        return self.attend(q, *kv_cache, meta, scale, out_scale=kv_scales.v_scale)

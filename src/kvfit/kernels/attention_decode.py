@@ -307,10 +307,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     d_pad = padded_head_dim(head_dim)
     g_pad = heads_per_program(group)
     head_chunks = -(-group // g_pad)
-    # an fp8 cache under a bf16 query on a GPU: FP8_DECODE_CONFIG; an argument given wins
-    fp8 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16 and on_gpu(query)
+    # an fp8 cache under a bf16 query on a GPU, head_dim <= 128: FP8_DECODE_CONFIG for the split kernel (the
+    # cascade's shared-prefix kernel keeps kv_tile_tokens: 128-token tiles spill there); an argument given wins
+    fp8 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16 and d_pad <= 128 and on_gpu(query)
     tile, warps, stages, config_dots = FP8_DECODE_CONFIG if fp8 else (None, 4, None, "query")
-    block_n = block_n or tile or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    prefix_block_n = block_n or kv_tile_tokens(query.element_size(), d_pad, on_gpu(query))
+    block_n = block_n or tile or prefix_block_n
     num_warps = num_warps or warps
     num_stages = stages if num_stages is None else num_stages
     dots = config_dots if dots is None else dots
@@ -336,7 +338,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
             query, k_cache, v_cache, out_scale, block_tables, query_start_loc, prefix_len, part_m, part_l, part_acc,
             scale * LOG2_E, num_seqs, num_splits, prefix_splits, query.stride(0), query.stride(1), *strides,
-            NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=prefix_block_n,
             ROWS=rows, IEEE=ieee, OUT_SCALED=scaled, num_warps=4, **launch)
     _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
         query, k_cache, v_cache, out, out_scale, block_tables, seq_lens, query_start_loc,
@@ -344,7 +346,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8", OUT_SCALED=scaled, num_warps=num_warps,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8",
+        OUT_SCALED=scaled, num_warps=num_warps,
         **launch,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -189,7 +189,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     scaled = out_scale is not None
     assert not scaled or (out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,)), out_scale
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, out_scale if scaled else seq_lens, block_tables, seq_lens, query_start_loc, tile_seqs, tile_rows, scale * LOG2_E,
+        query, k_cache, v_cache, out, out_scale if scaled else seq_lens, block_tables, seq_lens, query_start_loc,
+        tile_seqs, tile_rows, scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -6,11 +6,11 @@ Where they come from, as in vLLM: the checkpoint (compressed-tensors' kv_cache_s
 a scale per layer or one per KV head), else the first batch (--calculate-kv-scales: the layer's amax / 200 for k and / 100 for v, vLLM's constants), else 1.0. A 16-bit cache holds k and v exactly,
 so with one the scales are read and not used.
 
-How they apply, without a change to any attention kernel (so prefill, decode, split-K, cascade and mixed steps
-all honour them): k and v are divided by their scales before the cache write; the query is multiplied by
-k_scale (q . (s K) = (s q) . K) and the attention output by v_scale (softmax weights sum to one: P (s V) =
-s (P V)), per KV head and the query heads that read it. The attention layer hands them to its backend's
-project_write_kv and attend_step; the Triton backend's one-launch norm + RoPE + cache write
+How they apply (prefill, decode, split-K, cascade and mixed steps all honour them): k and v are divided by their
+scales before the cache write; the query is multiplied by k_scale (q . (s K) = (s q) . K) and the attention
+output by v_scale (softmax weights sum to one: P (s V) = s (P V)), per KV head and the query heads that read it;
+the attention kernels apply the output's scale themselves (AttentionBackend.attend's out_scale). The attention
+layer hands them to its backend's project_write_kv and attend_step; the Triton backend's one-launch norm + RoPE + cache write
 (attention/fused_write.py) divides and multiplies by them itself, except on the step that calculates them (the
 one-token GEMV write is not taken while scales apply). The scales are device tensors changed in place,
 so CUDA graphs captured before a calculation replay with its values.

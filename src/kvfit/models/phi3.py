@@ -9,7 +9,8 @@ shape-checked, and with tensor parallelism only this rank's slice of each part r
 An FP8 checkpoint (llm-compressor and the fp8 method quantize the fused linear as one module) splits the same way:
 per-channel scales by the parts' rows, block scales by their row blocks (a part that starts inside a block and
 leaves it cannot be given its own scales: a ConfigError), and a per-tensor weight scale or static input scale,
-one for the fused tensor, goes to every part. The ignore list may name the fused module; its parts stay 16-bit.
+one for the fused tensor, goes to every part. The ignore list names checkpoint modules: a part is in FP8 as its
+fused module is (PackedScheme).
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def row_block(source, start: int, rows: int):
     return RowBlock(source, start, rows)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedScheme(Fp8Scheme):
+    """A scheme whose ignore list names the checkpoint's fused modules: a part kvfit builds (q_proj) is in FP8 as
+    its fused module (qkv_proj) is, whatever patterns its own name would match."""
+
+    packed: dict = dataclasses.field(default_factory=dict)    # fused leaf -> its parts' leaves
+
+    def quantizes(self, module: str) -> bool:
+        prefix, _, leaf = module.rpartition(".")
+        for fused, parts in self.packed.items():
+            if leaf in parts:
+                return super().quantizes(f"{prefix}.{fused}")
+        return super().quantizes(module)
+
+
 class Phi3CausalLM(CausalLM):
     """The Llama decoder, loading Phi-3's fused qkv_proj and gate_up_proj tensors into its parts."""
 
@@ -64,21 +80,11 @@ class Phi3CausalLM(CausalLM):
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, facts, dtype, device, attention_backend, tp_rank: int = 0, tp_size: int = 1):
-        if facts.quantization is not None and facts.quantization.ignore:
-            facts = dataclasses.replace(facts, quantization=self.parts_ignored(facts.quantization))
+        scheme = facts.quantization
+        if scheme is not None and scheme.ignore:
+            fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(Fp8Scheme)}
+            facts = dataclasses.replace(facts, quantization=PackedScheme(**fields, packed=self.packed_modules))
         super().__init__(facts, dtype, device, attention_backend, tp_rank, tp_size)
-
-    @classmethod
-    def parts_ignored(cls, scheme: Fp8Scheme) -> Fp8Scheme:
-        """The scheme with an ignored fused module's parts ignored too (kvfit builds and names the parts)."""
-        extra = []
-        for pattern in scheme.ignore:
-            for packed, parts in cls.packed_modules.items():
-                if pattern.startswith("re:") and packed in pattern:
-                    extra.append(pattern.replace(packed, f"(?:{'|'.join(parts)})"))
-                elif not pattern.startswith("re:") and pattern.rsplit(".", 1)[-1] == packed:
-                    extra.extend(pattern[:-len(packed)] + part for part in parts)
-        return dataclasses.replace(scheme, ignore=scheme.ignore + tuple(extra))
 
     def part_rows(self, leaf: str) -> tuple[int, ...]:
         """The rows of each part a fused checkpoint tensor stacks (its packed_modules order)."""

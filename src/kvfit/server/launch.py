@@ -291,12 +291,20 @@ class _HeadGuard:
         super().connection_lost(exc)
 
     def _refuse_head(self) -> None:
-        """The 431 for a head past MAX_HEADER_BYTES, then the lingering close (the class docstring)."""
+        """The 431 for a head past MAX_HEADER_BYTES, then the lingering close (the class docstring). Behind a
+        response still streaming on this connection (a head pipelined after its request) the connection closes
+        at once instead: a half-close would make the stream's next write fail in the app."""
         self._cancel_head_timer()
-        self._lingering = 0
         self.transport.write(head_too_large_response(MAX_HEADER_BYTES))
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete:
+            self.transport.close()
+            return
+        self._unset_keepalive_if_required()          # uvicorn's keep-alive timer would cut the linger short
+        self._lingering = 0
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        self.transport.resume_reading()               # reads paused by flow control would drop nothing
         self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def _cancel_head_timer(self) -> None:
