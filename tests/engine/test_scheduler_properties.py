@@ -45,15 +45,16 @@ class Spec:
 
 
 def expected_output(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
-    """The tokens and reason an undisturbed run ends with."""
+    """The tokens and reason an undisturbed run ends with (a stop token at the length limit ends it by length,
+    as vLLM's check_stop decides)."""
     limit = min(len(spec.prompt) + (spec.max_tokens or max_model_len), max_model_len)
     out: list[int] = []
     for token in spec.outputs:
         out.append(token)
-        if (token == EOS and not spec.ignore_eos) or (token == STOP and spec.use_stop_token):
-            return out, "stop"
         if len(spec.prompt) + len(out) >= limit:
             return out, "length"
+        if (token == EOS and not spec.ignore_eos) or (token == STOP and spec.use_stop_token):
+            return out, "stop"
     raise AssertionError("the fake runner's table is too short")
 
 
