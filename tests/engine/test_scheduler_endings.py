@@ -32,21 +32,6 @@ def test_stop_token_ids_stop_even_with_ignore_eos():
     assert req.output_token_ids == [200, 201, 202] and req.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("stop", ["eos", "stop_token_id"])
-def test_a_stop_token_at_the_length_limit_ends_by_length(stop):
-    """As vLLM's check_stop: the token that reaches max_tokens (or the context) ends the request as "length" even
-    where it is EOS or a stop token id; one step earlier it is "stop"."""
-    for at, expected in ((2, "length"), (1, "stop")):
-        sched = make_scheduler(max_model_len=6)
-        kwargs = dict(eos=(EOS,)) if stop == "eos" else dict(stop_token_ids=[99], ignore_eos=True)
-        sched.add(make_request("a", [1, 2, 3], max_tokens=3, **kwargs))
-        req = sched.requests["a"]
-        last = EOS if stop == "eos" else 99
-        run_to_end(sched, lambda rid, n, at=at, last=last: last if n == at else 200 + n)
-        assert (len(req.output_token_ids), req.output_token_ids[-1], req.finish_reason) == (at + 1, last, expected)
-        assert_all_blocks_back(sched)
-
-
 def test_max_tokens_finishes_with_length():
     sched = make_scheduler()
     sched.add(make_request("a", [1, 2, 3], max_tokens=3))

@@ -45,16 +45,15 @@ class Spec:
 
 
 def expected_output(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
-    """The tokens and reason an undisturbed run ends with (a stop token at the length limit ends it by length,
-    as vLLM's check_stop decides)."""
+    """The tokens and reason an undisturbed run ends with."""
     limit = min(len(spec.prompt) + (spec.max_tokens or max_model_len), max_model_len)
     out: list[int] = []
     for token in spec.outputs:
         out.append(token)
-        if len(spec.prompt) + len(out) >= limit:
-            return out, "length"
         if (token == EOS and not spec.ignore_eos) or (token == STOP and spec.use_stop_token):
             return out, "stop"
+        if len(spec.prompt) + len(out) >= limit:
+            return out, "length"
     raise AssertionError("the fake runner's table is too short")
 
 

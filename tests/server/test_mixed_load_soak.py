@@ -329,8 +329,7 @@ async def greedy_stop(soak: Soak, http) -> None:
         body["stop_token_ids"] = [stop_id]
         num = ids.index(stop_id) + 1
         expected = None
-        # a stop token that is also the max_tokens-th token ends the request by length (vLLM's check_stop)
-        reason = "length" if num == body.get("max_tokens") else "stop"
+        reason = "stop"
         body["logprobs"] = 0
     result = await soak.request(http, body)
     if result is None:

@@ -53,17 +53,14 @@ class OutputProcessor:
 
     def finish_reason(self, req: Request) -> str | None:
         """The request's last token just arrived: why it ends now, or None. The only place that decides.
-        A stop token id or stop string is kept as the output's stop_reason (vLLM's field).
-        As vLLM decides: a token that reaches max_tokens or the context ends the request as "length" even where it
-        is EOS or a stop token id (its text then stays, as any token's); a stop string still ends it as "stop"."""
+        A stop token id or stop string is kept as the output's stop_reason (vLLM's field)."""
         token = req.token_ids[-1]
         params = req.params
         state = self._states.get(req.request_id)
         detok = state.detok if state is not None else None
         before_min = req.num_output_tokens < params.min_tokens
-        at_length = req.num_tokens >= req.max_total_tokens
         stop_token = not params.ignore_eos and token in req.eos_token_ids
-        if not before_min and not at_length and (stop_token or token in params.stop_token_ids):
+        if not before_min and (stop_token or token in params.stop_token_ids):
             if not stop_token:
                 state.stop_reason = token
             if detok is not None and params.include_stop_str_in_output:
@@ -74,10 +71,10 @@ class OutputProcessor:
         if stop is not None:
             state.stop_reason = stop
             return "stop"
-        if at_length:
-            return "length"
         if req.matcher is not None and req.matcher.is_terminated():
             return "stop"               # the grammar is complete: nothing more may follow
+        if req.num_tokens >= req.max_total_tokens:
+            return "length"
         return None
 
     def add_logprobs(self, req: Request, entry: TokenLogprobs) -> None:
