@@ -32,6 +32,20 @@ def test_stop_token_ids_stop_even_with_ignore_eos():
     assert req.output_token_ids == [200, 201, 202] and req.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stop", ["eos", "stop_token_id"])
+def test_a_stop_token_at_the_length_limit_still_ends_by_stop(stop):
+    """As vLLM 0.26's check_stop (EOS, then stop_token_ids, then the length): the token that reaches max_tokens and
+    the context is EOS or a stop token id: the request ends as "stop"."""
+    sched = make_scheduler(max_model_len=6)
+    kwargs = dict(eos=(EOS,)) if stop == "eos" else dict(stop_token_ids=[99], ignore_eos=True)
+    sched.add(make_request("a", [1, 2, 3], max_tokens=3, **kwargs))
+    req = sched.requests["a"]
+    last = EOS if stop == "eos" else 99
+    run_to_end(sched, lambda rid, n: last if n == 2 else 200 + n)
+    assert (req.output_token_ids, req.finish_reason) == ([200, 201, last], "stop")
+    assert_all_blocks_back(sched)
+
+
 def test_max_tokens_finishes_with_length():
     sched = make_scheduler()
     sched.add(make_request("a", [1, 2, 3], max_tokens=3))
