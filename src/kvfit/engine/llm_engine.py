@@ -44,7 +44,7 @@ class LLMEngine:
         # the folder's tokenizer and eos ids too: a broken file is one error line before any weight loads
         tokenizer = _load_tokenizer(config.model.model)
         facts = load_model_facts(config.model.model, config.model.quantization)
-        eos_token_ids = _eos_ids(config.model.model, facts)
+        eos_token_ids = _eos_ids(config.model.model, facts, tokenizer)
         started = start_engine(config, facts)          # the facts read once
         self.config = config = started.config        # with the platform's defaults filled in
         self.facts, self.platform, self.spec, self.limits = started.facts, started.platform, started.spec, started.limits
@@ -401,9 +401,12 @@ def _load_tokenizer(path: str):
     return load_tokenizer(path)
 
 
-def _eos_ids(path: str, facts) -> tuple[int, ...]:
+def _eos_ids(path: str, facts, tokenizer) -> tuple[int, ...]:
+    """The ids that end a request, as vLLM gathers them: the tokenizer's eos_token first (vLLM's eos_token_id), then
+    generation_config.json's eos_token_id (else config.json's), which vLLM adds as stop token ids."""
     from kvfit.text.generation_config import load_generation_eos
-    return tuple(load_generation_eos(path if os.path.isdir(path) else None, facts))
+    primary = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(primary + load_generation_eos(path if os.path.isdir(path) else None, facts)))
 
 
 def _generation_defaults(config: EngineConfig) -> dict:

@@ -38,6 +38,9 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # vLLM's eos_token_id (the tokenizer's): its stop has no stop_reason; the other ids that end a request
+        # (generation_config.json's, stop_token_ids) are stop_reason
+        self._primary_eos = None if tokenizer is None else tokenizer.eos_token_id
         self._states: dict[str, _State] = {}
 
     def add(self, req: Request, prompt: str | None) -> None:
@@ -61,7 +64,7 @@ class OutputProcessor:
         before_min = req.num_output_tokens < params.min_tokens
         stop_token = not params.ignore_eos and token in req.eos_token_ids
         if not before_min and (stop_token or token in params.stop_token_ids):
-            if not stop_token:
+            if state is not None and (token != self._primary_eos or not stop_token):
                 state.stop_reason = token
             if detok is not None and params.include_stop_str_in_output:
                 detok.add(token, check_stop=False)      # its text (if any survives skip_special_tokens) stays

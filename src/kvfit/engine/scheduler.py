@@ -297,7 +297,7 @@ class Scheduler:
                           output_token_ids=tuple(req.token_ids[req.num_prompt_tokens:]), params=req.params,
                           block_ids=tuple(table[:len(table) - len(s.new_blocks)]),
                           num_computed_tokens=req.num_computed_tokens,
-                          eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
+                          eos_token_ids=req.eos_token_ids,      # held back until min_tokens, ignore_eos or not
                           bad_words_token_ids=req.bad_words_token_ids)
 
     def _preempt(self, req: Request) -> None:
