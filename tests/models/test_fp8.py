@@ -164,6 +164,20 @@ def test_phi3_ignore_lists_name_the_fused_modules(tmp_path, skip, ignore):
     assert torch.allclose(got, hf, atol=FLIP_ATOL), (got - hf).abs().max()
 
 
+def test_phi3_errors_name_the_fused_tensor_the_checkpoint_holds(tmp_path):
+    """A bad scale of a fused module is reported by the name in the checkpoint (qkv_proj.weight_scale), not by the
+    part kvfit loads it into (q_proj.weight_scale)."""
+    from safetensors.torch import save_file
+    fp8, _ = write_fp8_copy(make_tiny_phi3(tmp_path), tmp_path, "ct-channel")
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.qkv_proj.weight_scale"] = torch.ones(3, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight_scale") as err:
+        _logits(fp8)
+    assert "q_proj" not in str(err.value).replace("qkv_proj", "")
+
+
 def test_phi3_block_scales_straddling_a_part_are_an_error(tmp_path):
     """Block scales where a part starts inside a row block and leaves it (up_proj at row 96 of 128-row blocks)
     cannot be split: a one-line error."""

@@ -16,6 +16,7 @@ fused module is (PackedScheme).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterable, Iterator
 
 import torch
@@ -141,5 +142,16 @@ class Phi3CausalLM(CausalLM):
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """CausalLM.load_weights over the checkpoint with its fused tensors split into their parts."""
-        super().load_weights(self.split_packed(named_tensors))
+        """CausalLM.load_weights over the checkpoint with its fused tensors split into their parts; an error about a
+        part names the fused tensor the checkpoint holds (q_proj.weight_scale -> qkv_proj.weight_scale)."""
+        try:
+            super().load_weights(self.split_packed(named_tensors))
+        except ConfigError as exc:
+            raise ConfigError(self.checkpoint_names_in(str(exc))) from None
+
+    @classmethod
+    def checkpoint_names_in(cls, message: str) -> str:
+        """message with each part's module name (….q_proj.…, ….gate_proj.…) as the checkpoint's fused one."""
+        for packed, parts in cls.packed_modules.items():
+            message = re.sub(rf"\.(?:{'|'.join(parts)})(?=[.\s;:,]|$)", f".{packed}", message)
+        return message
