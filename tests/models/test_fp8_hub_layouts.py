@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -229,6 +230,17 @@ def test_integer_scales_are_refused_and_zero_static_scales_named(tiny):
     name = "model.layers.1.mlp.down_proj.input_scale"
     _rewrite(fp8, lambda t: t.update({name: torch.tensor(0.0)}))
     with pytest.raises(ConfigError, match=rf"{name} is \[0.0\], not a positive number.*recalibrate"):
+        _logits(fp8)
+
+
+def test_transformers_per_tensor_scales_are_named_as_stored(tiny):
+    """transformers' per-tensor layout stores weight_scale_inv / activation_scale (read as weight_scale /
+    input_scale): a missing one is named as the checkpoint stores it."""
+    root, src = tiny
+    fp8, _ = _hub_copy(src["llama"], root / "hf-missing", "hf-fp8-tensor-static", torch.float32)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    _rewrite(fp8, lambda t: t.pop(name))
+    with pytest.raises(ConfigError, match=rf"missing tensor {re.escape(name)};"):
         _logits(fp8)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Iterator
 
 import torch
@@ -101,8 +102,10 @@ def finalize_quantized(model: torch.nn.Module) -> None:
 SCALE_ALIASES = ((".weight_scale_inv", ".weight_scale"), (".activation_scale", ".input_scale"))
 
 
-def scale_aliases(tensors: Iterator[tuple[str, object]], scheme) -> Iterator[tuple[str, object]]:
-    """The checkpoint's tensors, with a per-tensor fp8 checkpoint's scale names read as the layers name them."""
+def scale_aliases(tensors: Iterator[tuple[str, object]], scheme, renamed: set | None = None
+                  ) -> Iterator[tuple[str, object]]:
+    """The checkpoint's tensors, with a per-tensor fp8 checkpoint's scale names read as the layers name them; the
+    (suffix, alias) pairs it applied are added to `renamed`."""
     if scheme is None or scheme.online or scheme.method != "fp8" or scheme.weight_strategy != "tensor":
         yield from tensors
         return
@@ -110,14 +113,22 @@ def scale_aliases(tensors: Iterator[tuple[str, object]], scheme) -> Iterator[tup
         for suffix, alias in SCALE_ALIASES:
             if name.endswith(suffix):
                 name = name[:-len(suffix)] + alias
+                if renamed is not None:
+                    renamed.add((suffix, alias))
                 break
         yield name, tensor
 
 
 def _load_checkpoint(model: torch.nn.Module, files: list[str], model_path: str, facts: ModelFacts) -> None:
+    renamed: set[tuple[str, str]] = set()
     try:
-        model.load_weights(scale_aliases(_iter_tensors(files), facts.quantization))
-    except ConfigError:
+        model.load_weights(scale_aliases(_iter_tensors(files), facts.quantization, renamed))
+    except ConfigError as exc:
+        if renamed:         # name the scales as the checkpoint does (weight_scale_inv, not its alias weight_scale)
+            message = str(exc)
+            for suffix, alias in renamed:
+                message = re.sub(rf"{re.escape(alias)}\b", suffix, message)
+            raise ConfigError(message) from None
         declared = None
         if facts.quantization is None or facts.quantization.online:
             declared = quantization_declared_elsewhere(model_path, facts.raw)
