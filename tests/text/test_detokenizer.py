@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer: the same text as decoding the whole output, cut at the earliest stop string.
+"""IncrementalDetokenizer: the same text as decoding the whole output, cut at the first stop string that completes
+(of two completing at one token, the first listed, as vLLM).
 
 Four tokenizers trained here, one per decoder family that changes text across token boundaries:
 - byte_level: GPT-2/Qwen style byte-level BPE; random ids split characters (emoji, CJK, accents).
@@ -81,10 +82,11 @@ def tokenizers() -> dict[str, Tokenizer]:
 
 
 def expected_text(tok: Tokenizer, ids: list[int], stops: tuple[str, ...]) -> str:
-    """The oracle: decode everything, cut at the earliest stop string."""
+    """The oracle: decode everything (fed up to the token a stop completed at), cut at the first stop string in
+    the request's order that the text holds (vLLM's check_stop_strings: no stop was in the text a token before)."""
     full = tok.decode(ids)
     hits = [at for at in (full.find(stop) for stop in stops) if at != -1]
-    return full[:min(hits)] if hits else full
+    return full[:hits[0]] if hits else full
 
 
 def feed(tok: Tokenizer, ids: list[int], stops: tuple[str, ...] = ()):
@@ -123,7 +125,7 @@ def ids_and_stops(draw, tok: Tokenizer):
 @pytest.mark.parametrize("name", list(BUILDERS))
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_matches_the_whole_decode_cut_at_the_earliest_stop(tokenizers, name, data):
+def test_matches_the_whole_decode_cut_at_the_first_listed_stop(tokenizers, name, data):
     tok = tokenizers[name]
     ids, stops = data.draw(ids_and_stops(tok))
     detok, fed, matched, deltas, texts = feed(tok, ids, stops)
@@ -303,3 +305,14 @@ def test_each_token_decodes_a_short_window(tokenizers, name):
         detok.new_text()
     assert len(ids) > 1000 and counting.max_ids <= 12
     assert detok.final_text() == tok.decode(ids)
+
+
+def test_of_two_stops_completing_at_one_token_the_first_listed_wins(tokenizers):
+    """vLLM's check_stop_strings goes through the stops in the request's order: where one token completes two, the
+    text is cut at the one listed first, even if the other begins earlier."""
+    tok = tokenizers["byte_level"]
+    ids = tok.encode(" the", add_special_tokens=False)
+    assert len(ids) == 1 and tok.decode(ids) == " the"          # one token completes both stops below
+    for stops, text, matched in (((" th", "he"), "", " th"), (("he", " th"), " t", "he")):
+        detok, _, got, _, _ = feed(tok, ids, stops)
+        assert (detok.final_text(), got) == (text, matched)

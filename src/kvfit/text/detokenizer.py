@@ -1,6 +1,7 @@
 """IncrementalDetokenizer: one request's output text, built token by token, with stop strings.
 
-The text is the same as `tokenizer.decode(output_ids)` (cut before the earliest stop string), but each
+The text is the same as `tokenizer.decode(output_ids)` (cut before the first stop string that completes; of two
+that complete at the same token, the one listed first, as vLLM), but each
 token costs O(1) amortised instead of a decode of the whole output. Three layers, each holding back
 the end of its text that a later token could still change:
 
@@ -59,14 +60,15 @@ def _last_safe_cut(text: str) -> int:
     return 0
 
 
-def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """(index, stop) of the stop string that begins first in text (first listed on a tie), or None."""
-    best = None
+def _first_listed_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """(index, stop) of the first stop string in the request's order that text holds, at its first occurrence, or
+    None: vLLM's check_stop_strings (where two stop strings complete at the same token, the one listed first wins,
+    not the one that begins first)."""
     for stop in stops:
         at = text.find(stop)
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, stop)
-    return best
+        if at != -1:
+            return at, stop
+    return None
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...], first_chars: frozenset[str]) -> int:
@@ -208,7 +210,7 @@ class IncrementalDetokenizer:
     def _find_stop(self, before: str, committed: str) -> str | None:
         """Search the new text, the context before it and the held-back tail; finish on a match."""
         tail = self._tail()
-        match = _earliest_stop(before + committed + tail, self._stops)
+        match = _first_listed_stop(before + committed + tail, self._stops)
         if match is None:
             return None
         at, stop = match
