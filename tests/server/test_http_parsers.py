@@ -90,7 +90,6 @@ def test_a_refused_head_is_answered_before_the_close_however_much_more_comes(par
     """A lingering close: after the 431 the server reads and drops what the client still sends, then closes, so
     the client reads the 431 and an orderly end (closing with its bytes unread would reset the connection, and a
     reset can overtake the answer). Past LINGER_BYTES the connection is closed, whatever it costs the client."""
-    from kvfit.server.limits import LINGER_BYTES
     with _server(parser) as address:
         with socket.create_connection(address, timeout=10) as conn:
             conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024)
@@ -105,12 +104,13 @@ def test_a_refused_head_is_answered_before_the_close_however_much_more_comes(par
         with socket.create_connection(address, timeout=10) as conn:
             conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 17 * 1024)
             assert conn.recv(100).startswith(b"HTTP/1.1 431")
-            start, sent = time.monotonic(), 0
-            with pytest.raises(OSError):                     # reset or broken pipe once the server stops reading
+            start = time.monotonic()
+            # the server closes past LINGER_BYTES: a reset or a broken pipe, not a send left blocked (a timeout)
+            # by a server that stopped reading without closing (how much the kernels' buffers hold varies)
+            with pytest.raises(OSError) as err:
                 while time.monotonic() - start < 10:
                     conn.sendall(b"a" * 65536)
-                    sent += 65536
-            assert sent <= 2 * LINGER_BYTES + (8 << 20)      # the kernel's buffers hold some of it
+            assert not isinstance(err.value, TimeoutError), err.value
 
 
 @pytest.mark.parametrize("parser", PARSERS)

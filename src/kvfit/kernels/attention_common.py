@@ -69,6 +69,16 @@ def head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def out_scale_operand(out_scale: torch.Tensor | None, num_kv_heads: int, unused: torch.Tensor
+                      ) -> tuple[torch.Tensor, bool]:
+    """(what a kernel's out_scale_ptr takes, OUT_SCALED): out_scale checked (fp32 [Hkv], an fp8 cache's v scales),
+    or `unused` (any tensor: not read) and False without one."""
+    if out_scale is None:
+        return unused, False
+    assert out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,), out_scale
+    return out_scale, True
+
+
 def attention_operands(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                        out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.kernels import pdl
 from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, next_pow2, padded_head_dim)
+                                             kv_tile_tokens, next_pow2, out_scale_operand, padded_head_dim)
 from kvfit.platforms.gate import on_gpu
 
 LOG2_E = 1.4426950408889634
@@ -100,7 +100,7 @@ def _decode_split_kernel(
     # and exactly (to bf16 it goes through fp16). The query is scaled by a power of two into fp16's range first
     # (exact; undone in the score scale), so no query overflows.
     # DOT_FP8 (an fp8 cache): fp8 x fp8 dots, no conversion of K or V at all: each query row quantized to e4m3
-    # with its own scale (undone in the score scale), the probabilities times FP8_P_SCALE (448: e4m3's range)
+    # with its own scale (undone in the score scale), the probabilities times FP8_MAX (448: e4m3's range)
     # before their cast, undone at the end (FlashAttention-3's fp8 scheme; less exact: probe_fp8_decode.py says
     # how much)
     # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
@@ -328,9 +328,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     part_l = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_acc = torch.empty((*parts, d_pad), dtype=torch.float32, device=query.device)
     ieee, launch = dot_ieee(query.dtype), pdl.launch_args(query)
-    scaled = out_scale is not None
-    assert not scaled or (out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,)), out_scale
-    out_scale = out_scale if scaled else seq_lens             # not read
+    out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     if cascade:

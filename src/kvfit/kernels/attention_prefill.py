@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, padded_head_dim)
+                                             kv_tile_tokens, out_scale_operand, padded_head_dim)
 from kvfit.kernels.attention_decode import LOG2_E
 from kvfit.platforms.gate import on_gpu
 
@@ -186,10 +186,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             tile_maps[key] = prefill_tile_map(query_start_loc, group, block_m, num_tiles)
         tile_seqs, tile_rows = tile_maps[key]
         grid = (num_tiles, 1, num_kv_heads)
-    scaled = out_scale is not None
-    assert not scaled or (out_scale.dtype == torch.float32 and out_scale.shape == (num_kv_heads,)), out_scale
+    out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, out_scale if scaled else seq_lens, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, out, out_scale, block_tables, seq_lens, query_start_loc,
         tile_seqs, tile_rows, scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -10,8 +10,8 @@ How they apply (prefill, decode, split-K, cascade and mixed steps all honour the
 scales before the cache write; the query is multiplied by k_scale (q . (s K) = (s q) . K) and the attention
 output by v_scale (softmax weights sum to one: P (s V) = s (P V)), per KV head and the query heads that read it;
 the attention kernels apply the output's scale themselves (AttentionBackend.attend's out_scale). The attention
-layer hands them to its backend's project_write_kv and attend_step; the Triton backend's one-launch norm + RoPE + cache write
-(attention/fused_write.py) divides and multiplies by them itself, except on the step that calculates them (the
+layer hands them to its backend's project_write_kv and attend_step; the Triton backend's one-launch norm + RoPE +
+cache write (attention/fused_write.py) divides and multiplies by them itself, except on the step that calculates them (the
 one-token GEMV write is not taken while scales apply). The scales are device tensors changed in place,
 so CUDA graphs captured before a calculation replay with its values.
 """
