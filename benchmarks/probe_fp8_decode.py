@@ -1,7 +1,8 @@
 """Why an fp8 KV cache's decode attention reads at half the bandwidth a bf16 cache's does: the decode kernel over
 an fp8 cache timed per tile size, warps and pipeline stages, with its dots in bf16 ("query"), fp16 (e4m3 converts
-to fp16 in one instruction, to bf16 through fp16) and fp8 (no conversion; the query rows and the probabilities
-quantized to e4m3, FlashAttention-3's scheme), each with its largest difference from the torch reference,
+to fp16 in one instruction, to bf16 through fp16), fp8 (no conversion; the query rows and the probabilities
+quantized to e4m3, FlashAttention-3's scheme) and "pairs" (fp16 dots over K/V read as 16-bit words of two e4m3,
+so V's transposed operand loads by ldmatrix, not a byte a load), each with its largest difference from the torch reference,
 against the bf16 cache's own launch. --write FILE
 saves the config with the lowest total time over the shapes (attention_decode.FP8_DECODE_CONFIG's form, JSON),
 for KVFIT_BENCH_FP8_DECODE. The fastest is not always the one to take: fp8 dots trade accuracy (see max diff).
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--write", default=None, help="save the best config here (JSON)")
-    ap.add_argument("--write-dots", default="query,fp16",
+    ap.add_argument("--write-dots", default="query,fp16,pairs",
                     help="the dots --write may pick (fp8 dots are less exact: add fp8 to allow them)")
     args = ap.parse_args()
     totals: dict[tuple, float] = {}

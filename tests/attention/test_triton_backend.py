@@ -292,10 +292,12 @@ def _fp8_cache_step(seq_lens, q_lens, num_kv, head_dim, seed, shared_blocks=0, e
     return k_cache, v_cache, make_meta(q_lens, seq_lens, table.to(DEVICE)), gen
 
 
+@pytest.mark.parametrize("dots", ["fp16", "pairs"])
 @pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
-def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
-    """DOT_F16 (an fp8 cache's decode dots in fp16): the same output as the bf16 dots, within bf16's rounding,
-    split or not; a query past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
+def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud, dots):
+    """DOT_F16 (an fp8 cache's decode dots in fp16; "pairs": K/V read as 16-bit words of two e4m3, the even and
+    odd columns' dots apart): the same output as the bf16 dots, within bf16's rounding, split or not; a query
+    past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
     num_q, num_kv, head_dim = 8, 2, 32
     seq_lens = [13, 30, 7]
     k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, [1] * len(seq_lens), num_kv, head_dim, seed=5)
@@ -305,11 +307,38 @@ def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud):
     expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
     for splits in (1, 3):
         args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-        f16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dots="fp16").float()
+        f16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dots=dots).float()
         bf16 = triton_decode.paged_decode_attention(*args, num_splits=splits, dots="query").float()
         assert torch.isfinite(f16).all()
         torch.testing.assert_close(f16, expected, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(f16, bf16, atol=2e-2, rtol=2e-2)
+
+
+def test_e4m3_pairs_convert_exactly():
+    """Every pair of e4m3 bytes (subnormals, zeros of both signs, the largest, 448) as an int16 word converts to
+    the two fp16 values torch's own conversion gives (the interpreter's bit arithmetic; sm_90's cvt is the
+    GPU tests')."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(w_ptr, even_ptr, odd_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        even, odd = triton_decode.e4m3_pairs_to_f16(tl.load(w_ptr + offs), False)
+        tl.store(even_ptr + offs, even)
+        tl.store(odd_ptr + offs, odd)
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)            # e4m3 has no inf; 0x7F/0xFF are NaN
+    lo, hi = torch.meshgrid(codes, codes, indexing="ij")
+    pairs = torch.stack([lo.flatten(), hi.flatten()], 1).contiguous()   # [N, 2] bytes: even, odd
+    n = triton.next_power_of_2(pairs.shape[0])
+    pairs = torch.cat([pairs, pairs[: n - pairs.shape[0]]]).to(DEVICE)
+    even, odd = (torch.empty(n, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    convert[(1,)](pairs.view(torch.int16).view(-1), even, odd, N=n)
+    values = pairs.view(torch.float8_e4m3fn).to(torch.float16)
+    assert torch.equal(even.view(torch.int16), values[:, 0].view(torch.int16))
+    assert torch.equal(odd.view(torch.int16), values[:, 1].view(torch.int16))
 
 
 def test_fp8_dots_come_close_to_the_reference():
@@ -629,7 +658,7 @@ def _compile_check() -> None:
             build(dec._decode_split_kernel, qd, cache, dict(
                 NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=dec.heads_per_program(4), HEAD_DIM=head_dim,
                 D_PAD=d_pad, PAGE=page, BLOCK_N=tile, DIRECT_OUT=False, IEEE=qd == f32, CASCADE=cascade,
-                PDL=True, DOT_F16=False, DOT_FP8=False, OUT_SCALED=cache != bf))
+                PDL=True, DOT_F16=False, DOT_FP8=False, OUT_SCALED=cache != bf, PAIRS=False, CVT_ASM=False))
         build(dec._shared_prefix_kernel, qd, cache, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=tile,
             ROWS=dec.shared_prefix_rows(elem), IEEE=qd == f32, PDL=True, OUT_SCALED=cache != bf))
@@ -643,13 +672,14 @@ def _compile_check() -> None:
         build(dec._decode_split_kernel, bf, fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
             DIRECT_OUT=direct, IEEE=False, CASCADE=cascade, PDL=True, DOT_F16=default_dots == "fp16",
-            DOT_FP8=default_dots == "fp8", OUT_SCALED=True), warps)
+            DOT_FP8=default_dots == "fp8", OUT_SCALED=True, PAIRS=False, CVT_ASM=False), warps)
     for tile, warps, dots in ((64, 4, "fp16"), (128, 4, "query"), (128, 8, "fp16"), (128, 4, "fp8"),
-                              (64, 4, "fp8")):      # probe_fp8_decode's
-        build(dec._decode_split_kernel, bf, fp8, dict(
+                              (64, 4, "fp8"), (128, 4, "pairs"), (64, 4, "pairs"), (128, 8, "pairs")):  # the probe's
+        pairs = dots == "pairs"                 # the caches as int16 words, converted by cvt.rn.f16x2.e4m3x2
+        build(dec._decode_split_kernel, bf, "i16" if pairs else fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
-            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8",
-            OUT_SCALED=True), warps)
+            DIRECT_OUT=True, IEEE=False, CASCADE=False, PDL=True, DOT_F16=dots in ("fp16", "pairs"),
+            DOT_FP8=dots == "fp8", OUT_SCALED=True, PAIRS=pairs, CVT_ASM=pairs), warps)
     for s_pad in (64, 32, 8, 2):      # the most splits (one head a program) to the fewest (the most heads)
         heads = dec.reduce_heads_per_program(32, s_pad, 128)
         build(dec._decode_reduce_kernel, bf, bf, dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=s_pad,

@@ -70,7 +70,52 @@ FP8_MAX = tl.constexpr(448.0)          # e4m3's largest
 # 2026-12-07): 879 us in all against 1,012 for the bf16 cache's launch (64 tokens, bf16 dots); 128-token tiles
 # move as many bytes a tile as a bf16 cache's 64
 FP8_DECODE_CONFIG = (128, 4, 2, "fp16")
-DOTS = ("query", "fp16", "fp8")
+DOTS = ("query", "fp16", "fp8", "pairs")
+
+
+@triton.jit
+def e4m3_pairs_to_f16(w, CVT_ASM: tl.constexpr):
+    """int16 words, each two e4m3 bytes (low: an even column, high: the odd one after it) -> (even, odd) fp16
+    tensors, exactly. CVT_ASM: one cvt.rn.f16x2.e4m3x2 a word (sm_89+); else bit arithmetic (the interpreter):
+    e4m3's sign/exponent/mantissa bits moved into fp16's read as the value / 2^8 (bias 15 against 7, subnormals
+    included), times 2^8."""
+    if CVT_ASM:
+        lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                           "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+        hi = (((w & 0x7F00) >> 1) | (w & -32768)).to(tl.float16, bitcast=True) * 256.0
+    return lo.to(tl.float16), hi.to(tl.float16)
+
+
+@triton.jit
+def attend_paged_pairs_tile(
+    q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask,
+    kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, D_HALF: tl.constexpr, CVT_ASM: tl.constexpr,
+):
+    """attend_paged_tile over an fp8 cache read as int16 pairs (strides in pairs): the dots in fp16 over the
+    even and the odd columns apart. K and V reach shared memory as 16-bit words, so V's transposed operand
+    loads by ldmatrix.trans (as a 16-bit cache's does); converted from fp8 after it, it was read a byte a load."""
+    within = (offs_n % PAGE).to(tl.int64)
+    blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    words = tl.arange(0, D_HALF)[None, :]
+    k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh
+    k_even, k_odd = e4m3_pairs_to_f16(tl.load(k_cache_ptr + k_off[:, None] + words, mask=n_mask[:, None], other=0),
+                                      CVT_ASM)
+    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
+    v_even, v_odd = e4m3_pairs_to_f16(tl.load(v_cache_ptr + v_off[:, None] + words, mask=n_mask[:, None], other=0),
+                                      CVT_ASM)
+    pv = p.to(tl.float16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_even)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_odd)
+    return m_new, l_i, acc_even, acc_odd
 
 
 def heads_per_program(group: int) -> int:
@@ -93,6 +138,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, IEEE: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr,
     DOT_F16: tl.constexpr = False, DOT_FP8: tl.constexpr = False, OUT_SCALED: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, CVT_ASM: tl.constexpr = False,
 ):
     # OUT_SCALED: the output (or the partial acc, which the reduce sums linearly) times out_scale_ptr[kv_head] (an
     # fp8 cache's v scale), in fp32 before the rounding
@@ -103,6 +149,8 @@ def _decode_split_kernel(
     # with its own scale (undone in the score scale), the probabilities times FP8_MAX (448: e4m3's range)
     # before their cast, undone at the end (FlashAttention-3's fp8 scheme; less exact: probe_fp8_decode.py says
     # how much)
+    # PAIRS (an fp8 cache, with DOT_F16, HEAD_DIM == D_PAD): the caches are int16 views (strides in pairs of
+    # e4m3); attend_paged_pairs_tile's dots run over the even and odd columns apart
     # with CASCADE the context starts after the shared prefix (prefix_len_ptr[0] tokens, attended by
     # _shared_prefix_kernel into partials 0..prefix_splits-1); this kernel's go after them. prefix_splits is
     # a runtime int (0 without CASCADE) so each bucket's split count compiles no variant of its own
@@ -148,15 +196,27 @@ def _decode_split_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
-            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE, False, P_SCALE)
+    if PAIRS:
+        q_even, q_odd = tl.split(tl.reshape(q, [G_PAD, D_PAD // 2, 2]))
+        acc_even = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        acc_odd = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc_even, acc_odd = attend_paged_pairs_tile(
+                q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n,
+                offs_n < hi, kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                PAGE, D_PAD // 2, CVT_ASM)
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [G_PAD, D_PAD])
+    else:
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            m_i, l_i, acc = attend_paged_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, n_mask[None, :], d_mask,
+                kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                PAGE, D_PAD, IEEE, False, P_SCALE)
     if PDL:
         gdc_launch_dependents()
 
@@ -317,6 +377,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_stages = stages if num_stages is None else num_stages
     dots = config_dots if dots is None else dots
     assert dots in DOTS and (dots == "query" or k_cache.element_size() == 1), (dots, k_cache.dtype)
+    pairs = dots == "pairs"
+    assert not pairs or (head_dim == d_pad and k_cache.stride(3) == v_cache.stride(3) == 1), "pairs: whole rows"
     num_splits = max(1, int(num_splits))
     cascade = prefix_splits > 0
     assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"
@@ -331,6 +393,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    # pairs: the split kernel reads the caches as int16 (two e4m3 a word; even strides: head_dim is even)
+    k_split, v_split, split_strides = ((k_cache.view(torch.int16), v_cache.view(torch.int16),
+                                        tuple(x // 2 for x in strides)) if pairs else (k_cache, v_cache, strides))
     if cascade:
         rows = shared_prefix_rows(query.element_size())
         _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
@@ -339,13 +404,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=prefix_block_n,
             ROWS=rows, IEEE=ieee, OUT_SCALED=scaled, num_warps=4, **launch)
     _decode_split_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
-        query, k_cache, v_cache, out, out_scale, block_tables, seq_lens, query_start_loc,
+        query, k_split, v_split, out, out_scale, block_tables, seq_lens, query_start_loc,
         prefix_len if cascade else seq_lens, part_m, part_l, part_acc, scale * LOG2_E, num_splits, prefix_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *split_strides, block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_CHUNKS=head_chunks, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n,
-        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dots == "fp16", DOT_FP8=dots == "fp8",
-        OUT_SCALED=scaled, num_warps=num_warps,
+        DIRECT_OUT=direct, IEEE=ieee, CASCADE=cascade, DOT_F16=dots in ("fp16", "pairs"), DOT_FP8=dots == "fp8",
+        OUT_SCALED=scaled, PAIRS=pairs, CVT_ASM=pairs and on_gpu(query), num_warps=num_warps,
         **launch,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
