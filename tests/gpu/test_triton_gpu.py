@@ -123,6 +123,49 @@ def test_fp8_cache_write_and_attend():
     check(TritonBackend(), [100, 1], [400, 50], cache_dtype=torch.float8_e4m3fn, seed=22)
 
 
+@pytest.mark.parametrize("dots", ["query", "fp16", "pairs"])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_fp8_cache_decode_launches(dots, num_splits):
+    """Each of an fp8 cache's decode dots (bf16, fp16, and int16 pairs converted by sm_90's cvt.rn.f16x2.e4m3x2)
+    at the probe's tiles, against the reference, split or not, over NaN-poisoned pages."""
+    from kvfit.kernels.attention_decode import paged_decode_attention
+    gen = torch.Generator().manual_seed(23)
+    seq_lens = [1, 17, 1000, 4096, 333, 2048, 65]
+    k_cache, v_cache, meta = make_step([1] * len(seq_lens), seq_lens, 16, 8, 128, torch.float8_e4m3fn, gen)
+    query = torch.randn(len(seq_lens), 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, 128 ** -0.5).float()
+    for block_n in (64, 128):
+        got = paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     128 ** -0.5, num_splits, block_n=block_n, dots=dots).float()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_e4m3_pairs_convert_exactly_on_the_gpu():
+    """cvt.rn.f16x2.e4m3x2 (the pairs launch's conversion) gives torch's values for every pair of e4m3 bytes."""
+    import triton.language as tl
+    from kvfit.kernels.attention_decode import e4m3_pairs_to_f16
+
+    @triton.jit
+    def convert(w_ptr, even_ptr, odd_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        even, odd = e4m3_pairs_to_f16(tl.load(w_ptr + offs), True)
+        tl.store(even_ptr + offs, even)
+        tl.store(odd_ptr + offs, odd)
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    lo, hi = torch.meshgrid(codes, codes, indexing="ij")
+    pairs = torch.stack([lo.flatten(), hi.flatten()], 1).contiguous()
+    n = triton.next_power_of_2(pairs.shape[0])
+    pairs = torch.cat([pairs, pairs[: n - pairs.shape[0]]]).to(DEVICE)
+    even, odd = (torch.empty(n, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    convert[(1,)](pairs.view(torch.int16).view(-1), even, odd, N=n)
+    values = pairs.view(torch.float8_e4m3fn).to(torch.float16)
+    assert torch.equal(even.view(torch.int16), values[:, 0].view(torch.int16))
+    assert torch.equal(odd.view(torch.int16), values[:, 1].view(torch.int16))
+
+
 def test_write_kv_bf16_exact_with_padding():
     gen = torch.Generator().manual_seed(30)
     num_tokens, num_kv_heads, head_dim, page, num_blocks = 2000, 8, 128, 64, 64
