@@ -83,7 +83,7 @@ def test_checkpoint_scales_are_read_and_used_with_an_fp8_cache(loud_model, tmp_p
     exact = _prompt_logprobs(folder)                  # fp32 cache: the scales are read and not needed
     unscaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), exact)
     _with_scales(folder, 30.0, 30.0, names)           # about amax / 200: k and v stay inside fp8's range
-    assert _max_diff(_prompt_logprobs(folder), exact) < 1e-5
+    assert _max_diff(_prompt_logprobs(folder, kv_cache_dtype="float32"), exact) < 1e-5
     scaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), exact)
     print(f"\nmax |prompt logprob diff| against the fp32 cache: scale 1.0 {unscaled:.3f}, checkpoint's {scaled:.3f}")
     assert scaled < 0.25 < unscaled
@@ -166,15 +166,21 @@ def _kv_only_copy(source: str, folder, groups) -> str:
 @pytest.mark.parametrize("groups", [{}, {"group_0": {"targets": []}}])
 def test_a_kv_cache_only_checkpoint_loads_16_bit_weights_and_its_scales(loud_model, reference, tmp_path, groups):
     """compressed-tensors' KV-cache-only export: the weights are the 16-bit ones (outputs equal over a 16-bit
-    cache), and an fp8 cache uses the checkpoint's scales (close to the fp32 cache; scale 1.0 is not)."""
+    cache), and an fp8 cache uses the checkpoint's scales (close to the fp32 cache; scale 1.0 is not). --kv-cache-dtype
+    auto is that fp8 cache, as vLLM 0.26 resolves it for a kv_cache_scheme; a 16-bit cache named is kept."""
     folder = _kv_only_copy(loud_model, tmp_path / "kv-only", groups)
+    from kvfit.kv.spec import KVSpec
     from kvfit.model_facts import load_model_facts
     facts = load_model_facts(folder)
-    assert facts.quantization is None and facts.kv_cache_scales
-    assert _max_diff(_prompt_logprobs(folder), reference) < 1e-5
+    assert facts.quantization is None and facts.kv_cache_scales and facts.fp8_kv_cache_by_default
+    assert KVSpec.from_model(facts).dtype == "fp8_e4m3"
+    assert KVSpec.from_model(facts, kv_cache_dtype="bfloat16").dtype == "bfloat16"
+    assert not load_model_facts(loud_model).fp8_kv_cache_by_default
+    assert _max_diff(_prompt_logprobs(folder, kv_cache_dtype="float32"), reference) < 1e-5
     unscaled = _max_diff(_prompt_logprobs(loud_model, kv_cache_dtype="fp8"), reference)
     scaled = _max_diff(_prompt_logprobs(folder, kv_cache_dtype="fp8"), reference)
     assert scaled < 0.25 < unscaled
+    assert _max_diff(_prompt_logprobs(folder), reference) == scaled          # auto: the same fp8 cache
 
 
 @pytest.mark.parametrize("scheme, message", [

@@ -77,7 +77,10 @@ class KVSpec:
     @classmethod
     def from_model(cls, facts: ModelFacts, block_size: int = 16, kv_cache_dtype: str = "auto",
                    tensor_parallel_size: int = 1, model_dtype: str | None = None) -> "KVSpec":
-        """model_dtype: the dtype the model runs in (--dtype); 'auto' caches use it."""
+        """model_dtype: the dtype the model runs in (--dtype); 'auto' caches use it, or fp8 where the checkpoint
+        declares an fp8 KV cache (facts.fp8_kv_cache_by_default, as vLLM resolves auto)."""
+        if str(kv_cache_dtype).lower() == "auto" and facts.fp8_kv_cache_by_default:
+            kv_cache_dtype = "fp8"
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype or facts.torch_dtype)
         if facts.is_mla:
             # The latent is shared by all heads, so every rank keeps all of it.

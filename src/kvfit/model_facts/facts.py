@@ -51,6 +51,9 @@ class ModelFacts:
     # FP8 weights (the checkpoint's quantization_config, or --quantization fp8); None: 16-bit weights
     quantization: Fp8Scheme | None = None
     kv_cache_scales: bool = False    # quantization_config's kv_cache_scheme: the checkpoint carries fp8 k/v scales
+    # --kv-cache-dtype auto means fp8 for this checkpoint: compressed-tensors' kv_cache_scheme or ModelOpt's FP8 KV
+    # cache (vLLM 0.26 resolves auto so: utils/torch_utils.resolve_kv_cache_dtype_string, the attention layer)
+    fp8_kv_cache_by_default: bool = False
     # the context a yarn or linear rope scaling extends the model to (vLLM's derived max_model_len: yarn's
     # original_max_position_embeddings x factor, linear's max_position_embeddings x factor); None: not extended
     rope_context: int | None = None

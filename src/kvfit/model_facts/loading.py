@@ -87,6 +87,8 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         quant = read_field(cfg, quant_key, "object", source, default={})
     scheme = parse_quantization_config(quant, source, quant_key)      # its errors name the key the file has
     kv_cache_scales = declares_kv_cache_scales(quant, source, quant_key)
+    fp8_kv_default = kv_cache_scales and str(quant.get("quant_method", "")).lower() in ("compressed-tensors",
+                                                                                         "modelopt")
     weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch.name, family=arch.model_type, num_layers=layers, hidden_size=hidden,
@@ -94,7 +96,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         max_position_embeddings=max_pos, torch_dtype=_dtype(cfg, source), tie_word_embeddings=tie,
         intermediate_size=inter, num_params=0, weight_dtype_bytes=weight_bytes,
         kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, rope=rope, quantization=scheme,
-        kv_cache_scales=kv_cache_scales, rope_context=_rope_context(rope, max_pos), raw=dict(cfg),
+        kv_cache_scales=kv_cache_scales, fp8_kv_cache_by_default=fp8_kv_default, rope_context=_rope_context(rope, max_pos), raw=dict(cfg),
         **_structure(arch.rules, cfg, layers, source))
     num_params = count_parameters(facts, cfg, source)
     if num_params > MAX_NUM_PARAMS:

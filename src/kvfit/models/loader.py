@@ -70,8 +70,9 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
             loaded = sum(layer.loaded for layer in layers)
             if loaded:
                 logger.info("KV cache scales of %d of %d attention layers read from the checkpoint "
-                            "(kv_cache_scheme): an fp8 KV cache (--kv-cache-dtype fp8) uses them, a 16-bit one "
-                            "does not need them", loaded, len(layers))
+                            "(kv_cache_scheme): an fp8 KV cache uses them (--kv-cache-dtype auto takes one for %s, "
+                            "as vLLM), a 16-bit one does not need them", loaded, len(layers),
+                            "this checkpoint" if facts.fp8_kv_cache_by_default else "compressed-tensors and ModelOpt")
             else:
                 logger.warning("the quantization config declares fp8 KV cache scales (kv_cache_scheme, or ModelOpt's "
                                "kv_cache_quant_algo) but the checkpoint holds no k/v scale tensors: an fp8 KV cache "
