@@ -233,6 +233,27 @@ def test_integer_scales_are_refused_and_zero_static_scales_named(tiny):
         _logits(fp8)
 
 
+@pytest.mark.parametrize("arch, layout, name", [
+    ("llama", "ct-fp8-dynamic", "model.layers.0.self_attn.q_proj.weight_scale"),
+    ("qwen3", "fp8-block", "model.layers.1.mlp.down_proj.weight_scale_inv"),
+    ("qwen3_moe", "modelopt-fp8", "model.layers.0.mlp.experts.1.gate_proj.weight_scale")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_nan_infinite_or_negative_weight_scales_are_refused(tmp_path, arch, layout, name, bad):
+    """A weight scale of NaN or inf turned the logits to NaN, -1 flipped the layer's sign, without a word (an
+    input or KV scale was already refused); one expert's scale broke only the tokens routed to it."""
+    src = make_tiny_model(tmp_path, arch=arch)
+    fp8, _ = _hub_copy(src, tmp_path / "bad", layout)
+
+    def damage(tensors):
+        value = tensors[name].clone()
+        value.view(-1)[0] = bad
+        tensors[name] = value
+
+    _rewrite(fp8, damage)
+    with pytest.raises(ConfigError, match=rf"{name} holds 1 scale\(s\) that are not finite numbers >= 0.*damaged"):
+        _logits(fp8)
+
+
 def test_transformers_per_tensor_scales_are_named_as_stored(tiny):
     """transformers' per-tensor layout stores weight_scale_inv / activation_scale (read as weight_scale /
     input_scale): a missing one is named as the checkpoint stores it."""

@@ -58,17 +58,27 @@ def scale_values(source, name: str, scheme: Fp8Scheme | None) -> torch.Tensor:
     """A checkpoint's scale (a tensor, or a lazy safetensors slice read whole: [...] reads a 0-dim one, [:] does
     not) as fp32: a float dtype as it is; uint8 exponent bytes (2^(b - 127), float8_e8m0fnu's encoding) only where
     quantization_config says scale_fmt "ue8m0". Any other dtype is a ConfigError: its raw numbers taken as
-    scales would run a wrong model without a word."""
+    scales would run a wrong model without a word. So is a NaN, an infinity or a negative scale (0 is allowed:
+    an all-zero row's)."""
     value = source if isinstance(source, torch.Tensor) else source[...]
     if value.dtype in FLOAT_SCALE_DTYPES:
-        return value.float()
+        return _finite_scales(value.float(), name)
     if value.dtype == torch.uint8 and scheme is not None and scheme.ue8m0_scales:
-        return value.view(torch.float8_e8m0fnu).float()
+        return _finite_scales(value.view(torch.float8_e8m0fnu).float(), name)
     hint = (" (uint8 weight scales are read as e8m0 exponents only with quant_method \"fp8\" and scale_fmt "
             "\"ue8m0\")") if value.dtype == torch.uint8 else ""
     raise ConfigError(f"checkpoint tensor {name} is {str(value.dtype).removeprefix('torch.')}, but a scale must be "
                       f"a float (float32, bfloat16, float16, float64 or float8_e8m0fnu){hint}; the checkpoint does "
                       "not match config.json")
+
+
+def _finite_scales(value: torch.Tensor, name: str) -> torch.Tensor:
+    bad = value[~(torch.isfinite(value) & (value >= 0))]
+    if bad.numel():
+        raise ConfigError(f"checkpoint tensor {name} holds {bad.numel()} scale(s) that are not finite numbers >= 0 "
+                          f"(e.g. {bad[0].item()}); they would turn its outputs to NaN or flip their signs: the "
+                          "checkpoint is damaged (re-download it, or recalibrate)")
+    return value
 
 
 def _cdiv(a: int, b: int) -> int:
