@@ -299,6 +299,10 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: scale_fmt {_show(scale_fmt)} is not supported; kvfit reads float scales "
                           "(no scale_fmt) and \"ue8m0\" (powers of two)")
     ue8m0 = scale_fmt == "ue8m0"
+    store = quant.get("store_dtype")
+    if store is not None:       # vLLM runs "mxfp4" experts (4-bit, e8m0 group scales) under quant_method fp8
+        raise ConfigError(f"{where}: store_dtype {_show(store)} is not supported; kvfit runs fp8 weights stored as "
+                          "e4m3 (no MXFP4 experts): leave store_dtype out, or use a 16-bit or FP8 checkpoint")
     block = quant.get("weight_block_size")
     if block is None:
         # AutoFP8 writes weight_scale (+ input_scale); transformers' FineGrainedFP8Config without blocks writes

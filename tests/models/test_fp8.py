@@ -318,6 +318,8 @@ def test_quantization_flag_must_match_the_checkpoint(models):
     ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
     ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, r"fp8 fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "store_dtype": "mxfp4"},
+     r"store_dtype 'mxfp4' is not supported; kvfit runs fp8 weights stored as e4m3"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      r"block-wise fp8 needs activation_scheme dynamic"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, columns\]"),
