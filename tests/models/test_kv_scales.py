@@ -116,6 +116,29 @@ def test_a_scale_per_kv_head_is_split_over_ranks_and_bad_scales_are_refused():
     assert not unit.applies                     # 1.0 everywhere: the unscaled paths stay
 
 
+@pytest.mark.parametrize("method, shared", [("fp8", True), ("modelopt", True), ("compressed-tensors", False)])
+def test_a_layer_with_one_of_its_kv_scales_is_completed_as_vllm_does(method, shared, caplog):
+    """k_scale without v_scale: vLLM's fp8 and ModelOpt KV cache methods use it for both, compressed-tensors keeps
+    v at 1.0; said either way (it was silent, and v stayed 1.0 for every method)."""
+    import types
+
+    from kvfit.models.loader import _one_sided_kv_scales
+    model = torch.nn.ModuleList(KVScales(total_kv_heads=2, first_kv_head=0, num_kv_heads=2, num_q_heads=4,
+                                         device="cpu") for _ in range(3))
+    model[0].load("k_scale", "a.k_scale", torch.tensor(30.0))
+    model[1].load("v_scale", "b.v_scale", torch.tensor([5.0, 6.0]))
+    model[2].load("k_scale", "c.k_scale", torch.tensor(2.0))
+    model[2].load("v_scale", "c.v_scale", torch.tensor(3.0))
+    facts = types.SimpleNamespace(raw={"quantization_config": {"quant_method": method}})
+    with caplog.at_level("WARNING", logger="kvfit"):
+        _one_sided_kv_scales(model, facts)
+    assert model[0].k_scale.tolist() == [30.0, 30.0]
+    assert model[0].v_scale.tolist() == ([30.0, 30.0] if shared else [1.0, 1.0])
+    assert model[1].k_scale.tolist() == ([5.0, 6.0] if shared else [1.0, 1.0])
+    assert model[2].k_scale.tolist() == [2.0, 2.0] and model[2].v_scale.tolist() == [3.0, 3.0]
+    assert "2 attention layer(s) have a" in caplog.text
+
+
 def test_calculate_kv_scales_needs_an_fp8_cache(loud_model):
     with pytest.raises(ConfigError, match="--calculate-kv-scales .* --kv-cache-dtype fp8"):
         LLM(loud_model, device="cpu", calculate_kv_scales=True)

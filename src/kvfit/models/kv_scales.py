@@ -57,6 +57,7 @@ class KVScales(torch.nn.Module):
         self.applies = False            # with an fp8 cache: scales other than 1.0 loaded, or a calculation set up
         self.calculate_next = False     # the next forward with a cache sets the scales from its k and v
         self.loaded = False             # a checkpoint tensor set a scale of this layer
+        self.read: set[str] = set()     # which of "k_scale", "v_scale" it set
 
     @torch.no_grad()
     def load(self, which: str, name: str, source) -> None:
@@ -72,7 +73,17 @@ class KVScales(torch.nn.Module):
         mine = value.expand(self.total_kv_heads)[self.first_kv_head:self.first_kv_head + self.num_kv_heads]
         getattr(self, which).copy_(mine)
         self.loaded = True
+        self.read.add(which)
         self.applies = self.applies or bool((value != 1).any())
+
+    @torch.no_grad()
+    def share_the_one_read(self) -> None:
+        """A layer whose checkpoint gave k_scale or v_scale alone: the other takes it (vLLM's fp8 and ModelOpt KV
+        cache methods do so: BaseKVCacheMethod.process_weights_after_loading, the larger of the two where the
+        other was never set)."""
+        (which,) = self.read
+        other = "v_scale" if which == "k_scale" else "k_scale"
+        getattr(self, other).copy_(getattr(self, which))
 
     def enable_calculation(self) -> None:
         """--calculate-kv-scales: the scaled path from now on (graphs captured next include it), scales 1.0

@@ -50,6 +50,23 @@ DUMMY_STD = 0.02
 QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 
 
+def _one_sided_kv_scales(model: torch.nn.Module, facts: ModelFacts) -> None:
+    """Layers whose checkpoint has a k scale and no v scale (or the reverse): as vLLM 0.26, the fp8 and ModelOpt
+    methods give the other the same value; compressed-tensors keeps it at 1.0. Said either way."""
+    layers = [layer for layer in kv_scale_layers(model) if len(layer.read) == 1]
+    if not layers:
+        return
+    quant = facts.raw.get("quantization_config") or facts.raw.get("compression_config") or {}
+    shared = str(quant.get("quant_method", "")).lower() != "compressed-tensors"
+    for layer in layers if shared else ():
+        layer.share_the_one_read()
+    which = sorted(layers[0].read)[0]
+    other = "v_scale" if which == "k_scale" else "k_scale"
+    logger.warning("%d attention layer(s) have a %s and no %s in the checkpoint: an fp8 KV cache %s", len(layers),
+                   which, other, f"uses the {which} for both (as vLLM's fp8 and ModelOpt methods)" if shared else
+                   f"keeps {other} 1.0 (as vLLM's compressed-tensors); the checkpoint may be incomplete")
+
+
 def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, attention_backend: AttentionBackend,
                load_format: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
     """facts.architecture's model on `device`, weights from model_path ("auto"/"safetensors"/"pt") or random
@@ -65,6 +82,8 @@ def load_model(model_path: str, facts: ModelFacts, dtype: torch.dtype, device, a
         finalize_quantized(model)
         if facts.quantization is not None:
             logger.info("weights: %s", facts.quantization.describe())
+        if files is not None:
+            _one_sided_kv_scales(model, facts)
         if facts.kv_cache_scales and files is not None:
             layers = kv_scale_layers(model)
             loaded = sum(layer.loaded for layer in layers)
