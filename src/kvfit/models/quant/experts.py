@@ -52,9 +52,11 @@ class Fp8Experts(torch.nn.Module):
         if scheme.block_size is not None:
             bn, bk = scheme.block_size
             if intermediate_size % bn or intermediate_size % bk:
+                # vLLM 0.26 needs whole row blocks (its check at tp 1), kvfit whole blocks both ways
+                also = " (vLLM refuses them too)" if intermediate_size % bn else ""
                 raise ConfigError(f"{name}: block-quantized experts need moe_intermediate_size ({intermediate_size}) "
                                   f"to be whole {list(scheme.block_size)} blocks, which kvfit's FP8 MoE kernel "
-                                  "reads; this checkpoint's experts cannot run in kvfit (vLLM refuses them too)")
+                                  f"reads; this checkpoint's experts cannot run in kvfit{also}")
             if n % bn or start % bn or n % bk:
                 raise ConfigError(f"{name}: block-quantized experts need each rank's {n} channels (of "
                                   f"moe_intermediate_size {intermediate_size}) to be whole {scheme.block_size} "
