@@ -46,16 +46,19 @@ def quantization_config(fmt: str, block=(128, 128)) -> dict:
     return _ct_config({"ct-channel": "channel", "ct-tensor": "tensor", "ct-static": "tensor"}[fmt], fmt == "ct-static")
 
 
-def write_fp8_copy(src: str, dst, fmt: str, block=(128, 128), skip=()) -> tuple[str, str]:
+ROUTER = re.compile(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate\.weight")
+
+
+def write_fp8_copy(src: str, dst, fmt: str, block=(128, 128), skip=(), router: bool = False) -> tuple[str, str]:
     """(fp8 folder, dequantized fp32 folder) of src's model in layout fmt; names matching `skip` stay 16-bit
-    (add them to the ignore list yourself)."""
+    (add them to the ignore list yourself); router: MoE routers in FP8 too (llm-compressor without a gate ignore)."""
     fp8_dir, ref_dir = str(dst / f"fp8-{fmt}"), str(dst / f"deq-{fmt}")
     for folder in (fp8_dir, ref_dir):
         shutil.copytree(src, folder)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     fp8, ref = {}, {}
     for name, w in tensors.items():
-        if not LINEAR.fullmatch(name) or any(s in name for s in skip):
+        if not (LINEAR.fullmatch(name) or (router and ROUTER.fullmatch(name))) or any(s in name for s in skip):
             fp8[name], ref[name] = w, w
             continue
         prefix = name[: -len(".weight")]

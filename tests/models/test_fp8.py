@@ -27,7 +27,7 @@ from kvfit.models.loader import load_model  # noqa: E402
 from kvfit.models.linear import SplitColumnLinear  # noqa: E402
 from kvfit.models.quant.linear import Fp8Linear  # noqa: E402
 from kvfit.quant_scheme import parse_quantization_config  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from test_phi3 import make_tiny_phi3  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -201,6 +201,34 @@ def test_moe_fp8_checkpoint_matches_the_dequantized_reference(tmp_path, arch, fm
     want = _reference(deq, tokens, fmt, block, experts=True)
     assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
     assert got[-1].argmax() == want[-1].argmax()
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct-channel", "ct-static"])
+def test_a_qwen3_moe_router_in_fp8_is_read_dequantized(tmp_path, fmt):
+    """An FP8 checkpoint whose router (mlp.gate) is quantized too (llm-compressor without a gate ignore): vLLM's
+    Qwen3-MoE quantizes its router with the scheme and loads it, so kvfit reads it dequantized into its 16-bit
+    router (it was refused); Mixtral's router vLLM never quantizes, and kvfit still refuses one in FP8. A router
+    weight without its scale is named."""
+    src = make_tiny_model(tmp_path, arch="qwen3_moe")
+    fp8, deq = write_fp8_copy(src, tmp_path, fmt, block=(32, 32), router=True)
+    assert "model.layers.0.mlp.gate.weight_scale" + ("_inv" if fmt == "block" else "") in load_file(
+        os.path.join(fp8, "model.safetensors"))
+    model, got, tokens = _logits(fp8)
+    assert model.model.layers[0].mlp.gate.weight.dtype != FP8_DTYPE
+    want = _reference(deq, tokens, fmt, (32, 32), experts=True)
+    assert torch.allclose(got, want, atol=FLIP_ATOL), (got - want).abs().max()
+    if fmt != "ct-channel":
+        return
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.gate.weight_scale"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"missing tensor model\.layers\.1\.mlp\.gate\.weight_scale"):
+        _logits(fp8)
+    mixtral = make_tiny_model(tmp_path, arch="mixtral")
+    fp8, _ = write_fp8_copy(mixtral, tmp_path / "mixtral", fmt, router=True)
+    with pytest.raises(ConfigError, match=r"block_sparse_moe\.gate\.weight is quantized but kvfit holds"):
+        _logits(fp8)
 
 
 def test_static_fp8_experts_take_the_largest_scale_and_a_missing_one_is_named(tmp_path):

@@ -24,6 +24,10 @@ class MoEConfig:
     block_name: str                 # the sparse block's name in the checkpoint ("mlp" or "block_sparse_moe")
     expert_names: tuple[str, str, str]   # gate, up, down projection names of one expert
     shared_intermediate_size: int = 0    # Qwen2-MoE: a shared expert (SwiGLU) with a sigmoid gate, else 0
+    # an FP8 checkpoint may quantize the router (vLLM 0.26's Qwen3-MoE builds it with the checkpoint's scheme);
+    # kvfit reads it dequantized into its 16-bit router. Elsewhere a quantized router is refused, as vLLM never
+    # quantizes one there.
+    fp8_router: bool = False
 
 
 def moe_sparse_layers(f: ModelFacts, cfg: dict, source: str = "config.json") -> tuple[int, frozenset[int]]:
@@ -66,7 +70,7 @@ def qwen_moe_experts(facts: ModelFacts, shared_expert: bool) -> MoEConfig:
                      expert_names=("gate_proj", "up_proj", "down_proj"),
                      shared_intermediate_size=read_field(raw, "shared_expert_intermediate_size", "int", source,
                                                          required=True, minimum=1)
-                     if shared_expert else 0)
+                     if shared_expert else 0, fp8_router=not shared_expert)
 
 
 # parameter counts (an entry's `mlp_params`): every layer's MLP together ---------------------------

@@ -229,6 +229,10 @@ class CausalLM(torch.nn.Module):
         """What to call an unloaded parameter in the error (the checkpoint tensor it lacks)."""
         return param_name
 
+    def hub_name(self, name: str) -> str:
+        """The checkpoint's own spelling of a name checkpoint_name rewrote: what an error names."""
+        return name
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""
         local = linear(hidden, self.lm_head.weight)                               # [N, vocab rows here]
@@ -266,11 +270,11 @@ class CausalLM(torch.nn.Module):
                 continue
             target = targets.get(name)
             if target is None:
-                check_unloaded_tensor(name, source, self.scheme)
+                check_unloaded_tensor(self.hub_name(name), source, self.scheme)
                 continue
             param_name, param, index = target
             if not getattr(param, "quant_scale", False):
-                check_unloaded_tensor(name, source, self.scheme, into=param)
+                check_unloaded_tensor(self.hub_name(name), source, self.scheme, into=param)
             # FP8 weights and scales check and read their own tensors
             getattr(param, "weight_loader", load_part)(param, index, name, source)
             loaded.add((param_name, index))

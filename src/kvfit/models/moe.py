@@ -23,7 +23,7 @@ import torch
 
 from kvfit.errors import ConfigError
 from kvfit.kernels import fused_moe
-from kvfit.kernels.fp8 import PreQuantized, split_prequantized
+from kvfit.kernels.fp8 import PreQuantized, dequantize_weight, split_prequantized
 from kvfit.kernels.fused_moe import moe_experts, select_experts
 from kvfit.kernels.gemv import linear
 from kvfit.model_facts import ModelFacts, MoEConfig, moe_config
@@ -31,7 +31,7 @@ from kvfit.models.layers import SwiGLU
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import all_reduce, make_param, source_shape, split_evenly
 from kvfit.models.quant.experts import Fp8Experts
-from kvfit.models.quant.linear import is_fp8_source
+from kvfit.models.quant.linear import is_fp8_source, scale_values
 
 
 class SparseMoE(torch.nn.Module):
@@ -128,6 +128,7 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\."
                      r"(weight|weight_scale|weight_scale_inv|input_scale)")
 _KIND_SUFFIX = {"weight": "", "scale": "_scale", "input_scale": "_input_scale"}  # stacked parameter of each kind
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.(weight|weight_scale|weight_scale_inv|input_scale)")
 
 
 class MoECausalLM(CausalLM):
@@ -141,6 +142,7 @@ class MoECausalLM(CausalLM):
         self._expert_parts = parts
         # stacked parameter name -> the (expert, part) pieces still to load (FP8 experts: their scales too)
         self._pending: dict[str, set[tuple[int, str]]] = {}
+        self._fp8_router: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}    # layer -> its FP8 router's parts read
         for layer in sorted(self.moe.sparse_layers):
             suffixes = ("",)
             experts = self.model.layers[layer].mlp.experts
@@ -191,6 +193,12 @@ class MoECausalLM(CausalLM):
         return name
 
     def load_special(self, name: str, source) -> list[str] | None:
+        match = _ROUTER.fullmatch(name)
+        if match is not None and self.moe.fp8_router and self.scheme is not None and not self.scheme.online \
+                and (match.group(2) != "weight" or is_fp8_source(source)) \
+                and int(match.group(1)) in self.moe.sparse_layers \
+                and self.scheme.quantizes(f"model.layers.{match.group(1)}.mlp.gate"):
+            return self._load_fp8_router(int(match.group(1)), match.group(2), name, source)
         match = _EXPERT.fullmatch(name)
         if match is not None and match.group(3) in self._expert_parts:
             layer, expert, part = int(match.group(1)), int(match.group(2)), self._expert_parts[match.group(3)]
@@ -209,6 +217,31 @@ class MoECausalLM(CausalLM):
             wanted = ("down",) if part == "down_proj" else ("gate", "up")
             return self._done(layer, {(e, p) for e in range(self.moe.num_experts) for p in wanted})
         return None
+
+    def _load_fp8_router(self, layer: int, kind: str, name: str, source) -> list[str]:
+        """An FP8 router's weight or scale (the scheme quantizes it, as vLLM's Qwen3-MoE does): once both are read,
+        the weight dequantized into the 16-bit router. Its static input scale has nothing to scale here."""
+        if kind == "input_scale":
+            return []
+        parts = self._fp8_router.setdefault(layer, {})
+        if kind == "weight":
+            parts["weight"] = (name, source if isinstance(source, torch.Tensor) else source[:])
+        else:
+            parts["scale"] = (name, scale_values(source, name, self.scheme))
+        if len(parts) < 2:
+            return []
+        (weight_name, weight), (scale_name, scale) = parts.pop("weight"), parts.pop("scale")
+        target = self.model.layers[layer].mlp.gate.weight
+        rows, cols = target.shape
+        block = self.scheme.block_size
+        want = {"tensor": ((), (1,)), "channel": ((rows, 1), (rows,)),
+                "block": ((-(-rows // block[0]), -(-cols // block[1])),) if block else ()}[self.scheme.weight_strategy]
+        if tuple(weight.shape) != (rows, cols) or tuple(scale.shape) not in want:
+            raise ConfigError(f"checkpoint tensors {weight_name} {list(weight.shape)} and {scale_name} "
+                              f"{list(scale.shape)} are not an FP8 router of {rows} experts x {cols} with "
+                              f"{self.scheme.weight_strategy} scales; the checkpoint does not match config.json")
+        target.copy_(dequantize_weight(weight, scale, block).to(target.dtype))
+        return [f"model.layers.{layer}.mlp.gate.weight"]
 
     def _sparse_block(self, layer: int, name: str) -> SparseMoE:
         if layer not in self.moe.sparse_layers:
@@ -233,6 +266,10 @@ class MoECausalLM(CausalLM):
         return done
 
     def missing_name(self, param_name: str) -> str:
+        router = _ROUTER.fullmatch(param_name)
+        if router is not None and self._fp8_router.get(int(router.group(1))):
+            read = self._fp8_router[int(router.group(1))]
+            return param_name if "scale" in read else param_name.replace(".weight", f".{self.scheme.scale_name}")
         pending = self._pending.get(param_name)
         if not pending:
             return param_name
