@@ -155,6 +155,21 @@ def test_an_n_that_can_never_be_queued_is_a_400_naming_n(core_url):
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
+def test_a_batch_that_can_never_be_queued_is_a_400_at_once(core_url):
+    """A batch of more prompts (times n) than can run or wait at once held the batch lock while it queued prompt
+    after prompt (another client's batch waited a minute behind 20,000 prompts), then failed on a late one."""
+    url, client = core_url
+    prompts = client.max_requests_at_once // 2 + 1
+    start = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ["Hi"] * prompts, "max_tokens": 1,
+                                                  "n": 2}, timeout=30)
+    assert r.status_code == 400 and openai_error(r)["param"] == "prompt", r.text
+    assert f"{prompts} prompts x n=2" in openai_error(r)["message"] and time.monotonic() - start < 5
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ["Hi"] * 3, "max_tokens": 1, "n": 2},
+                   timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6
+
+
 def test_killing_the_core_process_makes_health_and_requests_503():
     client = launch(functools.partial(FakeEngine, step_seconds=0.05))
     try:
@@ -443,7 +458,7 @@ def test_a_delta_that_cannot_be_folded_fails_its_request_alone():
         client._streams["good"] = (good, OutputAccumulator("good", [1]))
         client._streams["bad"] = (bad, OutputAccumulator("bad", [1]))
         broken = SampleDelta(0, 5, "x", [2], None, None, None, None)      # keeps 5 chars of an empty text
-        client._streams["bad"][1].apply = lambda delta: (_ for _ in ()).throw(ValueError("broken"))
+        client._streams["bad"][1].fold = lambda delta: (_ for _ in ()).throw(ValueError("broken"))
         apply_batch(client, OutputBatch([], [RequestDelta("bad", False, [broken]),
                                              RequestDelta("good", True, [SampleDelta(0, 0, "hi", [7], None, None,
                                                                                      "length", None)])], [], {}))
@@ -475,7 +490,7 @@ def test_a_large_round_is_applied_in_chunks_in_order():
         ticks = []
 
         def tick():                       # another loop callback, queued behind each drain
-            ticks.append(sum(not s.queue.empty() for s in streams.values()))
+            ticks.append(sum(s.unread for s in streams.values()))
             if len(ticks) < 5:
                 loop.call_soon(tick)
         client._hand_over(client._batch_pieces(OutputBatch([], deltas, [], {"running": 300}), 0.0))

@@ -22,9 +22,9 @@ def test_waiting_outputs_fold_into_the_newest_and_an_error_behind_them_follows()
         progress = []
         stream = RequestStream("r", num_prompt_tokens=2, on_progress=lambda *args: progress.append(args[1]))
         for n in (1, 2, 3):
-            stream.queue.put_nowait((_output(n), float(n)))
+            stream.put(_output(n), float(n))
         error = APIError(500, "boom", "server_error")
-        stream.queue.put_nowait(error)
+        stream.put(error)
         first = await stream.next()
         # one SSE event, but each folded output is counted as it arrived (one inter-token latency per step)
         assert len(first.outputs[0].token_ids) == 3 and progress == [1, 1, 1]
@@ -32,8 +32,8 @@ def test_waiting_outputs_fold_into_the_newest_and_an_error_behind_them_follows()
             await stream.next()
         assert stream.finished and stream.error is error
         one = RequestStream("s")
-        one.queue.put_nowait((_output(1), 1.0))
+        one.put(_output(1), 1.0)
         assert len((await one.next()).outputs[0].token_ids) == 1           # nothing waiting: the one output
-        one.queue.put_nowait((_output(4, finished=True), 2.0))
+        one.put(_output(4, finished=True), 2.0)
         assert (await one.next()).finished and one.finished
     asyncio.run(run())

@@ -390,6 +390,11 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
     took the queue for its first prompts and all failed on their later ones where some of them would fit."""
     if len(inputs) == 1:
         return await _add_each(state, response_id, inputs)
+    wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
+    if cap and wanted > cap:     # as n alone past it (EngineCore.add): it would hold the batch lock, then fail
+        raise APIError(400, f"{len(inputs)} prompts x n={inputs[0].n} = {wanted} requests can never be queued here: "
+                            f"at most --max-num-seqs + --max-waiting-requests = {cap} run or wait at once; send "
+                            "fewer prompts a request", "invalid_request_error", "prompt")
     async with state.batch_admission:
         return await _add_each(state, response_id, inputs)
 
@@ -432,11 +437,13 @@ async def _merged(streams: list[RequestStream]):
             async for item in moves:
                 yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: while the client does not read, each pump waits with its one output in hand and its stream folds
+    # the newer ones into its slot (an unbounded queue kept a copy per step)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
         async for item in _moves(stream):
-            queue.put_nowait((i, item))
+            await queue.put((i, item))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -75,39 +75,50 @@ class RequestStream:
     # called on each output that adds tokens: (new prompt tokens (at the first), new tokens,
     # time to first token or None, time since the previous output or None)
     on_progress: Callable[[int, int, float | None, float | None], None] | None = None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _error_next: APIError | None = None  # an error found behind outputs that were folded into one
+    # one slot, not a queue: outputs are cumulative, so a newer one replaces one not yet read. A client that does
+    # not read (its socket full) holds one output, not one per step (a queue of full copies grew the front-end by
+    # gigabytes). The slot holds a RequestOutput or a callable making it when read (OutputAccumulator.snapshot).
+    _latest: RequestOutput | Callable[[], RequestOutput] | None = None
+    _error_next: APIError | None = None  # the engine ended the request with this; raised once _latest is read
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | Callable[[], RequestOutput] | APIError, at: float = 0.0,
+            num_tokens: int | None = None) -> None:
+        """(On the event loop.) The newest output (its tokens over every choice, when item is a callable) as it
+        arrived (at: monotonic s), or the error that ends the request."""
+        if isinstance(item, APIError):
+            self._error_next = self._error_next or item
+        else:
+            if num_tokens is None:
+                num_tokens = sum(len(sample.token_ids) for sample in item.outputs)
+            self._account(num_tokens, at)    # each output counts as it arrives (one inter-token latency a step)
+            self._latest = item
+        self._ready.set()
+
+    @property
+    def unread(self) -> bool:
+        return self._latest is not None or self._error_next is not None
 
     async def next(self, timeout: float | None = None) -> RequestOutput:
         """The next output; raises APIError if the engine failed the request, TimeoutError on timeout.
 
-        Outputs are cumulative, so when several wait (the event loop fell behind the engine) only the newest is
-        returned: one SSE event for all of them, which is when the front-end most needs fewer events. An error
-        queued behind them is raised at the next call."""
-        item = self._error_next
-        if item is None:
+        Outputs are cumulative, so when several arrived since the last call (the event loop or the client fell
+        behind the engine) only the newest is returned: one SSE event for all of them, which is when the front-end
+        most needs fewer events. An error behind them is raised at the next call."""
+        while not self.unread:
+            self._ready.clear()
             # wait_for costs a timeout scope per call on Python 3.12 even without a timeout: only with one
-            item = await (self.queue.get() if timeout is None else asyncio.wait_for(self.queue.get(), timeout))
-        self._error_next = None
-        if not isinstance(item, APIError):
-            self._account(*item)
-        while not isinstance(item, APIError) and not self.queue.empty():
-            newer = self.queue.get_nowait()
-            if isinstance(newer, APIError):
-                self._error_next = newer
-                break
-            item = newer
-            self._account(*item)        # each folded output still counts (one inter-token latency per step)
-        if isinstance(item, APIError):
-            self.finished, self.error = True, item
-            raise item
-        output, _ = item
+            await (self._ready.wait() if timeout is None else asyncio.wait_for(self._ready.wait(), timeout))
+        latest, self._latest = self._latest, None
+        if latest is None:
+            self.finished, self.error = True, self._error_next
+            raise self._error_next
+        output = latest if isinstance(latest, RequestOutput) else latest()
         self.finished, self.output = output.finished, output
         return output
 
-    def _account(self, output: RequestOutput, at: float) -> None:
+    def _account(self, num_tokens: int, at: float) -> None:
         """Token counts, first-token and inter-token times of one output as it arrived (at: monotonic s)."""
-        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
         if num_tokens <= self.num_output_tokens:
             return
         first = self.first_token_time is None
@@ -152,6 +163,8 @@ class ServingEngine:
         self.model_folder = model_folder
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
         self.dead_reason: str | None = None   # set once, when the engine can no longer serve
+        # requests that can run or wait at once (--max-num-seqs + --max-waiting-requests); 0: not known
+        self.max_requests_at_once = 0
         self._closing = False                 # no new requests; running ones end with a 503
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvfit-prepare")
@@ -237,6 +250,7 @@ class AsyncEngine(ServingEngine):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._core = EngineCore(engine, max_waiting_requests)    # engine thread only
+        self.max_requests_at_once = self._core.max_num_seqs + max_waiting_requests
         self._exited = False          # the thread ended on its own (dead engine); commands are refused
         self._commands: deque = deque()
         self._wake = threading.Condition()
@@ -297,7 +311,11 @@ class AsyncEngine(ServingEngine):
             self._wake.notify()
 
     def _deliver(self, stream: RequestStream, item) -> None:
-        self._call_on_loop(stream.queue.put_nowait, item)
+        """item: (output, arrival time) or the APIError that ends the request."""
+        if isinstance(item, APIError):
+            self._call_on_loop(stream.put, item)
+        else:
+            self._call_on_loop(stream.put, *item)
 
     def _call_on_loop(self, fn, *args) -> None:
         try:

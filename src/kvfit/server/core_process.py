@@ -277,6 +277,7 @@ class EngineCoreClient(ServingEngine):
             _end_process(process, 0)
             _close(context, [commands, replies], folder)
             raise
+        client.max_requests_at_once = first.max_num_seqs + max_waiting_requests
         if stall_timeout_s is not None:
             client.stall_timeout_s = stall_timeout_s
         if sampler is not None and sampler.start():
@@ -444,7 +445,7 @@ class EngineCoreClient(ServingEngine):
         for request_id, info in batch.errors:
             entry = self._streams.pop(request_id, None)
             if entry is not None:
-                entry[0].queue.put_nowait(info.error())
+                entry[0].put(info.error())
         self._stats = batch.stats
         if batch.dead_reason is not None:
             self._fail_everything(batch.dead_reason)
@@ -457,15 +458,15 @@ class EngineCoreClient(ServingEngine):
         if delta.finished:
             del self._streams[delta.request_id]
         try:
-            output = accumulator.apply(delta)
+            num_tokens = accumulator.fold(delta)
         except Exception:          # a bug folding one delta: that request fails, the batch's others go on
             logger.exception("request %s: its output could not be rebuilt", delta.request_id)
             self._streams.pop(delta.request_id, None)
             self.abort(delta.request_id)
-            stream.queue.put_nowait(APIError(500, "internal error while building this request's output; see "
-                                                  "the server log", "server_error"))
+            stream.put(APIError(500, "internal error while building this request's output; see the server log",
+                                "server_error"))
             return
-        stream.queue.put_nowait((output, now))
+        stream.put(accumulator.snapshot, now, num_tokens)     # the output is made when the stream reads it
 
     def _settle_add(self, result: AddResult) -> None:
         command = self._pending.pop(result.request_id, None)
@@ -492,7 +493,7 @@ class EngineCoreClient(ServingEngine):
                 command.future.set_exception(error)
         self._pending.clear()
         for stream, _ in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.put(error)
         self._streams.clear()
 
 

@@ -238,18 +238,27 @@ class FrontEndText:
 
 class OutputAccumulator:
     """Front-end side: one request's deltas folded back into the cumulative RequestOutput the response
-    builders read (a fresh RequestOutput per delta; the text is immutable, token lists are copied).
-    text: where the front-end makes the request's text (FrontEndText), else the core sends it."""
+    builders read. fold() extends this request's lists in place (no copy a step); snapshot() makes the output
+    when it is read (its token and logprob lists copied, so later folds do not change it), once however many
+    deltas were folded since. text: where the front-end makes the request's text (FrontEndText), else the core
+    sends it."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], text: FrontEndText | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.prompt: str | None = None
         self.prompt_logprobs = None
-        self.samples: dict[int, CompletionOutput] = {}
+        self.samples: dict[int, CompletionOutput] = {}     # mutable: snapshot() copies their lists
+        self.num_tokens = 0                                  # over every choice
         self._text = text
+        self._last: RequestDelta | None = None
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
+        self.fold(delta)
+        return self.snapshot()
+
+    def fold(self, delta: RequestDelta) -> int:
+        """Fold one delta in -> the request's output tokens so far, over every choice."""
         made = self._text
         if delta.prompt is not None:
             self.prompt = delta.prompt
@@ -257,19 +266,30 @@ class OutputAccumulator:
             self.prompt_logprobs = (delta.prompt_logprobs if made is None
                                     else made.name_tokens(delta.prompt_logprobs))
         for d in delta.samples:
-            old = self.samples.get(d.index) or CompletionOutput(index=d.index)
-            token_ids = old.token_ids + d.token_ids
-            logprobs = old.logprobs
+            sample = self.samples.get(d.index)
+            if sample is None:
+                sample = self.samples[d.index] = CompletionOutput(index=d.index)
+            sample.token_ids.extend(d.token_ids)
+            self.num_tokens += len(d.token_ids)
             if d.logprobs is not None:
-                logprobs = (logprobs or []) + (d.logprobs if made is None else made.name_tokens(d.logprobs))
-            text = (old.text[:d.text_keep] + d.text if made is None
-                    else made.extend(d.index, d.token_ids, len(token_ids), d.finish_reason))
-            self.samples[d.index] = CompletionOutput(
-                index=d.index, text=text, token_ids=token_ids, cumulative_logprob=d.cumulative_logprob,
-                logprobs=logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                if sample.logprobs is None:
+                    sample.logprobs = []
+                sample.logprobs.extend(d.logprobs if made is None else made.name_tokens(d.logprobs))
+            sample.text = (sample.text[:d.text_keep] + d.text if made is None
+                           else made.extend(d.index, d.token_ids, len(sample.token_ids), d.finish_reason))
+            sample.cumulative_logprob, sample.finish_reason, sample.stop_reason = (
+                d.cumulative_logprob, d.finish_reason, d.stop_reason)
+        self._last = delta
+        return self.num_tokens
+
+    def snapshot(self) -> RequestOutput:
+        """The cumulative output as of the last fold."""
+        delta = self._last
+        outputs = [dataclasses.replace(sample, token_ids=list(sample.token_ids),
+                                       logprobs=None if sample.logprobs is None else list(sample.logprobs))
+                   for _, sample in sorted(self.samples.items())]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             prompt_logprobs=self.prompt_logprobs,
-                             outputs=[self.samples[i] for i in sorted(self.samples)], finished=delta.finished,
+                             prompt_logprobs=self.prompt_logprobs, outputs=outputs, finished=delta.finished,
                              num_cached_tokens=delta.num_cached_tokens,
                              metrics=None if delta.metrics is None else RequestMetrics(*delta.metrics))
 
