@@ -217,9 +217,14 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         if ids is None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await state.engine.encode(body.prompt, add_special_tokens=special)
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
-                "token_strs": strs}
+        max_model_len, strs = state.engine.max_model_len, body.return_token_strs
+
+        def respond() -> Response:       # hundreds of thousands of ids: their strings and JSON off the event loop
+            content = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                       "token_strs": tokenizer.convert_ids_to_tokens(ids) if strs else None}
+            return Response(json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
+                            media_type="application/json")
+        return await state.engine.prepare(respond)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
