@@ -297,3 +297,14 @@ def test_guards_still_come_first():
     with running_server(FakeEngine(), "fake", guards=GuardOptions("127.0.0.1")) as (url, _):
         r = httpx.options(f"{url}/v1/completions", headers={**PREFLIGHT, "Host": "evil.example"})
         assert r.status_code == 403
+
+
+def test_empty_stream_options_pass_without_stream_as_in_vllm(keyed):
+    """vLLM refuses stream_options without stream only when the object is not empty (its check reads the dict's
+    truth); {} is ignored."""
+    url, headers = keyed, {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "fake", "prompt": "Hi", "max_tokens": 2, "stream_options": {}}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30).status_code == 200
+    body["stream_options"] = {"include_usage": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"

@@ -229,12 +229,12 @@ def _stream_flags(req, force_usage: bool = False) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage_stats); force_usage (--enable-force-include-usage) turns both
     usage flags on for a stream, whatever stream_options says (vLLM's should_include_usage)."""
     stream, options = bool(req.stream), req.stream_options
-    if options is not None and not stream:
+    if options is not None and not options.empty() and not stream:     # {} passes, as in vLLM
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     if stream and force_usage:
         return stream, True, True
     include_usage = bool(stream and options and options.include_usage)
-    return stream, include_usage, include_usage and options.continuous_usage_stats
+    return stream, include_usage, include_usage and bool(options.continuous_usage_stats)
 
 
 def truncation(req) -> tuple[int, str] | None:

@@ -51,8 +51,13 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False    # vLLM: usage so far in every chunk too
+    # None where absent: vLLM refuses stream_options without stream unless it is empty ({}), as its check reads
+    # the dict's truth
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None    # vLLM: usage so far in every chunk too
+
+    def empty(self) -> bool:
+        return self.include_usage is None and self.continuous_usage_stats is None
 
 
 # Fields vLLM knows that kvfit does not honour, with the values that ask for nothing (None: absent)
