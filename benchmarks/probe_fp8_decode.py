@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--write", default=None, help="save the best config here (JSON)")
+    ap.add_argument("--dots", default="fp16,pairs",
+                    help="the dots swept (of attention_decode.DOTS; fp8 dots compile to fp16 mma on sm_90 at 16 rows)")
+    ap.add_argument("--stages", default="None,2,3", help="pipeline stages swept (None: Triton's default)")
     ap.add_argument("--write-dots", default="query,fp16,pairs",
                     help="the dots --write may pick (fp8 dots are less exact: add fp8 to allow them)")
     args = ap.parse_args()
@@ -59,8 +62,9 @@ def main() -> int:
             if cache == "bfloat16":
                 continue
             want = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
-            for dots, block_n, warps, stages in itertools.product(attention_decode.DOTS, (64, 128), (4, 8),
-                                                                  (None, 2, 3, 4)):
+            stage_list = [None if x == "None" else int(x) for x in args.stages.split(",")]
+            for dots, block_n, warps, stages in itertools.product(args.dots.split(","), (64, 128), (4, 8),
+                                                                  stage_list):
                 def run():
                     return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                   meta.query_start_loc, scale, splits, block_n=block_n,

@@ -375,7 +375,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_n = block_n or tile or prefix_block_n
     num_warps = num_warps or warps
     num_stages = stages if num_stages is None else num_stages
-    dots = config_dots if dots is None else dots
+    if dots is None:        # the config's pairs need whole rows of pairs (head_dim == its padded size); else fp16
+        dots = "fp16" if config_dots == "pairs" and head_dim != d_pad else config_dots
     assert dots in DOTS and (dots == "query" or k_cache.element_size() == 1), (dots, k_cache.dtype)
     pairs = dots == "pairs"
     assert not pairs or (head_dim == d_pad and k_cache.stride(3) == v_cache.stride(3) == 1), "pairs: whole rows"
