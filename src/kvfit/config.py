@@ -121,7 +121,8 @@ class CacheConfig:
         _check_bool("calculate_kv_scales", self.calculate_kv_scales)
         if self.calculate_kv_scales and not str(self.kv_cache_dtype).lower().startswith("fp8"):
             raise ConfigError("--calculate-kv-scales sets the scales of an fp8 KV cache; add --kv-cache-dtype fp8 "
-                              f"(the KV cache is {self.kv_cache_dtype}, which holds k and v exactly)")
+                              f"(--kv-cache-dtype {self.kv_cache_dtype}: a 16-bit cache, which holds k and v exactly, or "
+                              "for a checkpoint that declares an fp8 cache, one with the checkpoint's scales)")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "--kv-cache-memory"))
 

@@ -74,6 +74,8 @@ class Fp8Scheme:
     online: bool = False                     # quantized at load from a 16-bit checkpoint
     ue8m0_scales: bool = False               # scale_fmt "ue8m0": weight scales are powers of two; stored as uint8
     #                                          they are float8_e8m0fnu's exponent bytes (DeepSeek-V3.1's exports)
+    mxfp4_experts: bool = False              # quant_method fp8's store_dtype "mxfp4": vLLM runs the routed experts
+    #                                          in MXFP4 (kvfit refuses such experts; dense layers stay FP8)
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
@@ -179,6 +181,25 @@ def declares_kv_cache_scales(quant: dict, source: str = "config.json", key: str 
         raise ConfigError(f"{where}: {_show(scheme)} is not supported; kvfit reads static symmetric k/v scales, one "
                           f"per layer or one per KV head (strategy {' or '.join(KV_SCALE_STRATEGIES)})")
     return True
+
+
+def fp8_kv_cache_by_default(quant: dict) -> bool:
+    """Whether --kv-cache-dtype auto means fp8 for this quantization_config, as vLLM 0.26 resolves auto: a
+    compressed-tensors kv_cache_scheme (its attention layer); ModelOpt's kv_cache_scheme or kv_cache_quant_algo,
+    nested under `quantization` or not, an 8-bit static float scheme or "FP8"
+    (utils/torch_utils.get_kv_cache_quant_algo_string)."""
+    quant = quant or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return quant.get("kv_cache_scheme") is not None
+    if not method.startswith("modelopt"):
+        return False
+    inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+    algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+            or quant.get("kv_cache_quant_algo"))
+    if isinstance(algo, dict):
+        return algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float"
+    return isinstance(algo, str) and algo.lower() == "fp8"
 
 
 def kv_cache_only(quant: dict, where: str) -> bool:
@@ -300,9 +321,10 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
                           "(no scale_fmt) and \"ue8m0\" (powers of two)")
     ue8m0 = scale_fmt == "ue8m0"
     store = quant.get("store_dtype")
-    if store is not None:       # vLLM runs "mxfp4" experts (4-bit, e8m0 group scales) under quant_method fp8
-        raise ConfigError(f"{where}: store_dtype {_show(store)} is not supported; kvfit runs fp8 weights stored as "
-                          "e4m3 (no MXFP4 experts): leave store_dtype out, or use a 16-bit or FP8 checkpoint")
+    if store not in (None, "mxfp4"):   # vLLM acts on "mxfp4" alone (its routed experts in MXFP4)
+        raise ConfigError(f"{where}: store_dtype {_show(store)} is not supported; kvfit reads fp8 weights stored as "
+                          "e4m3: leave store_dtype out")
+    mxfp4 = store == "mxfp4"
     block = quant.get("weight_block_size")
     if block is None:
         # AutoFP8 writes weight_scale (+ input_scale); transformers' FineGrainedFP8Config without blocks writes
@@ -310,12 +332,12 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         # (SCALE_ALIASES in models/loader.py)
         activation = "token" if scheme == "dynamic" else "static"
         return Fp8Scheme(method="fp8", weight_strategy="tensor", activation=activation, ignore=ignore,
-                         ue8m0_scales=ue8m0)
+                         ue8m0_scales=ue8m0, mxfp4_experts=mxfp4)
     block = _block_size(block, f"{where} weight_block_size")
     if scheme != "dynamic":
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
     return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
-                     scale_name="weight_scale_inv", ignore=ignore, ue8m0_scales=ue8m0)
+                     scale_name="weight_scale_inv", ignore=ignore, ue8m0_scales=ue8m0, mxfp4_experts=mxfp4)
 
 
 def _modelopt(quant: dict, where: str) -> Fp8Scheme | None:

@@ -154,7 +154,7 @@ def test_e4m3_pairs_convert_exactly_on_the_gpu():
         tl.store(odd_ptr + offs, odd)
 
     codes = torch.arange(256, dtype=torch.int32)
-    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    codes = codes.to(torch.uint8)                 # every code: e4m3 has no inf; 0x7F and 0xFF are NaN
     lo, hi = torch.meshgrid(codes, codes, indexing="ij")
     pairs = torch.stack([lo.flatten(), hi.flatten()], 1).contiguous()
     n = triton.next_power_of_2(pairs.shape[0])
@@ -162,8 +162,9 @@ def test_e4m3_pairs_convert_exactly_on_the_gpu():
     even, odd = (torch.empty(n, dtype=torch.float16, device=DEVICE) for _ in range(2))
     convert[(1,)](pairs.view(torch.int16).view(-1), even, odd, N=n)
     values = pairs.view(torch.float8_e4m3fn).to(torch.float16)
-    assert torch.equal(even.view(torch.int16), values[:, 0].view(torch.int16))
-    assert torch.equal(odd.view(torch.int16), values[:, 1].view(torch.int16))
+    for got, want in ((even, values[:, 0]), (odd, values[:, 1])):
+        assert torch.equal(got.isnan(), want.isnan())                  # NaN stays NaN (a poisoned slot shows)
+        assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
 
 
 def test_write_kv_bf16_exact_with_padding():

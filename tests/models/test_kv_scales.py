@@ -126,7 +126,7 @@ def test_a_layer_with_one_of_its_kv_scales_is_completed_as_vllm_does(method, sha
     model = torch.nn.ModuleList(KVScales(total_kv_heads=2, first_kv_head=0, num_kv_heads=2, num_q_heads=4,
                                          device="cpu") for _ in range(3))
     model[0].load("k_scale", "a.k_scale", torch.tensor(30.0))
-    model[1].load("v_scale", "b.v_scale", torch.tensor([5.0, 6.0]))
+    model[1].load("k_scale", "b.k_scale", torch.tensor([5.0, 6.0]))
     model[2].load("k_scale", "c.k_scale", torch.tensor(2.0))
     model[2].load("v_scale", "c.v_scale", torch.tensor(3.0))
     facts = types.SimpleNamespace(raw={"quantization_config": {"quant_method": method}})
@@ -134,9 +134,18 @@ def test_a_layer_with_one_of_its_kv_scales_is_completed_as_vllm_does(method, sha
         _one_sided_kv_scales(model, facts)
     assert model[0].k_scale.tolist() == [30.0, 30.0]
     assert model[0].v_scale.tolist() == ([30.0, 30.0] if shared else [1.0, 1.0])
-    assert model[1].k_scale.tolist() == ([5.0, 6.0] if shared else [1.0, 1.0])
+    assert model[1].v_scale.tolist() == ([5.0, 6.0] if shared else [1.0, 1.0])
     assert model[2].k_scale.tolist() == [2.0, 2.0] and model[2].v_scale.tolist() == [3.0, 3.0]
     assert "2 attention layer(s) have a" in caplog.text
+    v_only = torch.nn.ModuleList([KVScales(total_kv_heads=2, first_kv_head=0, num_kv_heads=2, num_q_heads=4,
+                                           device="cpu")])
+    v_only[0].load("v_scale", "d.v_scale", torch.tensor(4.0))
+    if shared:          # vLLM's fp8 KV cache method asserts a k scale
+        with pytest.raises(ConfigError, match="v_scale without its k_scale"):
+            _one_sided_kv_scales(v_only, facts)
+    else:
+        _one_sided_kv_scales(v_only, facts)
+        assert v_only[0].k_scale.tolist() == [1.0, 1.0]
 
 
 def test_calculate_kv_scales_needs_an_fp8_cache(loud_model):
@@ -238,3 +247,20 @@ def test_dense_format_is_read_only_for_a_kv_cache_only_config():
                                    "config_groups": {"group_0": group}})
     assert parse_quantization_config({"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
                                       "kv_cache_scheme": KV_SCHEME}) is None
+
+
+@pytest.mark.parametrize("quant, fp8", [
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, True),
+    ({"quant_method": "compressed-tensors"}, False),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, True),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, True),       # flat, a name
+    ({"quant_method": "modelopt", "quant_algo": "FP8",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False}}, True),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, False),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}, False),
+    ({"quant_method": "fp8", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, False)])
+def test_auto_kv_cache_dtype_is_fp8_where_vllm_resolves_it_so(quant, fp8):
+    """vLLM 0.26's resolve_kv_cache_dtype_string (ModelOpt: nested or flat, a scheme needs dynamic false) and its
+    attention layer (a compressed-tensors kv_cache_scheme); quant_method fp8 has no KV scheme there."""
+    from kvfit.quant_scheme import fp8_kv_cache_by_default
+    assert fp8_kv_cache_by_default(quant) is fp8

@@ -305,6 +305,7 @@ def test_empty_stream_options_pass_without_stream_as_in_vllm(keyed):
     url, headers = keyed, {"Authorization": f"Bearer {KEY}"}
     body = {"model": "fake", "prompt": "Hi", "max_tokens": 2, "stream_options": {}}
     assert httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30).status_code == 200
-    body["stream_options"] = {"include_usage": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    for options in ({"include_usage": True}, {"include_usage": None}, {"other": 1}):
+        body["stream_options"] = options
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", options

@@ -82,9 +82,11 @@ def e4m3_pairs_to_f16(w, CVT_ASM: tl.constexpr):
     if CVT_ASM:
         lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
                                            "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        lo = (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
-        hi = (((w & 0x7F00) >> 1) | (w & -32768)).to(tl.float16, bitcast=True) * 256.0
+    else:                   # e4m3's NaN (0x7F, 0xFF) stays NaN, as the cvt makes it (a poisoned slot shows)
+        lo = tl.where((w & 0x7F) == 0x7F, float("nan"),
+                      (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0)
+        hi = tl.where((w & 0x7F00) == 0x7F00, float("nan"),
+                      (((w & 0x7F00) >> 1) | (w & -32768)).to(tl.float16, bitcast=True) * 256.0)
     return lo.to(tl.float16), hi.to(tl.float16)
 
 
@@ -375,11 +377,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_n = block_n or tile or prefix_block_n
     num_warps = num_warps or warps
     num_stages = stages if num_stages is None else num_stages
-    if dots is None:        # the config's pairs need whole rows of pairs (head_dim == its padded size); else fp16
-        dots = "fp16" if config_dots == "pairs" and head_dim != d_pad else config_dots
+    pairs_fit = head_dim == d_pad and d_pad >= 32     # whole rows of pairs, and half a row is a dot's 16 at least
+    if dots is None:        # the config's pairs where they fit, else fp16
+        dots = "fp16" if config_dots == "pairs" and not pairs_fit else config_dots
     assert dots in DOTS and (dots == "query" or k_cache.element_size() == 1), (dots, k_cache.dtype)
     pairs = dots == "pairs"
-    assert not pairs or (head_dim == d_pad and k_cache.stride(3) == v_cache.stride(3) == 1), "pairs: whole rows"
+    assert not pairs or (pairs_fit and k_cache.stride(3) == v_cache.stride(3) == 1), "pairs: whole rows, >= 32"
     num_splits = max(1, int(num_splits))
     cascade = prefix_splits > 0
     assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"

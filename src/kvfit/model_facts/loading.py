@@ -14,8 +14,8 @@ from kvfit.model_facts.architectures import FamilyRules, architecture_of_config,
 from kvfit.model_facts.facts import DTYPE_ALIASES, DTYPE_BYTES, ModelFacts
 from kvfit.model_facts.fields import read_config_json, read_field, read_positive_int
 from kvfit.model_facts.rope import rope_config_from_raw
-from kvfit.quant_scheme import (MODELOPT_FILE, declares_kv_cache_scales, parse_quantization_config,
-                                resolve_scheme)
+from kvfit.quant_scheme import (MODELOPT_FILE, declares_kv_cache_scales, fp8_kv_cache_by_default,
+                                parse_quantization_config, resolve_scheme)
 
 # Bounds far past any published model (widest hidden size about 25,600, intermediate about 53,248, vocabularies about
 # 1M, depth about 200): a config past one is corrupt, and planning it would report millions of GiB of weights as if
@@ -87,8 +87,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         quant = read_field(cfg, quant_key, "object", source, default={})
     scheme = parse_quantization_config(quant, source, quant_key)      # its errors name the key the file has
     kv_cache_scales = declares_kv_cache_scales(quant, source, quant_key)
-    fp8_kv_default = kv_cache_scales and str(quant.get("quant_method", "")).lower() in ("compressed-tensors",
-                                                                                         "modelopt")
+    fp8_kv_default = fp8_kv_cache_by_default(quant)
     weight_bytes = 1 if scheme is not None else DTYPE_BYTES[_dtype(cfg, source)]
     facts = ModelFacts(
         architecture=arch.name, family=arch.model_type, num_layers=layers, hidden_size=hidden,

@@ -52,12 +52,17 @@ QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_con
 
 def _one_sided_kv_scales(model: torch.nn.Module, facts: ModelFacts) -> None:
     """Layers whose checkpoint has a k scale and no v scale (or the reverse): as vLLM 0.26, the fp8 and ModelOpt
-    methods give the other the same value; compressed-tensors keeps it at 1.0. Said either way."""
+    methods give a k scale to v too and refuse a v scale alone (its assert); compressed-tensors keeps the other
+    at 1.0. Said either way."""
     layers = [layer for layer in kv_scale_layers(model) if len(layer.read) == 1]
     if not layers:
         return
     quant = facts.raw.get("quantization_config") or facts.raw.get("compression_config") or {}
     shared = str(quant.get("quant_method", "")).lower() != "compressed-tensors"
+    if shared and any(layer.read == {"v_scale"} for layer in layers):
+        raise ConfigError("the checkpoint has a KV cache v_scale without its k_scale in "
+                          f"{sum(layer.read == {'v_scale'} for layer in layers)} attention layer(s); vLLM refuses it "
+                          "too (its fp8 KV cache method needs the k scale): add the k scales, or remove the v scales")
     for layer in layers if shared else ():
         layer.share_the_one_read()
     which = sorted(layers[0].read)[0]

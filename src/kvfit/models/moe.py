@@ -128,6 +128,9 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\."
                      r"(weight|weight_scale|weight_scale_inv|input_scale)")
 _KIND_SUFFIX = {"weight": "", "scale": "_scale", "input_scale": "_input_scale"}  # stacked parameter of each kind
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+# expert layouts no Hugging Face export writes that kvfit knows: vLLM's fused w13/w2 parameters, stacked tensors with
+# a .weight suffix (transformers 5 names them without)
+_FOREIGN_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(w13_|w2_|(gate_up_proj|down_proj)\.)\w*")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.(weight|weight_scale|weight_scale_inv|input_scale)")
 
 
@@ -199,6 +202,11 @@ class MoECausalLM(CausalLM):
                 and int(match.group(1)) in self.moe.sparse_layers \
                 and self.scheme.quantizes(f"model.layers.{match.group(1)}.mlp.gate"):
             return self._load_fp8_router(int(match.group(1)), match.group(2), name, source)
+        if _FOREIGN_EXPERTS.fullmatch(name):
+            raise ConfigError(f"checkpoint tensor {self.hub_name(name)} holds experts in a layout kvfit does not read "
+                              "(vLLM's fused w13/w2 parameters, or stacked tensors with a .weight suffix); kvfit reads "
+                              "each expert's gate/up/down tensors (the Hub's layout) or transformers' stacked "
+                              "experts.gate_up_proj / experts.down_proj")
         match = _EXPERT.fullmatch(name)
         if match is not None and match.group(3) in self._expert_parts:
             layer, expert, part = int(match.group(1)), int(match.group(2)), self._expert_parts[match.group(3)]

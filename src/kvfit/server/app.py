@@ -412,13 +412,12 @@ async def _add_each(state: ServerState, response_id: str, inputs: list[GenerateI
             request_id = f"{response_id}-{i}" if batch else response_id     # vLLM's sub-request ids
             try:
                 stream = await state.engine.add(request_id, inp.prompt, inp.params, inp.max_tokens_given,
-                                                inp.cache_salt, inp.truncate)
+                                                inp.cache_salt, inp.truncate, state.metrics.progress)
             except APIError as exc:
                 if not batch:
                     raise
                 raise APIError(exc.status, f"prompt {i} of {len(inputs)}: {exc.message}", exc.type,
                                exc.param or "prompt", exc.code) from None
-            stream.on_progress = state.metrics.progress
             streams.append(stream)
     except BaseException:
         _close_all(state, streams)

@@ -81,6 +81,8 @@ class RequestStream:
     _latest: RequestOutput | Callable[[], RequestOutput] | None = None
     _error_next: APIError | None = None  # the engine ended the request with this; raised once _latest is read
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # outputs that arrived before the add returned (its prompt tokens known): counted once it has (count_from)
+    _early: list[tuple[int, float]] | None = field(default_factory=list)
 
     def put(self, item: RequestOutput | Callable[[], RequestOutput] | APIError, at: float = 0.0,
             num_tokens: int | None = None) -> None:
@@ -91,9 +93,23 @@ class RequestStream:
         else:
             if num_tokens is None:
                 num_tokens = sum(len(sample.token_ids) for sample in item.outputs)
-            self._account(num_tokens, at)    # each output counts as it arrives (one inter-token latency a step)
+            if self._early is not None:      # the add has not returned yet: counted by count_from
+                self._early.append((num_tokens, at))
+            else:
+                self._account(num_tokens, at)    # each output counts as it arrives (one inter-token latency a step)
             self._latest = item
         self._ready.set()
+
+    def count_from(self, num_prompt_tokens: int) -> None:
+        """The add returned: the prompt's tokens are known; outputs from now on (and those before) count."""
+        self.num_prompt_tokens, early, self._early = num_prompt_tokens, self._early or [], None
+        for num_tokens, at in early:
+            self._account(num_tokens, at)
+
+    def fail(self, error: APIError) -> None:
+        """End the request with error now, dropping an output not yet read (it may be half made)."""
+        self._latest = None
+        self.put(error)
 
     @property
     def unread(self) -> bool:
@@ -202,13 +218,13 @@ class ServingEngine:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   max_tokens_given: bool = True, cache_salt: str | None = None,
-                  truncate: tuple[int, str] | None = None) -> RequestStream:
+                  truncate: tuple[int, str] | None = None, on_progress=None) -> RequestStream:
         """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead).
         cache_salt: the request shares prefix-cache blocks only with requests of the same salt; truncate:
-        truncate_prompt_tokens and its side (params.truncate_prompt)."""
+        truncate_prompt_tokens and its side (params.truncate_prompt); on_progress: RequestStream's."""
         if (error := self.health()) is not None:
             raise error
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, on_progress=on_progress)
         if isinstance(prompt, str):
             text = cut_prompt_text(prompt, truncate, self.max_prompt_chars)
             ids, cut = await self.encode(text), len(text) < len(prompt)
@@ -220,7 +236,7 @@ class ServingEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
         try:
-            stream.num_prompt_tokens = await future
+            stream.count_from(await future)
         except asyncio.CancelledError:
             self.abort(request_id)     # runs after the add, so a request added meanwhile is freed
             raise
@@ -250,7 +266,7 @@ class AsyncEngine(ServingEngine):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._core = EngineCore(engine, max_waiting_requests)    # engine thread only
-        self.max_requests_at_once = self._core.max_num_seqs + max_waiting_requests
+        self.max_requests_at_once = self._core.max_requests_at_once
         self._exited = False          # the thread ended on its own (dead engine); commands are refused
         self._commands: deque = deque()
         self._wake = threading.Condition()

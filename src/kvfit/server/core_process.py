@@ -110,7 +110,7 @@ def run_engine_core(factory, commands_address: str, replies_address: str, max_wa
             plan = getattr(engine, "plan", None)
             send(Ready(engine.max_model_len, engine.max_logprobs, core.max_num_seqs,
                        dict(engine.default_sampling_params), plan.log_line() if plan is not None else "",
-                       core.stats, list(engine.eos_token_ids)))
+                       core.stats, list(engine.eos_token_ids), core.max_requests_at_once))
             tune_gc_after_startup("engine core")
             # a SIGTERM to the whole process group (systemd's stop, `timeout`, `kill -- -PGID`) reaches us too:
             # as with a Ctrl-C, the front-end drains and stops us in order (we die with it: _die_with_parent)
@@ -229,6 +229,7 @@ class EngineCoreClient(ServingEngine):
         super().__init__(tokenizer, ready.max_model_len, ready.max_logprobs, ready.default_sampling_params,
                          generation_config, model_folder)
         self.max_num_seqs = ready.max_num_seqs
+        self.max_requests_at_once = ready.max_requests_at_once
         self.capacity_line = ready.capacity_line
         self._process, self._context, self._commands, self._replies = process, context, commands, replies
         self._folder = folder
@@ -277,7 +278,6 @@ class EngineCoreClient(ServingEngine):
             _end_process(process, 0)
             _close(context, [commands, replies], folder)
             raise
-        client.max_requests_at_once = first.max_num_seqs + max_waiting_requests
         if stall_timeout_s is not None:
             client.stall_timeout_s = stall_timeout_s
         if sampler is not None and sampler.start():
@@ -463,8 +463,8 @@ class EngineCoreClient(ServingEngine):
             logger.exception("request %s: its output could not be rebuilt", delta.request_id)
             self._streams.pop(delta.request_id, None)
             self.abort(delta.request_id)
-            stream.put(APIError(500, "internal error while building this request's output; see the server log",
-                                "server_error"))
+            stream.fail(APIError(500, "internal error while building this request's output; see the server log",
+                                 "server_error"))
             return
         stream.put(accumulator.snapshot, now, num_tokens)     # the output is made when the stream reads it
 

@@ -82,6 +82,7 @@ class Ready(msgspec.Struct, tag=True):
     capacity_line: str
     stats: dict
     eos_token_ids: list[int] = []
+    max_requests_at_once: int = 0       # EngineCore.max_requests_at_once
 
 
 class StartFailed(msgspec.Struct, tag=True):

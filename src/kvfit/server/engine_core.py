@@ -114,15 +114,20 @@ class EngineCore:
         self.stats = dict(engine.stats())
         self._room = Room.of(self.stats, self.max_num_seqs)
 
+    @property
+    def max_requests_at_once(self) -> int:
+        """Requests (samples) that can run or wait at once: --max-num-seqs + --max-waiting-requests."""
+        return self.max_num_seqs + self.max_waiting_requests
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens_given: bool = True,
             cache_salt: str | None = None) -> int:
         """Queue a request; its number of prompt tokens. Raises APIError (429 queue full, 400 unservable)
         or the engine's KvfitError."""
         engine, num_prompt_tokens = self.engine, len(prompt_ids)
         n = params.n if isinstance(params, SamplingParams) else 1
-        if n > self.max_num_seqs + self.max_waiting_requests > 0:
+        if n > self.max_requests_at_once > 0:
             raise APIError(400, f"n={n} samples can never be queued here: at most --max-num-seqs + "
-                                f"--max-waiting-requests = {self.max_num_seqs + self.max_waiting_requests} requests "
+                                f"--max-waiting-requests = {self.max_requests_at_once} requests "
                                 "run or wait at once; ask for fewer samples", "invalid_request_error", "n")
         # new requests are all "waiting" until the next step: those that will take a free batch slot
         # are not queued, so only the rest count against --max-waiting-requests (n samples count as n)

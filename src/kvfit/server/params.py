@@ -234,7 +234,7 @@ def _stream_flags(req, force_usage: bool = False) -> tuple[bool, bool, bool]:
     if stream and force_usage:
         return stream, True, True
     include_usage = bool(stream and options and options.include_usage)
-    return stream, include_usage, include_usage and bool(options.continuous_usage_stats)
+    return stream, include_usage, include_usage and options.continuous_usage_stats
 
 
 def truncation(req) -> tuple[int, str] | None:

@@ -51,13 +51,13 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    # None where absent: vLLM refuses stream_options without stream unless it is empty ({}), as its check reads
-    # the dict's truth
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None    # vLLM: usage so far in every chunk too
+    model_config = ConfigDict(extra="allow")     # other keys kept: they make the object non-empty, as in vLLM
+    include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM: usage so far in every chunk too
 
     def empty(self) -> bool:
-        return self.include_usage is None and self.continuous_usage_stats is None
+        """{} (vLLM refuses stream_options without stream unless it is empty: its check reads the dict's truth)."""
+        return not self.model_fields_set and not self.model_extra
 
 
 # Fields vLLM knows that kvfit does not honour, with the values that ask for nothing (None: absent)

@@ -43,6 +43,9 @@ class Fp8Experts(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, start: int, size: int,
                  scheme: Fp8Scheme, device, name: str):
         super().__init__()
+        if scheme.mxfp4_experts:
+            raise ConfigError(f"{name}: quantization_config's store_dtype \"mxfp4\" stores the routed experts in MXFP4 "
+                              "(4-bit), which kvfit does not run; use an FP8 or 16-bit checkpoint of this model")
         self.scheme, self.start, self.size, self.inter, self.name = scheme, start, size, intermediate_size, name
         e, h, n = num_experts, hidden_size, size
         self.gate_up_proj = make_param((e, 2 * n, h), None, FP8_DTYPE, device)
