@@ -196,9 +196,9 @@ class SamplingParams:
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not _is_int(value) or value < -1):
                 raise RequestError(f"{name} must be an integer >= 0 (the top log probabilities per token, at most "
-                                   f"the engine's --max-logprobs), got {value!r}", name)
+                                   f"the engine's --max-logprobs) or -1 (the whole vocabulary), got {value!r}", name)
 
     def _check_token_edits(self) -> None:
         if self.logit_bias is not None:

@@ -43,8 +43,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
                            "sampling_params")
-    check_logprobs_count(params.logprobs, max_logprobs, "logprobs")
-    check_logprobs_count(params.prompt_logprobs, max_logprobs, "prompt_logprobs")
+    for name in ("logprobs", "prompt_logprobs"):        # -1: the whole vocabulary (vLLM's)
+        value = getattr(params, name)
+        if value == -1 and vocab_size > max_logprobs:
+            raise RequestError(f"{name} is -1 (the whole vocabulary, {vocab_size} tokens), more than this engine's "
+                               f"--max-logprobs of {max_logprobs} allows; start the engine with --max-logprobs -1",
+                               name)
+        check_logprobs_count(None if value == -1 else value, max_logprobs, name)
     # each of n samples holds at least one token of its own in the KV cache: a larger n can never be
     # served (and 2**63 children would be built one by one before anything ran)
     if params.n > num_blocks * block_size:

@@ -107,6 +107,10 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_total = check_request(ids, params, self.facts.vocab_size, self.max_model_len, self.spec.block_size,
                                   self.pool.num_blocks, strict_context, self.max_logprobs)
+        if -1 in (params.logprobs, params.prompt_logprobs):     # the whole vocabulary, as vLLM reads -1
+            vocab = self.facts.vocab_size
+            params = params.clone(**{name: vocab for name in ("logprobs", "prompt_logprobs")
+                                     if getattr(params, name) == -1})
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         child_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
         for rid in dict.fromkeys([request_id, *child_ids]):

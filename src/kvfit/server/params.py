@@ -178,9 +178,14 @@ def _logit_bias_token_ids(bias) -> dict:
     return ids
 
 
-def _check_top_k_count(value: int | None, param: str, max_logprobs: int) -> None:
-    if value is not None and value < 0:
-        raise bad_request(f"{param} must be >= 0, got {value}", param=param)
+def _check_top_k_count(value: int | None, param: str, max_logprobs: int, whole_vocabulary: bool = True) -> None:
+    """whole_vocabulary: -1 asks for every token's logprob (vLLM's prompt_logprobs and chat top_logprobs; not the
+    completions logprobs field); the engine checks the vocabulary's size against --max-logprobs."""
+    if value is not None and value < (-1 if whole_vocabulary else 0):
+        either = ", or -1 for the whole vocabulary" if whole_vocabulary else ""
+        raise bad_request(f"{param} must be >= 0{either}, got {value}", param=param)
+    if value == -1:
+        return
     try:
         check_logprobs_count(value, max_logprobs, param)
     except RequestError as exc:
@@ -304,7 +309,7 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     if req.max_completion_tokens is not None:     # vLLM ignores it here, so a client's limit would be lost
         raise bad_request("max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
                           "max_tokens", param="max_completion_tokens")
-    _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs)
+    _check_top_k_count(req.logprobs, "logprobs", defaults.max_logprobs, whole_vocabulary=False)
     _check_top_k_count(req.prompt_logprobs, "prompt_logprobs", defaults.max_logprobs)
     echo_only = bool(req.echo) and req.max_tokens == 0       # vLLM: the prompt alone, scored
     requested = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
