@@ -9,6 +9,7 @@ the arguments always parse. Tools, assistant tool_calls and tool messages reach 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -75,7 +76,8 @@ def _calls(tool_calls):
 
 
 def _streamed(client, **kwargs):
-    """(content, tool calls as {index: [name, arguments]}, finish_reason) added up from a stream."""
+    """(content, tool calls as {index: [name, arguments]}, finish_reason) added up from a stream (arguments that
+    are no JSON Python reads stay text)."""
     content, calls, reason = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         delta = chunk.choices[0].delta
@@ -87,7 +89,14 @@ def _streamed(client, **kwargs):
                 entry[0], entry[2] = tc.function.name, tc.id
             entry[1] += tc.function.arguments or ""
         reason = chunk.choices[0].finish_reason or reason
-    return content, [(name, json.loads(args)) for name, args, _ in calls.values()], reason
+    return content, [(name, _json_or_text(args)) for name, args, _ in calls.values()], reason
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @pytest.mark.parametrize("parser", list(SCRIPTS))
@@ -187,3 +196,67 @@ def test_a_tool_schema_the_grammar_refuses_is_a_400_naming_tools(qwen_server, pa
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=5)
         assert info.value.body["param"] == "tools" and info.value.body["message"].startswith("tools: ")
+
+
+@pytest.mark.parametrize("script, name, arguments", [
+    # an integer past Python's 4,300 digits: json raises ValueError, not JSONDecodeError (a 500 before)
+    ('<tool_call>{"name": "get_time", "arguments": {"x": ' + "9" * 5000 + '}}</tool_call>', None, None),
+    # a lone surrogate escape: valid JSON, not UTF-8 (a 500, or a stream cut before [DONE])
+    ('<tool_call>{"name": "get_weather", "arguments": {"unit": "\\ud800"}}</tool_call>', "get_weather",
+     {"unit": "\ud800"}),
+    ('<tool_call>{"name": "get\\udc00", "arguments": {}}</tool_call>', None, None),
+    # a <tool_call> inside the arguments' string: the stream's arguments stay the block's (they were cut there)
+    ('<tool_call>{"name": "get_weather", "arguments": {"unit": "x <tool_call> y"}}</tool_call>', "get_weather",
+     {"unit": "x <tool_call> y"})], ids=["huge-int", "surrogate-arguments", "surrogate-name", "tag-in-string"])
+def test_hostile_tool_call_outputs_are_answered_whole(script, name, arguments):
+    """Model outputs that crashed the response (a 500, a stream without [DONE]) or broke the streamed arguments;
+    what is not a call comes back as content, full and streamed alike."""
+    with running_server(ScriptedEngine(script), "fake", chat_template=TOOLS_TEMPLATE,
+                        tool_options=ToolOptions(True, "hermes")) as (url, _):
+        client = _client(url)
+        full = client.chat.completions.create(model="fake", messages=USER, tools=[WEATHER, TIME])
+        content, calls, reason = _streamed(client, model="fake", messages=USER, tools=[WEATHER, TIME])
+        if name is None:      # the full reply's content; the stream ends whole (it may have begun a call)
+            assert full.choices[0].message.content == script and not full.choices[0].message.tool_calls
+            assert reason is not None
+        else:
+            assert _calls(full.choices[0].message.tool_calls) == [(name, arguments)] == calls
+            assert reason == "tool_calls"
+
+
+def test_a_streamed_call_that_never_closes_ends_as_tool_calls():
+    """The client has the call's id and name: finish_reason tool_calls (vLLM's), the arguments without the text
+    of the end tag."""
+    script = 'Hi<tool_call>{"name": "get_weather", "arguments": {"unit": "c</tool_call>'
+    class OneStepAtATime(ScriptedEngine):     # a fast engine's outputs fold into the final one
+        def step(self):
+            time.sleep(0.01)
+            return super().step()
+
+    with running_server(OneStepAtATime(script), "fake", chat_template=TOOLS_TEMPLATE,
+                        tool_options=ToolOptions(True, "hermes")) as (url, _):
+        pieces, reason = "", None
+        for chunk in _client(url).chat.completions.create(model="fake", messages=USER, tools=[WEATHER],
+                                                          stream=True):
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                pieces += tc.function.arguments or ""
+            reason = chunk.choices[0].finish_reason or reason
+        assert reason == "tool_calls" and pieces == '{"unit": "c'
+
+
+def test_history_with_an_empty_tool_calls_list_renders_as_plain_assistant_turns():
+    """vLLM drops an empty tool_calls list (templates test `'tool_calls' in message`), reads null arguments as {} and
+    refuses a call whose type is not function."""
+    from kvfit.errors import RequestError
+    from kvfit.text.chat_template import tool_arguments_as_objects
+    messages = [{"role": "assistant", "content": "hi", "tool_calls": []},
+                {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                                                      "function": {"name": "f", "arguments": "null"}}]}]
+    out = tool_arguments_as_objects(messages)
+    assert "tool_calls" not in out[0] and out[1]["tool_calls"][0]["function"]["arguments"] == {}
+    assert "tool_calls" in messages[0]                     # the caller's messages unchanged
+    with pytest.raises(RequestError, match="tool_calls\\[0\\] must be"):
+        tool_arguments_as_objects([{"role": "assistant", "tool_calls": [{"type": "retrieval", "function": {}}]}])
+    with pytest.raises(RequestError, match="is not JSON"):
+        tool_arguments_as_objects([{"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": '{"x": ' + "9" * 5000 + "}"}}]}])

@@ -358,7 +358,10 @@ def _full_response(builders: list[ResponseBuilder], outputs: list, streams: list
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
                               sum(b["usage"]["completion_tokens"] for b in bodies),
                               cached_tokens(builders[0].inp, outputs))
-    content = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    try:
+        content = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:      # a lone surrogate (a \\ud800 escape decoded somewhere): ASCII JSON keeps it escaped
+        content = json.dumps(body, allow_nan=False, separators=(",", ":")).encode("ascii")
     return Response(content, media_type="application/json")
 
 

@@ -410,7 +410,10 @@ def sse(data: dict | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line. The JSON keeps non-ASCII text as it is, but
     escapes U+2028, U+2029 and U+0085, which splitlines-style readers take as line ends: they only occur inside
     JSON strings, where the escape means the same."""
-    raw = data.encode("utf-8") if isinstance(data, str) else _JSON.encode(data)
+    try:
+        raw = data.encode("utf-8") if isinstance(data, str) else _JSON.encode(data)
+    except UnicodeEncodeError:      # a lone surrogate (a \\ud800 escape decoded somewhere): ASCII JSON keeps it escaped
+        raw = json.dumps(data).encode("ascii") if not isinstance(data, str) else data.encode("utf-8", "replace")
     if b"\xe2\x80" in raw or b"\xc2\x85" in raw:
         for line_break, escaped in _SSE_LINE_BREAKS:
             raw = raw.replace(line_break, escaped)

@@ -59,13 +59,26 @@ def mistral_tool_call_id() -> str:
 
 
 def arguments_text(value) -> str:
-    """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given). A lone surrogate
+    decoded from a \\ud800 escape cannot be sent as UTF-8: such arguments keep their escapes (ASCII JSON)."""
+    if isinstance(value, str):
+        return value if _utf8(value) else json.dumps(value)[1:-1]
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _utf8(text) else json.dumps(value)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _call(obj, new_id, arguments_keys=("arguments",)) -> ToolCall | None:
-    """A ToolCall from a decoded {"name": ..., "arguments": ...} object, or None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    """A ToolCall from a decoded {"name": ..., "arguments": ...} object, or None when it is not one (a name
+    holding a lone surrogate, which no response can carry, included)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"] or not _utf8(obj["name"]):
         return None
     key = next((k for k in arguments_keys if k in obj), None)
     arguments = obj[key] if key is not None else {}
@@ -85,7 +98,7 @@ def _decode_objects(text: str, separator: str) -> tuple[list, bool]:
             return values, True
         try:
             value, at = _DECODER.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except ValueError:            # not JSON, or an integer past 4,300 digits
             return values, False
         values.append(value)
         rest = text[at:].lstrip()
@@ -148,7 +161,8 @@ def _name_and_arguments(body: str) -> tuple[str, str] | None:
     match = _NAME_THEN_ARGUMENTS.match(body)
     if match is None:
         return None
-    return json.loads(match.group(1)), body[match.end():]
+    name = json.loads(match.group(1))
+    return (name, body[match.end():]) if _utf8(name) else None
 
 
 def _after_values(text: str, count: int, separator: str) -> str | None:
@@ -157,13 +171,19 @@ def _after_values(text: str, count: int, separator: str) -> str | None:
     for _ in range(count):
         try:
             _, at = _DECODER.raw_decode(text, len(text) - len(text[at:].lstrip()))
-        except json.JSONDecodeError:
+        except ValueError:            # not JSON, or an integer past 4,300 digits
             return None
         rest = text[at:].lstrip()
         if not rest.startswith(separator):
             return None
         at = len(text) - len(rest) + len(separator)
     return text[at:]
+
+
+def _without_partial_end(body: str, end: str = "</tool_call>") -> str:
+    """An open block's body less a tail that may be the start of its end tag (held back until it is not)."""
+    held = max((k for k in range(1, len(end)) if body.endswith(end[:k])), default=0)
+    return body[:len(body) - held]
 
 
 class HermesParser(ToolParser):
@@ -181,13 +201,15 @@ class HermesParser(ToolParser):
         return calls
 
     def partial_call(self, text: str, index: int) -> tuple[str, str] | None:
-        bodies = text.split("<tool_call>")[1:]
+        # the blocks as complete_calls finds them: a <tool_call> inside a call's JSON string opens none, and a
+        # closed block's body ends before its </tool_call>
+        bodies = [closed or _without_partial_end(open_) for closed, open_ in self._BLOCK.findall(text)]
         return _name_and_arguments(bodies[index]) if index < len(bodies) else None
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
             return _call(json.loads(body.strip()), self.new_id)
-        except json.JSONDecodeError:
+        except ValueError:            # not JSON, or an integer past 4,300 digits
             return None
 
     def _all_calls(self, text: str) -> list[ToolCall] | None:
@@ -256,7 +278,7 @@ class MistralParser(ToolParser):
             name, _, args = piece.partition("[ARGS]")
             try:
                 value, end = _DECODER.raw_decode(args.strip())
-            except json.JSONDecodeError:
+            except ValueError:            # not JSON, or an integer past 4,300 digits
                 return None
             if args.strip()[end:].strip() or not name.strip():
                 return None

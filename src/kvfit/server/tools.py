@@ -349,6 +349,9 @@ class ToolStream:
                 entries.append({"index": i, **calls[i].as_json()})
         if self.plan.mode == "auto" and not finished and (self.plan.parallel or not self.calls):
             entries += self._partial_entries(text)
+        if finished and self.streaming is not None:     # a call begun and never closed: the rest of its arguments
+            rest = self._arguments_so_far(text)[self.arguments_sent:]      # (vLLM sends them at the end too)
+            entries += [{"index": len(self.calls), "function": {"arguments": rest}}] if rest else []
         if entries:
             out["tool_calls"] = entries
         return out
@@ -364,7 +367,7 @@ class ToolStream:
         raw = partial[1]
         try:
             return raw[:_DECODER.raw_decode(raw)[1]]
-        except json.JSONDecodeError:        # still open: every character so far is inside the arguments
+        except ValueError:        # still open: every character so far is inside the arguments
             return raw
 
     def _partial_entries(self, text: str) -> list[dict]:
@@ -416,4 +419,5 @@ class ToolStream:
         return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return self.plan.finish_reason(bool(self.calls), reason)
+        """A call begun in the stream counts, closed or not: the client has its id and name (vLLM's rule)."""
+        return self.plan.finish_reason(bool(self.calls) or self.streaming is not None, reason)

@@ -363,27 +363,34 @@ def text_parts_joined(messages: list[dict]) -> list[dict]:
 def tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
     """messages with each assistant tool call's function.arguments as an object, as vLLM hands them to
     Hugging Face templates (which read `tool_call.arguments | tojson`): a JSON string is parsed, an empty
-    one is {}. The caller's messages are not changed; a malformed call is a RequestError."""
+    one (or null) is {}; an empty tool_calls list is dropped (templates test `'tool_calls' in message`). The caller's
+    messages are not changed; a malformed call (or one not of type "function") is a RequestError."""
     out = []
     for message in messages:
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if message.get("role") == "assistant" and isinstance(calls, list):
-            message = {**message, "tool_calls": [_call_with_object_arguments(c, i) for i, c in enumerate(calls)]}
+            if calls:
+                message = {**message, "tool_calls": [_call_with_object_arguments(c, i) for i, c in enumerate(calls)]}
+            else:
+                message = {key: value for key, value in message.items() if key != "tool_calls"}
         out.append(message)
     return out
 
 
 def _call_with_object_arguments(call, i: int) -> dict:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict) \
+            or call.get("type", "function") != "function":
         raise RequestError(f"an assistant message's tool_calls[{i}] must be {{\"id\", \"type\": \"function\", "
                            "\"function\": {\"name\", \"arguments\"}}", "messages")
     arguments = call["function"].get("arguments")
     if isinstance(arguments, str) and arguments:
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except ValueError:          # not JSON, or an integer past Python's 4,300 digits
             raise RequestError(f"tool_calls[{i}].function.arguments is not JSON: {arguments[:60]!r}",
                                "messages") from None
+        if arguments is None:
+            arguments = {}
     elif not arguments:
         arguments = {}
     return {**call, "function": {**call["function"], "arguments": arguments}}
