@@ -351,19 +351,20 @@ def _reject_surrogates(data) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
                 item_path = f"{path}.{key}" if path else str(key)
-                if not _is_text(key):
+                if not is_text(key):
                     raise bad_request("a field name holds a lone UTF-16 surrogate, which is not text",
                                       code="invalid_text")
                 stack.append((item, item_path))
         elif isinstance(value, list):
             stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
-        elif isinstance(value, str) and not _is_text(value):
+        elif isinstance(value, str) and not is_text(value):
             param = re.split(r"[.\[]", path, maxsplit=1)[0]
             raise bad_request(f"'{path}' holds a lone UTF-16 surrogate (such as \\ud800), which is not text; "
                               "send valid UTF-8 or a surrogate pair", param=param, code="invalid_text")
 
 
-def _is_text(text: str) -> bool:
+def is_text(text: str) -> bool:
+    """Whether text can be sent as UTF-8 (no lone UTF-16 surrogate)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

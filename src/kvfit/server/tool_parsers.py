@@ -23,6 +23,8 @@ import string
 import uuid
 from dataclasses import dataclass
 
+from kvfit.server.protocol import is_text
+
 _DECODER = json.JSONDecoder()
 
 
@@ -62,23 +64,16 @@ def arguments_text(value) -> str:
     """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given). A lone surrogate
     decoded from a \\ud800 escape cannot be sent as UTF-8: such arguments keep their escapes (ASCII JSON)."""
     if isinstance(value, str):
-        return value if _utf8(value) else json.dumps(value)[1:-1]
+        return value if is_text(value) else json.dumps(value)[1:-1]
     text = json.dumps(value, ensure_ascii=False)
-    return text if _utf8(text) else json.dumps(value)
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return text if is_text(text) else json.dumps(value)
 
 
 def _call(obj, new_id, arguments_keys=("arguments",)) -> ToolCall | None:
     """A ToolCall from a decoded {"name": ..., "arguments": ...} object, or None when it is not one (a name
     holding a lone surrogate, which no response can carry, included)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"] or not _utf8(obj["name"]):
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not name or not is_text(name):
         return None
     key = next((k for k in arguments_keys if k in obj), None)
     arguments = obj[key] if key is not None else {}
@@ -162,7 +157,7 @@ def _name_and_arguments(body: str) -> tuple[str, str] | None:
     if match is None:
         return None
     name = json.loads(match.group(1))
-    return (name, body[match.end():]) if _utf8(name) else None
+    return (name, body[match.end():]) if is_text(name) else None
 
 
 def _after_values(text: str, count: int, separator: str) -> str | None:
