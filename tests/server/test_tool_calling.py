@@ -260,3 +260,18 @@ def test_history_with_an_empty_tool_calls_list_renders_as_plain_assistant_turns(
     with pytest.raises(RequestError, match="is not JSON"):
         tool_arguments_as_objects([{"role": "assistant", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": '{"x": ' + "9" * 5000 + "}"}}]}])
+
+
+def test_no_calls_leave_tool_calls_out_and_whitespace_beside_calls_is_no_content():
+    """vLLM's ChatMessage drops an empty tool_calls list; text beside calls that is only whitespace is null."""
+    for script, want in (("Just text.", {"role": "assistant", "content": "Just text."}),
+                         ('\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None)):
+        with running_server(ScriptedEngine(script), "fake", chat_template=TOOLS_TEMPLATE,
+                            tool_options=ToolOptions(True, "hermes")) as (url, _):
+            body = httpx.post(f"{url}/v1/chat/completions", json={"model": "fake", "messages": USER,
+                                                                  "tools": [WEATHER, TIME]}, timeout=30).json()
+            message = body["choices"][0]["message"]
+            if want is not None:
+                assert message == want
+            else:
+                assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_time"

@@ -199,7 +199,11 @@ class ToolPlan:
         calls, content = self._calls(text, finish_reason == "length") if finish_reason != "error" else ([], text)
         if not self.parallel:
             calls = calls[:1]
-        message = {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}
+        message = {"role": "assistant", "content": content}
+        if calls:           # vLLM's ChatMessage leaves an empty tool_calls out
+            message["tool_calls"] = [c.as_json() for c in calls]
+            if content is not None and not content.strip():      # and text beside calls that is only whitespace
+                message["content"] = None
         return message, self.finish_reason(bool(calls), finish_reason)
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
