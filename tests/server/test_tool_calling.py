@@ -171,7 +171,7 @@ def test_required_and_named_choices_are_constrained_so_arguments_parse(qwen_serv
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice, parallel in (("required", True), ("required", False), (named, True)):
         kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice,
-                      parallel_tool_calls=parallel, max_tokens=200, temperature=0)
+                      parallel_tool_calls=parallel, max_tokens=150, temperature=0)
         if stream:
             _, calls, reason = _streamed(client, **kwargs)
         else:

@@ -242,4 +242,15 @@ def test_required_calls_cut_by_max_tokens_are_the_same_streamed_or_not():
     assert [c["function"]["name"] for c in calls] == [n for n, _ in full]
     assert [c["function"]["name"] for c in plan.message(whole, "length")[0]["tool_calls"]] == [n for n, _ in full]
     message, _ = plan.message('[{"name": "get_weather", "param', "length")     # no object closed: the text
-    assert message["tool_calls"] == [] and message["content"] == '[{"name": "get_weather", "param'
+    assert "tool_calls" not in message and message["content"] == '[{"name": "get_weather", "param'
+
+
+def test_tools_reach_the_template_in_vllms_shape():
+    """vLLM hands templates tool.model_dump(): name, description and parameters always (null where absent), strict
+    only when given, other keys kept after them; so `tool | tojson` renders the prompt vLLM renders."""
+    from kvfit.server.tools import _check_tool
+    shaped = _check_tool({"function": {"parameters": {"type": "object"}, "name": "f", "x-extra": 1}}, 0)
+    assert shaped == {"type": "function", "function": {"name": "f", "description": None,
+                                                       "parameters": {"type": "object"}, "x-extra": 1}}
+    assert list(shaped["function"]) == ["name", "description", "parameters", "x-extra"]
+    assert _check_tool({"type": "function", "function": {"name": "g", "strict": True}}, 0)["function"]["strict"]

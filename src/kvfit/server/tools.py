@@ -75,7 +75,13 @@ def _check_tool(tool, i: int) -> dict:
         if function.get(key) is not None and not isinstance(function[key], kind):
             raise bad_request(f"{where}.function.{key} must be a {kind.__name__}, got "
                               f"{type(function[key]).__name__}", param="tools")
-    return {"type": "function", "function": function}
+    # the shape vLLM 0.26 hands templates (tool.model_dump()): name, description and parameters always (null when
+    # absent: a template's `tool | tojson` renders the same prompt), strict when given, other keys after them
+    shaped = {"name": function["name"], "description": function.get("description"),
+              "parameters": function.get("parameters")}
+    shaped.update((k, v) for k, v in function.items() if k not in shaped and (k != "strict" or v is not None))
+    return {"type": "function", "function": shaped,
+            **{k: v for k, v in tool.items() if k not in ("type", "function") and v is not None}}
 
 
 def _named(choice) -> str:
