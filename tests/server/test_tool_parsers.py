@@ -54,9 +54,24 @@ def test_llama3_json_reads_parameters_or_arguments_separated_by_semicolons():
 
 def test_llama3_json_text_or_json_that_is_no_call_is_content():
     parser = get_parser("llama3_json")
-    for text in ("The answer is {not json}", '{"answer": 42}', '{"name": "f", "parameters": {}} trailing'):
+    for text in ("The answer is {not json}", '{"answer": 42}', '{"name": "f"}', 'No braces at all.',
+                 '{"name": "f", "parameters": {}} then {broken'):
         out = parser.extract(text)
         assert not out.tools_called and out.content == text
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "f", "parameters": {"a": 1}} trailing', 'Sure! {"name": "f", "parameters": {"a": 1}}',
+    '{"name": "f", "parameters": {"a": 1}}\n{"name": "g", "arguments": []}',
+    '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "arguments": []}]'])
+def test_llama3_json_full_reply_reads_every_top_level_object_as_vllm(text):
+    """vLLM 0.26's llama3_json: each top-level JSON object is a call (text around them dropped, content null;
+    arguments of any JSON type dumped), however they are separated or wrapped."""
+    out = get_parser("llama3_json").extract(text)
+    assert out.tools_called and out.content is None
+    assert [(c.name, c.arguments) for c in out.tool_calls][:1] == [("f", '{"a": 1}')]
+    assert len(out.tool_calls) == text.count('"name"')
+    assert all(c.arguments == "[]" for c in out.tool_calls[1:])
 
 
 # mistral -------------------------------------------------------------------------------------------
@@ -254,3 +269,11 @@ def test_tools_reach_the_template_in_vllms_shape():
                                                        "parameters": {"type": "object"}, "x-extra": 1}}
     assert list(shaped["function"]) == ["name", "description", "parameters", "x-extra"]
     assert _check_tool({"type": "function", "function": {"name": "g", "strict": True}}, 0)["function"]["strict"]
+
+
+def test_mistral_text_after_the_list_of_calls_is_ignored_as_vllm():
+    """vLLM raw-decodes the list after [TOOL_CALLS] and ignores what follows it (the full reply was content while
+    the stream sent the call)."""
+    out = get_parser("mistral").extract('[TOOL_CALLS][{"name": "get_time", "arguments": {}}] Done.')
+    assert out.tools_called and [c.name for c in out.tool_calls] == ["get_time"] and out.content is None
+    assert not get_parser("mistral").extract('[TOOL_CALLS][{"name": "get_time", "arguments": {}} Done.').tools_called

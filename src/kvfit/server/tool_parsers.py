@@ -60,26 +60,31 @@ def mistral_tool_call_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
-def arguments_text(value) -> str:
-    """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given). A lone surrogate
-    decoded from a \\ud800 escape cannot be sent as UTF-8: such arguments keep their escapes (ASCII JSON)."""
-    if isinstance(value, str):
+def arguments_text(value, dump_strings: bool = False) -> str:
+    """Arguments as the JSON text OpenAI sends (a dict is dumped; a string is taken as given unless dump_strings).
+    A lone surrogate decoded from a \\ud800 escape cannot be sent as UTF-8: such arguments keep their escapes
+    (ASCII JSON)."""
+    if isinstance(value, str) and not dump_strings:
         return value if is_text(value) else json.dumps(value)[1:-1]
     text = json.dumps(value, ensure_ascii=False)
     return text if is_text(text) else json.dumps(value)
 
 
-def _call(obj, new_id, arguments_keys=("arguments",)) -> ToolCall | None:
+def _call(obj, new_id, arguments_keys=("arguments",), any_arguments: bool = False) -> ToolCall | None:
     """A ToolCall from a decoded {"name": ..., "arguments": ...} object, or None when it is not one (a name
-    holding a lone surrogate, which no response can carry, included)."""
+    holding a lone surrogate, which no response can carry, included). any_arguments: the arguments key must be
+    there and any JSON value is dumped (llama3_json's full reply, as vLLM's); else an object or a string, {} when
+    absent."""
     name = obj.get("name") if isinstance(obj, dict) else None
     if not isinstance(name, str) or not name or not is_text(name):
         return None
     key = next((k for k in arguments_keys if k in obj), None)
+    if any_arguments:
+        return None if key is None else ToolCall(new_id(), name, arguments_text(obj[key], dump_strings=True))
     arguments = obj[key] if key is not None else {}
     if not isinstance(arguments, (dict, str)):
         return None
-    return ToolCall(new_id(), obj["name"], arguments_text(arguments))
+    return ToolCall(new_id(), name, arguments_text(arguments))
 
 
 def _decode_objects(text: str, separator: str) -> tuple[list, bool]:
@@ -241,10 +246,24 @@ class Llama3JsonParser(ToolParser):
         calls = [_call(v, self.new_id, ("arguments", "parameters")) for v in values]
         return calls[:calls.index(None)] if None in calls else calls
 
-    def _all_calls(self, text: str) -> list[ToolCall] | None:
-        values, whole = _decode_objects(self._body(text), ";")
-        calls = [_call(v, self.new_id, ("arguments", "parameters")) for v in values]
-        return calls if whole and calls and None not in calls else None
+    def extract(self, text: str) -> Extracted:
+        """The full reply, as vLLM 0.26's llama3_json reads it (llama_tool_parser.extract_tool_calls): every
+        top-level JSON object in the text is a call ({"name", "arguments" or "parameters"}), the text around
+        them dropped (content null); one that does not decode or is no call makes the whole text content. The
+        stream sends calls only where the text opens with one (as vLLM's)."""
+        calls, end = [], -1
+        for match in re.finditer(r"\{", text):
+            if match.start() < end:
+                continue
+            try:
+                value, end = _DECODER.raw_decode(text, match.start())
+            except ValueError:           # not JSON, or an integer past 4,300 digits
+                return Extracted(False, (), text)
+            call = _call(value, self.new_id, ("arguments", "parameters"), any_arguments=True)
+            if call is None:
+                return Extracted(False, (), text)
+            calls.append(call)
+        return Extracted(True, tuple(calls), None) if calls else Extracted(False, (), text)
 
 
 class MistralParser(ToolParser):
@@ -279,10 +298,13 @@ class MistralParser(ToolParser):
                 return None
             return [ToolCall(self.new_id(), name.strip(), arguments_text(value))]
         body = piece.strip()
-        if body.startswith("["):
-            values, whole = _decode_objects(body[1:].rstrip().removesuffix("]"), ",")
-            if finished and not (whole and body.rstrip().endswith("]")):
+        if body.startswith("[") and finished:     # the list, text after it ignored (vLLM's raw_decode)
+            try:
+                values = _DECODER.raw_decode(body)[0]
+            except ValueError:            # not JSON, or an integer past 4,300 digits
                 return None
+        elif body.startswith("["):
+            values, _ = _decode_objects(body[1:].rstrip().removesuffix("]"), ",")
         else:
             values, whole = _decode_objects(body, ",")
             if finished and not whole:

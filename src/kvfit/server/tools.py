@@ -406,8 +406,8 @@ class ToolStream:
         start = parser.tool_start(text)
         if finished:
             extracted = parser.extract(text)
-            if extracted.tools_called:
-                return list(extracted.tool_calls), start
+            if extracted.tools_called and start is not None:   # (llama3_json's full reply may find calls in
+                return list(extracted.tool_calls), start        # text the stream already sent as content)
             return [], (start if self.calls or self.streaming is not None else len(text))
         if start is None:
             return [], len(text) - parser.held_back(text)
