@@ -54,11 +54,10 @@ def _serve(model: str, max_len: int, streams: int):
     raise SystemExit("kvfit serve did not start")
 
 
-def _running(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            return float(line.split()[-1])
-    return 0.0
+def _generated(url: str) -> float:
+    """Output tokens of the requests the engine has finished."""
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith("kvfit_generation_tokens_total"))
 
 
 def run_once(model: str, args, read: bool) -> float:
@@ -75,21 +74,20 @@ def run_once(model: str, args, read: bool) -> float:
             if not read:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
             sock.connect((host, int(port)))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             socks.append(sock)
         if read:
             for sock in socks:
                 threading.Thread(target=lambda s=sock: [None for _ in iter(lambda: s.recv(1 << 16), b"")],
                                  daemon=True).start()
-        peak, seen = base, False
-        deadline = time.time() + args.timeout
-        while time.time() < deadline:
-            time.sleep(1)
+        peak, deadline = base, time.time() + args.timeout
+        while time.time() < deadline:       # until every token is made (a client that does not read holds its
+            time.sleep(0.2)                 # outputs in the front-end from then on), then a second more
             peak = max(peak, _rss_mib(proc.pid))
-            running = _running(url)
-            seen |= running > 0
-            if seen and running == 0:
+            if _generated(url) >= args.streams * args.tokens:
+                time.sleep(1)
+                peak = max(peak, _rss_mib(proc.pid))
                 break
         for sock in socks:
             sock.close()
