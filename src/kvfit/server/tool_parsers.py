@@ -51,8 +51,8 @@ class Extracted:
 
 
 def random_tool_call_id() -> str:
-    """vLLM's default tool call id: chatcmpl-tool-<32 hex digits>."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    """vLLM 0.26's default tool call id: chatcmpl-tool-<16 hex digits> (its random_uuid: 64 random bits)."""
+    return f"chatcmpl-tool-{uuid.uuid4().int & ((1 << 64) - 1):016x}"
 
 
 def mistral_tool_call_id() -> str:
