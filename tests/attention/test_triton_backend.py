@@ -669,11 +669,12 @@ def _compile_check() -> None:
                 BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf))
     fp8 = types[torch.float8_e4m3fn]
     tile, warps, _, default_dots = dec.FP8_DECODE_CONFIG                 # an fp8 cache's launch, both outputs
+    default_pairs = default_dots == "pairs"
     for direct, cascade in ((True, False), (False, False), (False, True)):
-        build(dec._decode_split_kernel, bf, fp8, dict(
+        build(dec._decode_split_kernel, bf, "i16" if default_pairs else fp8, dict(
             NUM_Q_HEADS=32, GROUP=4, HEAD_CHUNKS=1, G_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=tile,
-            DIRECT_OUT=direct, IEEE=False, CASCADE=cascade, PDL=True, DOT_F16=default_dots == "fp16",
-            DOT_FP8=default_dots == "fp8", OUT_SCALED=True, PAIRS=False, CVT_ASM=False), warps)
+            DIRECT_OUT=direct, IEEE=False, CASCADE=cascade, PDL=True, DOT_F16=default_dots in ("fp16", "pairs"),
+            DOT_FP8=default_dots == "fp8", OUT_SCALED=True, PAIRS=default_pairs, CVT_ASM=default_pairs), warps)
     for tile, warps, dots in ((64, 4, "fp16"), (128, 4, "query"), (128, 8, "fp16"), (128, 4, "fp8"),
                               (64, 4, "fp8"), (128, 4, "pairs"), (64, 4, "pairs"), (128, 8, "pairs")):  # the probe's
         pairs = dots == "pairs"                 # the caches as int16 words, converted by cvt.rn.f16x2.e4m3x2

@@ -116,7 +116,7 @@ def test_values_the_sampler_cannot_use_are_rejected_up_front(kwargs):
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(logprobs=-1), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(logprobs=-2), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={"a": 1.0}), "logit_bias"),
     (dict(logit_bias={3: math.inf}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),

@@ -65,11 +65,11 @@ def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_byte
 F16_QUERY_MAX = tl.constexpr(16384.0)
 FP8_MAX = tl.constexpr(448.0)          # e4m3's largest
 # an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, the dots:
-# "query" (bf16), "fp16" or "fp8").
-# The best of 32 on the H100 over batch 64 and 256 at contexts 647 and 2,048 (benchmarks/probe_fp8_decode.py,
-# 2026-12-07): 879 us in all against 1,012 for the bf16 cache's launch (64 tokens, bf16 dots); 128-token tiles
-# move as many bytes a tile as a bf16 cache's 64
-FP8_DECODE_CONFIG = (128, 4, 2, "fp16")
+# "query" (bf16), "fp16", "fp8" or "pairs").
+# The best of 24 on the H100 over batch 64 and 256 at contexts 647 and 2,048 (benchmarks/probe_fp8_decode.py,
+# 2026-12-07): pairs at 64-token tiles, 692 us in all against 904 for the fp16 dots' best launch (128 tokens, 4
+# warps, 2 stages); at batch 256 x 2,048 it reads at 0.91 of copy bandwidth, a bf16 cache's decode at 1.01
+FP8_DECODE_CONFIG = (64, 4, 3, "pairs")
 DOTS = ("query", "fp16", "fp8", "pairs")
 
 
