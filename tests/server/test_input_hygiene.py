@@ -52,7 +52,7 @@ def assert_serving(url: str) -> None:
 # JSON limits ------------------------------------------------------------------------------------
 BAD_JSON = {
     "nested-100000": b'{"model": "fake", "prompt": "hi", "tools": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    "nested-40": b'{"model": "fake", "prompt": "hi", "tools": ' + b"[" * 40 + b"]" * 40 + b"}",
+    "nested-80": b'{"model": "fake", "prompt": "hi", "tools": ' + b"[" * 80 + b"]" * 80 + b"}",
     "int-5000-digits": b'{"model": "fake", "prompt": "hi", "seed": ' + b"7" * 5000 + b"}",
     "int-2**64": b'{"model": "fake", "prompt": "hi", "seed": 18446744073709551616}',
     "float-1e400": b'{"model": "fake", "prompt": "hi", "temperature": 1e400}',

@@ -57,7 +57,7 @@ CASES = {
     "chat lone surrogate": (ChatCompletionRequest, b'{"model": "tiny", "messages": [{"role": "user", '
                                                    b'"content": "a\\ud800"}]}'),
     "not JSON": (ChatCompletionRequest, b'{"model": "tiny", "messages": ['),
-    "nested too deep": (ChatCompletionRequest, b'{"model": "tiny", "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
+    "nested too deep": (ChatCompletionRequest, b'{"model": "tiny", "x": ' + b"[" * 80 + b"]" * 80 + b"}"),
     "huge integer": (CompletionRequest, b'{"model": "tiny", "prompt": "a", "seed": ' + b"9" * 30 + b"}"),
     "completion text": (CompletionRequest, {"model": MODEL, "prompt": "Hello", "max_tokens": 3}),
     "completion batch of token ids": (CompletionRequest, {"prompt": [[1, 2, 3]] * 3000, "echo": True}),

@@ -227,7 +227,8 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-MAX_JSON_DEPTH = 32                    # OpenAI bodies nest about 5 levels (messages[i].content[j].text)
+MAX_JSON_DEPTH = 64                    # OpenAI bodies nest about 5 levels (messages[i].content[j].text); tool
+#                                        schemas more (vLLM has no limit: 64 takes a schema of about 30 object levels)
 MAX_JSON_INT = 2**64                   # integers in [-MAX_JSON_INT, MAX_JSON_INT): seeds and ids fit
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")   # then 20 zeros: maybe an int past MAX_JSON_INT
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")          # an escaped UTF-16 surrogate, maybe lone
