@@ -318,28 +318,8 @@ def test_e4m3_pairs_convert_exactly():
     """Every pair of e4m3 bytes (subnormals, zeros of both signs, 448, NaN) as an int16 word converts to
     the two fp16 values torch's own conversion gives (the interpreter's bit arithmetic; sm_90's cvt is the
     GPU tests')."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def convert(w_ptr, even_ptr, odd_ptr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        even, odd = triton_decode.e4m3_pairs_to_f16(tl.load(w_ptr + offs), False)
-        tl.store(even_ptr + offs, even)
-        tl.store(odd_ptr + offs, odd)
-
-    codes = torch.arange(256, dtype=torch.int32)
-    codes = codes.to(torch.uint8)                 # every code: e4m3 has no inf; 0x7F and 0xFF are NaN
-    lo, hi = torch.meshgrid(codes, codes, indexing="ij")
-    pairs = torch.stack([lo.flatten(), hi.flatten()], 1).contiguous()   # [N, 2] bytes: even, odd
-    n = triton.next_power_of_2(pairs.shape[0])
-    pairs = torch.cat([pairs, pairs[: n - pairs.shape[0]]]).to(DEVICE)
-    even, odd = (torch.empty(n, dtype=torch.float16, device=DEVICE) for _ in range(2))
-    convert[(1,)](pairs.view(torch.int16).view(-1), even, odd, N=n)
-    values = pairs.view(torch.float8_e4m3fn).to(torch.float16)
-    for got, want in ((even, values[:, 0]), (odd, values[:, 1])):
-        assert torch.equal(got.isnan(), want.isnan())                  # NaN stays NaN (a poisoned slot shows)
-        assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+    from e4m3_pairs import check_every_e4m3_pair
+    check_every_e4m3_pair(DEVICE, cvt_asm=False)
 
 
 def test_fp8_dots_come_close_to_the_reference():

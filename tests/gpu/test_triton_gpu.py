@@ -143,28 +143,8 @@ def test_fp8_cache_decode_launches(dots, num_splits):
 
 def test_e4m3_pairs_convert_exactly_on_the_gpu():
     """cvt.rn.f16x2.e4m3x2 (the pairs launch's conversion) gives torch's values for every pair of e4m3 bytes."""
-    import triton.language as tl
-    from kvfit.kernels.attention_decode import e4m3_pairs_to_f16
-
-    @triton.jit
-    def convert(w_ptr, even_ptr, odd_ptr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        even, odd = e4m3_pairs_to_f16(tl.load(w_ptr + offs), True)
-        tl.store(even_ptr + offs, even)
-        tl.store(odd_ptr + offs, odd)
-
-    codes = torch.arange(256, dtype=torch.int32)
-    codes = codes.to(torch.uint8)                 # every code: e4m3 has no inf; 0x7F and 0xFF are NaN
-    lo, hi = torch.meshgrid(codes, codes, indexing="ij")
-    pairs = torch.stack([lo.flatten(), hi.flatten()], 1).contiguous()
-    n = triton.next_power_of_2(pairs.shape[0])
-    pairs = torch.cat([pairs, pairs[: n - pairs.shape[0]]]).to(DEVICE)
-    even, odd = (torch.empty(n, dtype=torch.float16, device=DEVICE) for _ in range(2))
-    convert[(1,)](pairs.view(torch.int16).view(-1), even, odd, N=n)
-    values = pairs.view(torch.float8_e4m3fn).to(torch.float16)
-    for got, want in ((even, values[:, 0]), (odd, values[:, 1])):
-        assert torch.equal(got.isnan(), want.isnan())                  # NaN stays NaN (a poisoned slot shows)
-        assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+    from e4m3_pairs import check_every_e4m3_pair
+    check_every_e4m3_pair(DEVICE, cvt_asm=True)
 
 
 def test_write_kv_bf16_exact_with_padding():

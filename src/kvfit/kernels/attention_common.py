@@ -153,10 +153,7 @@ def attend_paged_tile(
         s = s * scale_log2
     else:
         s = tl.where(visible, s * scale_log2, float("-inf"))                 # [M, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
     v = load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs, stride_vh, kv_mask, D_PAD, q.dtype)
     if P_SCALE == 1.0:
         pv = p.to(v.dtype)
@@ -164,6 +161,16 @@ def attend_paged_tile(
         pv = (p * P_SCALE).to(v.dtype)
     acc = acc * alpha[:, None] + tile_dot(pv, v, IEEE)
     return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """The online softmax over one tile's scores s [M, BLOCK_N] (log2 domain) -> (new max [M], the factor the
+    running acc is rescaled by [M], the tile's probabilities [M, BLOCK_N], new sum [M])."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit

@@ -18,7 +18,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.kernels import pdl
 from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, next_pow2, out_scale_operand, padded_head_dim)
+                                             kv_tile_tokens, load_paged_tile, next_pow2, out_scale_operand,
+                                             padded_head_dim, softmax_step)
 from kvfit.platforms.gate import on_gpu
 
 LOG2_E = 1.4426950408889634
@@ -101,19 +102,14 @@ def attend_paged_pairs_tile(
     loads by ldmatrix.trans (as a 16-bit cache's does); converted from fp8 after it, it was read a byte a load."""
     within = (offs_n % PAGE).to(tl.int64)
     blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    words = tl.arange(0, D_HALF)[None, :]
-    k_off = blk * stride_kb + within * stride_ks + kv_head * stride_kh
-    k_even, k_odd = e4m3_pairs_to_f16(tl.load(k_cache_ptr + k_off[:, None] + words, mask=n_mask[:, None], other=0),
-                                      CVT_ASM)
-    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+    rows = n_mask[:, None]
+    k_even, k_odd = e4m3_pairs_to_f16(load_paged_tile(k_cache_ptr, blk, within, kv_head, stride_kb, stride_ks,
+                                                      stride_kh, rows, D_HALF, tl.int16), CVT_ASM)  # [BLOCK_N, D_HALF]
+    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))                           # [G_PAD, BLOCK_N]
     s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v_off = blk * stride_vb + within * stride_vs + kv_head * stride_vh
-    v_even, v_odd = e4m3_pairs_to_f16(tl.load(v_cache_ptr + v_off[:, None] + words, mask=n_mask[:, None], other=0),
-                                      CVT_ASM)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
+    v_even, v_odd = e4m3_pairs_to_f16(load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs,
+                                                      stride_vh, rows, D_HALF, tl.int16), CVT_ASM)
     pv = p.to(tl.float16)
     acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_even)
     acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_odd)
@@ -395,11 +391,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     part_acc = torch.empty((*parts, d_pad), dtype=torch.float32, device=query.device)
     ieee, launch = dot_ieee(query.dtype), pdl.launch_args(query)
     out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
-    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    # pairs: the split kernel reads the caches as int16 (two e4m3 a word; even strides: head_dim is even)
-    k_split, v_split, split_strides = ((k_cache.view(torch.int16), v_cache.view(torch.int16),
-                                        tuple(x // 2 for x in strides)) if pairs else (k_cache, v_cache, strides))
+    strides = _cache_strides(k_cache, v_cache)
+    # pairs: the split kernel reads the caches as int16 (two e4m3 a word), in the views' own strides
+    k_split, v_split = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if pairs else (k_cache, v_cache)
+    split_strides = _cache_strides(k_split, v_split)
     if cascade:
         rows = shared_prefix_rows(query.element_size())
         _shared_prefix_kernel[(num_kv_heads, triton.cdiv(num_seqs * group, rows), prefix_splits)](
@@ -427,6 +422,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             num_warps=4, **launch,
         )
     return out
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
 def shared_prefix_rows(elem_bytes: int) -> int:

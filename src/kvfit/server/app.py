@@ -222,8 +222,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         def respond() -> Response:       # hundreds of thousands of ids: their strings and JSON off the event loop
             content = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                        "token_strs": tokenizer.convert_ids_to_tokens(ids) if strs else None}
-            return Response(json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
-                            media_type="application/json")
+            return _json_response(content)
         return await state.engine.prepare(respond)
 
     @app.post("/detokenize")
@@ -358,6 +357,11 @@ def _full_response(builders: list[ResponseBuilder], outputs: list, streams: list
         body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
                               sum(b["usage"]["completion_tokens"] for b in bodies),
                               cached_tokens(builders[0].inp, outputs))
+    return _json_response(body)
+
+
+def _json_response(body: dict) -> Response:
+    """body encoded as JSONResponse does (compact, non-ASCII kept), off the event loop where the caller is."""
     try:
         content = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError:      # a lone surrogate (a \\ud800 escape decoded somewhere): ASCII JSON keeps it escaped
