@@ -14,6 +14,8 @@ Times are medians of triton.testing.do_bench, three repetitions (median and spre
 python benchmarks/bench_prefill_attention.py                   # the backend's choice per case
 python benchmarks/bench_prefill_attention.py --sweep [--out x.json]  # also the candidate tile configs
 python benchmarks/bench_prefill_attention.py --q-heads 32 --kv-heads 8
+python benchmarks/bench_prefill_attention.py --q-heads 32 --kv-cache-dtype fp8_e4m3   # an fp8 cache: each dots,
+    and the same case over a bf16 cache (the limit an fp8 cache's prefill should reach)
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def build_case(seqs, args, gen):
     blocks = [-(-(q + p) // page) for q, p in seqs]
     num_blocks = sum(blocks) + 1
     shape = (num_blocks, page, args.kv_heads, args.head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    cache_dtype = getattr(torch, args.kv_cache_dtype.replace("fp8_e4m3", "float8_e4m3fn"))
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     width = max(blocks)
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
@@ -104,6 +107,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--sweep", action="store_true", help="also time CANDIDATES and the unsplit default")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"],
+                    help="fp8_e4m3: time each of an fp8 cache's dots (FP8_PREFILL_DOTS's choices) and the bf16 cache")
     ap.add_argument("--out", default=None, help="JSON rows (and the best config) to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -115,12 +120,16 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     scale = args.head_dim ** -0.5
     configs = [("default", {})]
+    if args.kv_cache_dtype == "fp8_e4m3":
+        configs += [("fp8 dots=query", {"dots": "query"}), ("fp8 dots=pairs", {"dots": "pairs"}),
+                    ("bf16 cache (limit)", {"bf16_cache": True})]
     if args.sweep:
         configs.append(("default, unsplit", {"split": False}))
         configs += [(f"m{m} n{n} w{w} s{s}", dict(block_m=m, block_n=n, num_warps=w, num_stages=s))
                     for m, n, w, s in CANDIDATES]
-    print(f"heads {args.q_heads}/{args.kv_heads} x {args.head_dim}, page {args.page}, "
-          f"PREFILL_CONFIG {PREFILL_CONFIG}", flush=True)
+    from kvfit.kernels.attention_prefill import FP8_PREFILL_DOTS
+    print(f"heads {args.q_heads}/{args.kv_heads} x {args.head_dim}, page {args.page}, cache {args.kv_cache_dtype}, "
+          f"PREFILL_CONFIG {PREFILL_CONFIG}, FP8_PREFILL_DOTS {FP8_PREFILL_DOTS}", flush=True)
     rows, totals = [], {}
     for case, seqs in CASES:
         query, k_cache, v_cache, table, seq_lens, starts, max_q = build_case(seqs, args, gen)
@@ -135,9 +144,13 @@ def main() -> int:
                   f"spread {cudnn[1]:.1%})", flush=True)
         expected = None
         for name, kwargs in configs:
-            def run(kwargs=kwargs):
-                return paged_prefill_attention(query, k_cache, v_cache, table, seq_lens, starts, max_q, scale,
-                                               **kwargs)
+            kwargs = dict(kwargs)
+            caches = (k_cache, v_cache)
+            if kwargs.pop("bf16_cache", False):      # the same keys in bf16: the bytes an fp8 cache halves
+                caches = (k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16))
+
+            def run(kwargs=kwargs, caches=caches):
+                return paged_prefill_attention(query, *caches, table, seq_lens, starts, max_q, scale, **kwargs)
             got = run().float()
             if expected is None:
                 expected = got

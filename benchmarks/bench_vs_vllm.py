@@ -22,6 +22,7 @@ KVFIT_BENCH_ARGS='{"async_scheduling": false}' (JSON) adds arguments to kvfit's 
 VLLM_BENCH_ARGS='{"kv_cache_dtype": "fp8"}' (JSON) adds arguments to vLLM's LLM(...);
 KVFIT_BENCH_PREFILL='[128, 64, 8, 2]' sets kvfit's prefill attention tiles (kvfit.kernels.attention_prefill.PREFILL_CONFIG).
 KVFIT_BENCH_FP8_DECODE='[128, 4, 2, "fp16"]' sets an fp8 cache's decode launch (attention_decode.FP8_DECODE_CONFIG).
+KVFIT_BENCH_FP8_PREFILL=pairs|query sets an fp8 cache's prefill dots (attention_prefill.FP8_PREFILL_DOTS).
 KVFIT_BENCH_FP8=channel|block runs both engines on the model's FP8 checkpoint shape (dummy FP8 weights): its
 config.json with a compressed-tensors per-channel quantization_config (dynamic per-token activations, the
 "-FP8-dynamic" releases) or the block-wise fp8 one (weight_block_size [128, 128], Qwen3-*-FP8). On FP8 runs vLLM's
@@ -186,6 +187,10 @@ class KvfitEngine(_Engine):
             from kvfit.kernels import attention_decode
             attention_decode.FP8_DECODE_CONFIG = tuple(json.loads(os.environ["KVFIT_BENCH_FP8_DECODE"]))
             print(f"NOTE fp8 decode config {attention_decode.FP8_DECODE_CONFIG}", flush=True)
+        if os.environ.get("KVFIT_BENCH_FP8_PREFILL"):
+            from kvfit.kernels import attention_prefill
+            attention_prefill.FP8_PREFILL_DOTS = os.environ["KVFIT_BENCH_FP8_PREFILL"]
+            print(f"NOTE fp8 prefill dots {attention_prefill.FP8_PREFILL_DOTS}", flush=True)
         if os.environ.get("KVFIT_BENCH_PREFILL"):
             # JSON [BLOCK_M, BLOCK_N, num_warps, num_stages]: the prefill attention tiles, for an experiment
             from kvfit.kernels import attention_prefill

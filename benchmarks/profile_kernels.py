@@ -19,6 +19,7 @@ with those changes taken out; the repeats rewrite the same KV slots with the sam
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -38,8 +39,17 @@ def kernel_table(prof, steps: int, top: int = 14) -> str:
     total = sum(t for t, _ in rows.values())
     lines = [f"  device total {total / steps / 1e3:8.3f} ms/step"]
     for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {t / steps / 1e3:8.3f} ms/step {100 * t / max(total, 1):5.1f}%  x{n // steps:<4d} {name[:90]}")
+        lines.append(f"  {t / steps / 1e3:8.3f} ms/step {100 * t / max(total, 1):5.1f}%  x{n // steps:<4d} {short_name(name)}")
     return "\n".join(lines)
+
+
+def short_name(name: str) -> str:
+    """A kernel's name cut to 90 characters; a torch elementwise kernel's also names its functor (the op: MulFunctor,
+    DivFunctor, a lambda's enclosing kernel), which the cut leaves out."""
+    if len(name) <= 90 or "at::native" not in name:
+        return name[:90]
+    ops = re.findall(r"(\w*(?:Functor|_kernel_cuda|_kernel_impl)\w*)", name[90:])
+    return name[:90] + (f" [{', '.join(dict.fromkeys(ops))}]" if ops else "")
 
 
 # steps by hand, as LLMEngine.step runs them ---------------------------------------------------------

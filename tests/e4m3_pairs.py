@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.kernels.attention_decode import e4m3_pairs_to_f16     # a global: Triton resolves names from the module's
+from kvfit.kernels.attention_common import e4m3_pairs_to_f16     # a global: Triton resolves names from the module's
 
 
 def check_every_e4m3_pair(device, cvt_asm: bool) -> None:

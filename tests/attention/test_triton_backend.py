@@ -314,6 +314,50 @@ def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud, dots):
         torch.testing.assert_close(f16, bf16, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "masked-only"])
+@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
+def test_fp8_cache_prefill_with_pairs_matches_the_bf16_dots(loud, split):
+    """dots="pairs" in the prefill kernel (an fp8 cache read as int16 words of two e4m3, fp16 dots over the even and
+    odd columns): a fresh prompt, a chunk over a cached prefix, a decode row and a prompt longer than a row tile, as
+    the bf16 dots and the reference give them, through both loops (whole tiles below the diagonal and the causal
+    ones), both grids (eager and a graph's tile map); a query past fp16's range is scaled into it."""
+    from kvfit.kernels.attention_prefill import paged_prefill_attention
+    num_q, num_kv, head_dim = 4, 2, 32
+    q_lens, seq_lens = [7, 5, 1, 21], [7, 40, 12, 26]
+    k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, q_lens, num_kv, head_dim, seed=9)
+    query = (torch.randn(sum(q_lens), num_q, head_dim, generator=gen) * loud / head_dim).to(DEVICE, torch.bfloat16)
+    scale = head_dim ** -0.5 / loud
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, scale).float()
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    out_scale = torch.tensor([0.5, 2.0], device=DEVICE)
+    for max_len, maps in ((max(q_lens), None), (sum(q_lens), {})):
+        pairs = paged_prefill_attention(*args, max_len, scale, split=split, tile_maps=maps, dots="pairs").float()
+        bf16 = paged_prefill_attention(*args, max_len, scale, split=split, tile_maps=maps, dots="query").float()
+        assert torch.isfinite(pairs).all()
+        torch.testing.assert_close(pairs, expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(pairs, bf16, atol=2e-2, rtol=2e-2)
+        scaled = paged_prefill_attention(*args, max_len, scale, split=split, tile_maps=maps, dots="pairs",
+                                         out_scale=out_scale).float()
+        heads_scale = out_scale.repeat_interleave(num_q // num_kv)[None, :, None]
+        torch.testing.assert_close(scaled, pairs * heads_scale, atol=2e-2, rtol=2e-2)
+
+
+def test_pairs_are_refused_where_they_do_not_fit():
+    """pairs read whole rows of int16 words of an fp8 cache under a 16-bit query: a padded head_dim (48), one
+    under 32, a bf16 cache or an fp32 query is an assertion, not a wrong read."""
+    from kvfit.kernels.attention_prefill import paged_prefill_attention
+    for head_dim, cache_dtype, query_dtype in ((48, torch.float8_e4m3fn, torch.bfloat16),
+                                               (16, torch.float8_e4m3fn, torch.bfloat16),
+                                               (32, torch.bfloat16, torch.bfloat16),
+                                               (32, torch.float8_e4m3fn, torch.float32)):
+        k_cache = torch.zeros(4, 4, 1, head_dim, device=DEVICE).to(cache_dtype)
+        meta = make_meta([2], [2], torch.tensor([[1]], dtype=torch.int32, device=DEVICE))
+        query = torch.zeros(2, 2, head_dim, device=DEVICE, dtype=query_dtype)
+        with pytest.raises(AssertionError):
+            paged_prefill_attention(query, k_cache, k_cache.clone(), meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 2, 0.1, dots="pairs")
+
+
 def test_e4m3_pairs_convert_exactly():
     """Every pair of e4m3 bytes (subnormals, zeros of both signs, 448, NaN) as an int16 word converts to
     the two fp16 values torch's own conversion gives (the interpreter's bit arithmetic; sm_90's cvt is the
@@ -646,8 +690,14 @@ def _compile_check() -> None:
         for mapped in (False, True):        # the grid of an eager step, and a CUDA graph's tile-mapped one
             build(pre._prefill_kernel, qd, cache, dict(
                 GROUP=4, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=pre.prefill_tile_rows(elem, gpu=True),
-                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf))
+                BLOCK_N=tile, IEEE=qd == f32, SPLIT=qd != f32, MAPPED=mapped, OUT_SCALED=cache != bf, PAIRS=False,
+                CVT_ASM=False))
     fp8 = types[torch.float8_e4m3fn]
+    for mapped in (False, True):          # an fp8 cache's prefill with the pairs dots (FP8_PREFILL_DOTS)
+        build(pre._prefill_kernel, bf, "i16", dict(
+            GROUP=4, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_M=pre.prefill_tile_rows(2, gpu=True),
+            BLOCK_N=ker.kv_tile_tokens(2, 128, gpu=True), IEEE=False, SPLIT=True, MAPPED=mapped, OUT_SCALED=True,
+            PAIRS=True, CVT_ASM=True))
     tile, warps, _, default_dots = dec.FP8_DECODE_CONFIG                 # an fp8 cache's launch, both outputs
     default_pairs = default_dots == "pairs"
     for direct, cascade in ((True, False), (False, False), (False, True)):

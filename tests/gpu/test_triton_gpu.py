@@ -141,6 +141,24 @@ def test_fp8_cache_decode_launches(dots, num_splits):
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dots", ["query", "pairs"])
+def test_fp8_cache_prefill_dots(dots):
+    """Each of an fp8 cache's prefill dots (bf16; int16 pairs converted by sm_90's cvt, fp16 wgmma) against the
+    reference: fresh prompts, chunks over cached prefixes and decode rows in one mixed step, both grids (eager and
+    a graph's tile map), over NaN-poisoned pages."""
+    from kvfit.kernels.attention_prefill import paged_prefill_attention
+    gen = torch.Generator().manual_seed(24)
+    q_lens, seq_lens = [300, 1, 64, 1, 129], [300, 1000, 2112, 17, 129]
+    k_cache, v_cache, meta = make_step(q_lens, seq_lens, 16, 8, 128, torch.float8_e4m3fn, gen)
+    query = torch.randn(sum(q_lens), 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    expected = TorchReferenceBackend().attend(query, k_cache, v_cache, meta, 128 ** -0.5).float()
+    for max_len, maps in ((max(q_lens), None), (sum(q_lens), {})):
+        got = paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, max_len, 128 ** -0.5, tile_maps=maps, dots=dots).float()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
 def test_e4m3_pairs_convert_exactly_on_the_gpu():
     """cvt.rn.f16x2.e4m3x2 (the pairs launch's conversion) gives torch's values for every pair of e4m3 bytes."""
     from e4m3_pairs import check_every_e4m3_pair

@@ -29,6 +29,18 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_pow2(head_dim))
 
 
+def pairs_fit(head_dim: int) -> bool:
+    """Whether an fp8 cache's rows can be read as int16 words of two e4m3 (attend_paged_pairs_tile): whole rows of
+    pairs with no padded lanes, and half a row (a dot's K) 16 at least."""
+    return head_dim == padded_head_dim(head_dim) and head_dim >= 32
+
+
+def pairs_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache pair as the int16 views attend_paged_pairs_tile reads (strides in words, from the views)."""
+    assert k_cache.element_size() == 1 and k_cache.stride(3) == v_cache.stride(3) == 1, (k_cache.dtype,)
+    return k_cache.view(torch.int16), v_cache.view(torch.int16)
+
+
 def largest_element_offset(t: torch.Tensor) -> int:
     """The largest element offset a kernel computes when it addresses every element of `t`."""
     return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
@@ -171,6 +183,71 @@ def softmax_step(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+# a query scaled into fp16 for an fp8 cache's fp16 dots stays below this (2^14: a score sums 128+ products of it
+# with keys up to 448, in fp32, so only the query itself must fit fp16's 65,504)
+F16_QUERY_MAX = tl.constexpr(16384.0)
+
+
+@triton.jit
+def query_in_f16(q, scale_log2):
+    """A query tile [M, D] for fp16 dots against an fp8 cache (e4m3 converts to fp16 exactly, in one instruction):
+    scaled by a power of two into fp16's range (exact), the score scale times it -> (fp16 q, scale_log2)."""
+    q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+    shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)
+    return (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16), scale_log2 * tl.exp2(shift)
+
+
+@triton.jit
+def e4m3_pairs_to_f16(w, CVT_ASM: tl.constexpr):
+    """int16 words, each two e4m3 bytes (low: an even column, high: the odd one after it) -> (even, odd) fp16
+    tensors, exactly. CVT_ASM: one cvt.rn.f16x2.e4m3x2 a word (sm_89+); else bit arithmetic (the interpreter):
+    e4m3's sign/exponent/mantissa bits moved into fp16's read as the value / 2^8 (bias 15 against 7, subnormals
+    included), times 2^8."""
+    if CVT_ASM:
+        lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                           "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:                   # e4m3's NaN (0x7F, 0xFF) stays NaN, as the cvt makes it (a poisoned slot shows)
+        lo = tl.where((w & 0x7F) == 0x7F, float("nan"),
+                      (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0)
+        hi = tl.where((w & 0x7F00) == 0x7F00, float("nan"),
+                      (((w & 0x7F00) >> 1) | (w & -32768)).to(tl.float16, bitcast=True) * 256.0)
+    return lo.to(tl.float16), hi.to(tl.float16)
+
+
+@triton.jit
+def attend_paged_pairs_tile(
+    q_even, q_odd, m_i, l_i, acc_even, acc_odd,    # fp16 [M, D_HALF] each (query_in_f16); the running softmax state
+    k_cache_ptr, v_cache_ptr, table_row,           # the caches as int16 (two e4m3 a word), strides in words
+    offs_n, n_mask, visible,                       # as attend_paged_tile's, and FULL
+    kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, D_HALF: tl.constexpr, CVT_ASM: tl.constexpr, FULL: tl.constexpr,
+):
+    """attend_paged_tile over an fp8 cache read as int16 pairs (strides in pairs): the dots in fp16 over the
+    even and the odd columns apart. K and V reach shared memory as 16-bit words, so V's transposed operand
+    loads by ldmatrix.trans (as a 16-bit cache's does); converted from fp8 after it, it was read a byte a load."""
+    within = (offs_n % PAGE).to(tl.int64)
+    if FULL:
+        blk = tl.load(table_row + offs_n // PAGE).to(tl.int64)
+        rows = tl.full(offs_n.shape, 1, tl.int1)[:, None]
+    else:
+        blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = n_mask[:, None]
+    k_even, k_odd = e4m3_pairs_to_f16(load_paged_tile(k_cache_ptr, blk, within, kv_head, stride_kb, stride_ks,
+                                                      stride_kh, rows, D_HALF, tl.int16), CVT_ASM)  # [BLOCK_N, D_HALF]
+    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))                           # [G_PAD, BLOCK_N]
+    if FULL:
+        s = s * scale_log2
+    else:
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
+    v_even, v_odd = e4m3_pairs_to_f16(load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs,
+                                                      stride_vh, rows, D_HALF, tl.int16), CVT_ASM)
+    pv = p.to(tl.float16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_even)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_odd)
+    return m_new, l_i, acc_even, acc_odd
 
 
 @triton.jit

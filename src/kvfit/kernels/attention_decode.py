@@ -17,9 +17,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.kernels import pdl
-from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, load_paged_tile, next_pow2, out_scale_operand,
-                                             padded_head_dim, softmax_step)
+from kvfit.kernels.attention_common import (attend_paged_pairs_tile, attend_paged_tile, attention_operands,
+                                             dot_ieee, head_dim_mask, kv_tile_tokens, next_pow2, out_scale_operand,
+                                             padded_head_dim, pairs_fit, pairs_views, query_in_f16)
 from kvfit.platforms.gate import on_gpu
 
 LOG2_E = 1.4426950408889634
@@ -61,9 +61,6 @@ def choose_prefix_splits(num_seqs: int, group: int, num_kv_heads: int, elem_byte
     return max(MIN_PREFIX_SPLITS, min(wanted, MAX_PREFIX_SPLITS))
 
 
-# a query scaled into fp16 for DOT_F16 stays below this (2^14: a score sums 128+ products of it with keys up to
-# 448, in fp32, so only the query itself must fit fp16's 65,504)
-F16_QUERY_MAX = tl.constexpr(16384.0)
 FP8_MAX = tl.constexpr(448.0)          # e4m3's largest
 # an fp8 cache's decode launch: (tokens per tile, warps, pipeline stages or None for Triton's default, the dots:
 # "query" (bf16), "fp16", "fp8" or "pairs").
@@ -72,48 +69,6 @@ FP8_MAX = tl.constexpr(448.0)          # e4m3's largest
 # warps, 2 stages); at batch 256 x 2,048 it reads at 0.91 of copy bandwidth, a bf16 cache's decode at 1.01
 FP8_DECODE_CONFIG = (64, 4, 3, "pairs")
 DOTS = ("query", "fp16", "fp8", "pairs")
-
-
-@triton.jit
-def e4m3_pairs_to_f16(w, CVT_ASM: tl.constexpr):
-    """int16 words, each two e4m3 bytes (low: an even column, high: the odd one after it) -> (even, odd) fp16
-    tensors, exactly. CVT_ASM: one cvt.rn.f16x2.e4m3x2 a word (sm_89+); else bit arithmetic (the interpreter):
-    e4m3's sign/exponent/mantissa bits moved into fp16's read as the value / 2^8 (bias 15 against 7, subnormals
-    included), times 2^8."""
-    if CVT_ASM:
-        lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-                                           "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:                   # e4m3's NaN (0x7F, 0xFF) stays NaN, as the cvt makes it (a poisoned slot shows)
-        lo = tl.where((w & 0x7F) == 0x7F, float("nan"),
-                      (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0)
-        hi = tl.where((w & 0x7F00) == 0x7F00, float("nan"),
-                      (((w & 0x7F00) >> 1) | (w & -32768)).to(tl.float16, bitcast=True) * 256.0)
-    return lo.to(tl.float16), hi.to(tl.float16)
-
-
-@triton.jit
-def attend_paged_pairs_tile(
-    q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask,
-    kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    PAGE: tl.constexpr, D_HALF: tl.constexpr, CVT_ASM: tl.constexpr,
-):
-    """attend_paged_tile over an fp8 cache read as int16 pairs (strides in pairs): the dots in fp16 over the
-    even and the odd columns apart. K and V reach shared memory as 16-bit words, so V's transposed operand
-    loads by ldmatrix.trans (as a 16-bit cache's does); converted from fp8 after it, it was read a byte a load."""
-    within = (offs_n % PAGE).to(tl.int64)
-    blk = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    rows = n_mask[:, None]
-    k_even, k_odd = e4m3_pairs_to_f16(load_paged_tile(k_cache_ptr, blk, within, kv_head, stride_kb, stride_ks,
-                                                      stride_kh, rows, D_HALF, tl.int16), CVT_ASM)  # [BLOCK_N, D_HALF]
-    s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))                           # [G_PAD, BLOCK_N]
-    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-    v_even, v_odd = e4m3_pairs_to_f16(load_paged_tile(v_cache_ptr, blk, within, kv_head, stride_vb, stride_vs,
-                                                      stride_vh, rows, D_HALF, tl.int16), CVT_ASM)
-    pv = p.to(tl.float16)
-    acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_even)
-    acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_odd)
-    return m_new, l_i, acc_even, acc_odd
 
 
 def heads_per_program(group: int) -> int:
@@ -180,10 +135,7 @@ def _decode_split_kernel(
     q_mask = head_mask[:, None] & d_mask[None, :] & has_query
     q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
     if DOT_F16:
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)
-        q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
-        scale_log2 = scale_log2 * tl.exp2(shift)
+        q, scale_log2 = query_in_f16(q, scale_log2)
     if DOT_FP8:
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / FP8_MAX         # [G_PAD]
         q = (q.to(tl.float32) / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
@@ -201,10 +153,11 @@ def _decode_split_kernel(
         acc_odd = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
             m_i, l_i, acc_even, acc_odd = attend_paged_pairs_tile(
-                q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n,
-                offs_n < hi, kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                PAGE, D_PAD // 2, CVT_ASM)
+                q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask,
+                n_mask[None, :], kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, PAGE, D_PAD // 2, CVT_ASM, False)
         acc = tl.reshape(tl.join(acc_even, acc_odd), [G_PAD, D_PAD])
     else:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -373,12 +326,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_n = block_n or tile or prefix_block_n
     num_warps = num_warps or warps
     num_stages = stages if num_stages is None else num_stages
-    pairs_fit = head_dim == d_pad and d_pad >= 32     # whole rows of pairs, and half a row is a dot's 16 at least
     if dots is None:        # the config's pairs where they fit, else fp16
-        dots = "fp16" if config_dots == "pairs" and not pairs_fit else config_dots
+        dots = "fp16" if config_dots == "pairs" and not pairs_fit(head_dim) else config_dots
     assert dots in DOTS and (dots == "query" or k_cache.element_size() == 1), (dots, k_cache.dtype)
     pairs = dots == "pairs"
-    assert not pairs or (pairs_fit and k_cache.stride(3) == v_cache.stride(3) == 1), "pairs: whole rows, >= 32"
+    assert not pairs or pairs_fit(head_dim), "pairs: whole rows of pairs, head_dim >= 32"
     num_splits = max(1, int(num_splits))
     cascade = prefix_splits > 0
     assert not cascade or (prefix_len is not None and prefix_len.shape == (1,)), "cascade needs prefix_len [1]"
@@ -393,7 +345,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
     strides = _cache_strides(k_cache, v_cache)
     # pairs: the split kernel reads the caches as int16 (two e4m3 a word), in the views' own strides
-    k_split, v_split = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if pairs else (k_cache, v_cache)
+    k_split, v_split = pairs_views(k_cache, v_cache) if pairs else (k_cache, v_cache)
     split_strides = _cache_strides(k_split, v_split)
     if cascade:
         rows = shared_prefix_rows(query.element_size())

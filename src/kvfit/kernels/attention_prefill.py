@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.kernels.attention_common import (attend_paged_tile, attention_operands, dot_ieee, head_dim_mask,
-                                             kv_tile_tokens, out_scale_operand, padded_head_dim)
+from kvfit.kernels.attention_common import (attend_paged_pairs_tile, attend_paged_tile, attention_operands,
+                                             dot_ieee, head_dim_mask, kv_tile_tokens, out_scale_operand,
+                                             padded_head_dim, pairs_fit, pairs_views, query_in_f16)
 from kvfit.kernels.attention_decode import LOG2_E
 from kvfit.platforms.gate import on_gpu
 
@@ -34,9 +35,12 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-    MAPPED: tl.constexpr, OUT_SCALED: tl.constexpr = False,
+    MAPPED: tl.constexpr, OUT_SCALED: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    CVT_ASM: tl.constexpr = False,
 ):
     # OUT_SCALED: the output times out_scale_ptr[kv_head] (an fp8 cache's v scale), in fp32 before the rounding
+    # PAIRS (an fp8 cache, HEAD_DIM == D_PAD): the caches are int16 views (strides in pairs of e4m3), the dots in
+    # fp16 over the even and odd columns apart (attend_paged_pairs_tile, as the decode's)
     if MAPPED:      # program (tile, 0, kv head): its sequence and first row from the tile map (-1: no work)
         tile_seq = tl.load(tile_seqs_ptr + tl.program_id(0))
         if tile_seq < 0:
@@ -69,29 +73,49 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     last_tok = tl.minimum((row_start + BLOCK_M - 1) // GROUP, q_len - 1)
     kv_hi = prefix_len + last_tok + 1                     # keys any row of this tile may see
     table_row = block_tables_ptr + seq * stride_bt
     # SPLIT: the whole tiles every row of this tile sees (keys < the first row's position + 1) go
     # first, without masks; only the tiles on the causal diagonal pay for them
     kv_full = (prefix_len + row_start // GROUP + 1) // BLOCK_N * BLOCK_N if SPLIT else 0
-    for start in range(0, kv_full, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, offs_n < kv_hi, None, d_mask,
-            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE, True)
-    for start in range(kv_full, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_hi
-        # every row saw a whole unmasked tile already, or this tile holds key 0, which every row sees:
-        # the running max is finite from the first tile on
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]      # [BLOCK_M, BLOCK_N]
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, causal, d_mask,
-            kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, D_PAD, IEEE, False)
+    if PAIRS:
+        q, scale_log2 = query_in_f16(q, scale_log2)
+        q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, D_PAD // 2, 2]))
+        acc_even = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, D_PAD // 2], tl.float32)
+        for start in range(0, kv_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc_even, acc_odd = attend_paged_pairs_tile(
+                q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n,
+                offs_n < kv_hi, None, kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, PAGE, D_PAD // 2, CVT_ASM, True)
+        for start in range(kv_full, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < kv_hi
+            m_i, l_i, acc_even, acc_odd = attend_paged_pairs_tile(
+                q_even, q_odd, m_i, l_i, acc_even, acc_odd, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask,
+                (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], kv_head, scale_log2, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, PAGE, D_PAD // 2, CVT_ASM, False)
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_M, D_PAD])
+    else:
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for start in range(0, kv_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = attend_paged_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, offs_n < kv_hi, None, d_mask,
+                kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                PAGE, D_PAD, IEEE, True)
+        for start in range(kv_full, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < kv_hi
+            # every row saw a whole unmasked tile already, or this tile holds key 0, which every row sees:
+            # the running max is finite from the first tile on
+            causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]      # [BLOCK_M, BLOCK_N]
+            m_i, l_i, acc = attend_paged_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, offs_n, n_mask, causal, d_mask,
+                kv_head, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                PAGE, D_PAD, IEEE, False)
 
     out = acc / l_i[:, None]
     if OUT_SCALED:
@@ -113,6 +137,13 @@ def prefill_tile_rows(elem_bytes: int, gpu: bool) -> int:
 # on 8,000-token prompts and 3-7% slower on 1,024-token ones, and no faster end to end on the
 # long-context workload (qwen3-0.6b shape; docs/benchmarks.md), so the defaults stay.
 PREFILL_CONFIG: tuple[int, int, int, int] | None = None
+# an fp8 cache's dots under a bf16 query on a GPU where pairs_fit: "query" (K and V converted to bf16) or "pairs" (read
+# as int16 words of two e4m3, fp16 dots over the even and odd columns, as the decode's FP8_DECODE_CONFIG). At 64 query
+# rows the dots are Hopper's wgmma with both operands in shared memory, so either converts a tile in registers and
+# stores it back (sm_90 PTX, read on the CPU: no byte-wide loads, unlike the decode's 16-row mma.sync); "query" spends
+# three cvt instructions on two values (e4m3x2 -> f16x2, then each f16 -> bf16), "pairs" one. The time each takes:
+# benchmarks/bench_prefill_attention.py --kv-cache-dtype fp8_e4m3
+FP8_PREFILL_DOTS = "query"
 
 
 def prefill_tile_map(query_start_loc: torch.Tensor, group: int, block_m: int, num_tiles: int
@@ -146,7 +177,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_n: int | None = None, num_warps: int | None = None,
                             out: torch.Tensor | None = None, num_stages: int | None = None,
                             split: bool | None = None, tile_maps: dict | None = None,
-                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            out_scale: torch.Tensor | None = None, dots: str | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     query: [T, Hq, D]; caches: [num_blocks, PAGE, Hkv, D]; block_tables: [B, max_blocks] int32;
@@ -157,6 +188,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     programs find their rows through prefill_tile_map, built once a step and kept in this dict for the
     other layers; None: the grid is (B, row tiles of max_query_len, Hkv).
     out_scale: fp32 [Hkv] or None: query head h's output times out_scale[h // group] (AttentionBackend.attend).
+    dots: "query" (K and V converted to the query's dtype) or "pairs" (an fp8 cache under a 16-bit query, head_dim
+    a power of two >= 32: attend_paged_pairs_tile); None: FP8_PREFILL_DOTS for an fp8 cache under a bf16 query on a
+    GPU where pairs fit, else "query".
     """
     num_seqs = seq_lens.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -166,6 +200,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len == 0:
         return out
     d_pad = padded_head_dim(head_dim)
+    fp8 = k_cache.element_size() == 1
+    if dots is None:
+        gpu_fp8 = fp8 and query.dtype == torch.bfloat16 and on_gpu(query) and pairs_fit(head_dim)
+        dots = FP8_PREFILL_DOTS if gpu_fp8 else "query"
+    assert dots == "query" or (dots == "pairs" and fp8 and query.element_size() == 2 and pairs_fit(head_dim)), (
+        dots, k_cache.dtype, query.dtype, head_dim)
+    pairs = dots == "pairs"
     if PREFILL_CONFIG is not None and query.element_size() <= 2 and d_pad <= 128 and on_gpu(query):
         tuned_m, tuned_n, tuned_warps, tuned_stages = PREFILL_CONFIG
         block_m, block_n = block_m or tuned_m, block_n or tuned_n
@@ -187,13 +228,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         tile_seqs, tile_rows = tile_maps[key]
         grid = (num_tiles, 1, num_kv_heads)
     out_scale, scaled = out_scale_operand(out_scale, num_kv_heads, seq_lens)
+    k_arg, v_arg = pairs_views(k_cache, v_cache) if pairs else (k_cache, v_cache)     # pairs: strides in words
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, out_scale, block_tables, seq_lens, query_start_loc,
+        query, k_arg, v_arg, out, out_scale, block_tables, seq_lens, query_start_loc,
         tile_seqs, tile_rows, scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        k_arg.stride(0), k_arg.stride(1), k_arg.stride(2),
+        v_arg.stride(0), v_arg.stride(1), v_arg.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=ieee, SPLIT=split, MAPPED=tile_maps is not None, OUT_SCALED=scaled, num_warps=num_warps, **stages,
+        IEEE=ieee, SPLIT=split, MAPPED=tile_maps is not None, OUT_SCALED=scaled, PAIRS=pairs,
+        CVT_ASM=pairs and on_gpu(query), num_warps=num_warps, **stages,
     )
     return out
