@@ -148,11 +148,16 @@ if triton is not None:
             kv_of = tl.where(is_q, heads // group, (heads - num_first) % num_kv)        # 0..num_kv-1
             ks = tl.load(k_scale_ptr + kv_of)[:, None]
             vs = tl.load(v_scale_ptr + kv_of)[:, None]
-            qs1, qs2 = (o1.to(tl.float32) * ks).to(dtype), (o2.to(tl.float32) * ks).to(dtype)
-            o1 = tl.where(is_q[:, None], qs1, o1)
-            o2 = tl.where(is_q[:, None], qs2, o2)
-            k1, k2 = tl.math.div_rn(k1.to(tl.float32), ks).to(dtype), tl.math.div_rn(k2.to(tl.float32), ks).to(dtype)
-            v1, v2 = tl.math.div_rn(v1.to(tl.float32), vs).to(dtype), tl.math.div_rn(v2.to(tl.float32), vs).to(dtype)
+            # one product and one division a value, each row its own: a q row times its k scale (divided by 1:
+            # exact), a k row (after RoPE) divided by its k scale, a v row (as projected) by its v scale (times 1)
+            rotated_row = (heads < num_first + num_kv)[:, None]
+            times = tl.where(is_q[:, None], ks, 1.0)
+            by = tl.where(is_q[:, None], 1.0, tl.where(rotated_row, ks, vs))
+            r1 = tl.math.div_rn(tl.where(rotated_row, o1, v1).to(tl.float32) * times, by).to(dtype)
+            r2 = tl.math.div_rn(tl.where(rotated_row, o2, v2).to(tl.float32) * times, by).to(dtype)
+            o1 = tl.where(is_q[:, None], r1, o1)
+            o2 = tl.where(is_q[:, None], r2, o2)
+            k1, k2, v1, v2 = r1, r2, r1, r2          # the writes below take the k rows' and the v rows' own
         tl.store(base, o1, mask=rotated)
         tl.store(base + HALF, o2, mask=rotated)
         if WRITE_KV:
