@@ -1,5 +1,6 @@
-"""Batches of prompts arriving together are queued one at a time (app._add_all): interleaved, each took the queue
-for its first prompt and then failed on its second, so six concurrent batches of which three fit got 429 all."""
+"""Batches of prompts arriving together are queued one whole batch at a time (ServingEngine.add_batch): interleaved,
+each took the queue for its first prompt and then failed on its second, so six concurrent batches of which three fit
+got 429 all. A batch's adds go to the core together: one round trip a batch, not one a prompt."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ def test_concurrent_batches_are_queued_one_whole_batch_at_a_time(tiny_llama):
         # room for 2 running + 8 waiting samples; each request asks for 2 prompts x 5 samples: one fits at a time
         with running_server(engine, "tiny", max_waiting_requests=8) as (url, app):
             serving = app.state.kvfit.engine
-            add, order = serving.add, []
+            prepared, order = serving._prepared_add, []
 
-            async def add_after_a_hop(request_id, *args, **kwargs):   # the engine core process's round trip
-                order.append(request_id)
+            async def prepared_after_a_hop(request, on_progress):     # tokenizing takes a while: batches overlap
                 await asyncio.sleep(0.05)
-                return await add(request_id, *args, **kwargs)
-            serving.add = add_after_a_hop
+                return await prepared(request, on_progress)
+            submit = serving._submit_add
+
+            def submit_in_order(command):
+                order.append(command.request_id)
+                submit(command)
+            serving._prepared_add, serving._submit_add = prepared_after_a_hop, submit_in_order
             body = {"model": "tiny", "prompt": [[5, 6, 7], [8, 9, 10]], "max_tokens": 60, "n": 5, "ignore_eos": True}
 
             def post(_):
@@ -40,5 +45,41 @@ def test_concurrent_batches_are_queued_one_whole_batch_at_a_time(tiny_llama):
             runs = [b for i, b in enumerate(batches) if i == 0 or batches[i - 1] != b]
             assert len(runs) == len(set(runs)), order
             assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_a_batch_waits_for_the_core_once_and_a_refused_prompt_aborts_the_others(tiny_llama):
+    """add_batch sends every prompt's add before awaiting any answer (a batch of 6 is answered in the core's one
+    round, not six); a prompt the core refuses fails the request naming it, and the prompts queued before it are
+    aborted: the KV cache is empty after."""
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    try:
+        with running_server(engine, "tiny", max_waiting_requests=64) as (url, app):
+            serving = app.state.kvfit.engine
+            submit, waits = serving._submit_add, []
+
+            def submit_counting(command):
+                waits.append(sum(not c.future.done() for c in pending))     # adds sent, not yet answered
+                pending.append(command)
+                submit(command)
+            pending: list = []
+            serving._submit_add = submit_counting
+            body = {"model": "tiny", "prompt": [[5, 6, 7]] * 6, "max_tokens": 3, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 6
+            assert waits == [0, 1, 2, 3, 4, 5]           # none answered before the last was sent
+            # prompt 2 longer than the model: refused by the core; prompts 0 and 1 were queued and are aborted
+            long = list(range(1, engine.max_model_len + 5))
+            body = {"model": "tiny", "prompt": [[5, 6, 7], [8, 9], long, [4]], "max_tokens": 50, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and "prompt 2 of 4" in r.json()["error"]["message"], r.text
+            assert len(pending) == 10 and waits[6:] == [0, 1, 2, 3]      # all four sent: the core refused it
+            for _ in range(100):
+                stats = serving.stats()
+                if stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
+                    break
+                asyncio.run(asyncio.sleep(0.05))
+            assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0, stats
     finally:
         engine.shutdown()

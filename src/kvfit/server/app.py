@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfit.errors import ConfigError
-from kvfit.server.async_engine import AsyncEngine, RequestStream, ServingEngine
+from kvfit.server.async_engine import AddRequest, AsyncEngine, PromptRefused, RequestStream, ServingEngine
 from kvfit.server.frontend import DEFAULT_FRONTEND, FrontendOptions, install_frontend_middleware
 from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, DEFAULT_MAX_BODY_BYTES
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
@@ -65,8 +65,6 @@ class ServerState:
     defaults: RequestDefaults = NO_DEFAULTS  # --generation-config's, for what a request leaves out
     template_variables: dict = field(default_factory=dict)    # template text -> the variables it reads
     tool_options: ToolOptions = NO_TOOLS    # --enable-auto-tool-choice, --tool-call-parser
-    # a batch of prompts is queued whole before the next batch starts (_add_all)
-    batch_admission: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def model_name(self) -> str:
@@ -397,39 +395,27 @@ async def _until_finished_or_gone(request: Request, streams: list[RequestStream]
 
 
 async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
-    """Queue every prompt's request; if one is refused, abort those queued and fail the whole request
-    with that prompt's error (its index named in a batch). Batches are queued one at a time: interleaved, each
-    took the queue for its first prompts and all failed on their later ones where some of them would fit."""
-    if len(inputs) == 1:
-        return await _add_each(state, response_id, inputs)
-    wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
-    if cap and wanted > cap:     # as n alone past it (EngineCore.add): it would hold the batch lock, then fail
-        raise APIError(400, f"{len(inputs)} prompts x n={inputs[0].n} = {wanted} requests can never be queued here: "
-                            f"at most --max-num-seqs + --max-waiting-requests = {cap} run or wait at once; send "
-                            "fewer prompts a request", "invalid_request_error", "prompt")
-    async with state.batch_admission:
-        return await _add_each(state, response_id, inputs)
-
-
-async def _add_each(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
-    streams: list[RequestStream] = []
+    """Queue every prompt's request (ServingEngine.add_batch: one batch's adds reach the core together, none of
+    another batch's among them); if one is refused, those queued are aborted and the whole request fails with that
+    prompt's error (its index named in a batch)."""
+    if len(inputs) > 1:
+        wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
+        if cap and wanted > cap:     # as n alone past it (EngineCore.add): refused before any is queued
+            raise APIError(400, f"{len(inputs)} prompts x n={inputs[0].n} = {wanted} requests can never be queued "
+                                f"here: at most --max-num-seqs + --max-waiting-requests = {cap} run or wait at once; "
+                                "send fewer prompts a request", "invalid_request_error", "prompt")
     batch = len(inputs) > 1
+    requests = [AddRequest(f"{response_id}-{i}" if batch else response_id,     # vLLM's sub-request ids
+                           inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt, inp.truncate)
+                for i, inp in enumerate(inputs)]
     try:
-        for i, inp in enumerate(inputs):
-            request_id = f"{response_id}-{i}" if batch else response_id     # vLLM's sub-request ids
-            try:
-                stream = await state.engine.add(request_id, inp.prompt, inp.params, inp.max_tokens_given,
-                                                inp.cache_salt, inp.truncate, state.metrics.progress)
-            except APIError as exc:
-                if not batch:
-                    raise
-                raise APIError(exc.status, f"prompt {i} of {len(inputs)}: {exc.message}", exc.type,
-                               exc.param or "prompt", exc.code) from None
-            streams.append(stream)
-    except BaseException:
-        _close_all(state, streams)
-        raise
-    return streams
+        return await state.engine.add_batch(requests, state.metrics.progress)
+    except PromptRefused as exc:
+        if not batch:
+            raise exc.error from None
+        error = exc.error
+        raise APIError(error.status, f"prompt {exc.index} of {len(inputs)}: {error.message}", error.type,
+                       error.param or "prompt", error.code) from None
 
 
 async def _moves(stream: RequestStream):

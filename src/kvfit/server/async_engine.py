@@ -148,6 +148,26 @@ class RequestStream:
         self.num_output_tokens = num_tokens
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """One request of ServingEngine.add_batch (add's arguments)."""
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    max_tokens_given: bool = True
+    cache_salt: str | None = None
+    truncate: tuple[int, str] | None = None
+
+
+class PromptRefused(Exception):
+    """ServingEngine.add_batch: request `index` of the batch was refused with `error` (an APIError); none of the
+    batch stays queued."""
+
+    def __init__(self, index: int, error: APIError):
+        super().__init__(index, error)
+        self.index, self.error = index, error
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -222,25 +242,63 @@ class ServingEngine:
         """Queue a request; raise APIError (400 unservable, 429 queue full, 503 shutting down or dead).
         cache_salt: the request shares prefix-cache blocks only with requests of the same salt; truncate:
         truncate_prompt_tokens and its side (params.truncate_prompt); on_progress: RequestStream's."""
+        try:
+            (stream,) = await self.add_batch(
+                [AddRequest(request_id, prompt, params, max_tokens_given, cache_salt, truncate)], on_progress)
+        except PromptRefused as exc:
+            raise exc.error from None
+        return stream
+
+    async def add_batch(self, requests: list[AddRequest], on_progress=None) -> list[RequestStream]:
+        """Queue several requests as one (a completions request's prompts): every prompt tokenized first (on the
+        prepare threads, together), then every add sent with no other request's add among them, then the core's
+        answers awaited together: a batch costs the core one round trip, not one a prompt. If one is refused,
+        the others are aborted (their blocks freed) and PromptRefused names it; a cancelled caller aborts all."""
         if (error := self.health()) is not None:
             raise error
-        stream = RequestStream(request_id, on_progress=on_progress)
+        prepared = await asyncio.gather(*(self._prepared_add(r, on_progress) for r in requests),
+                                        return_exceptions=True)
+        for i, command in enumerate(prepared):
+            if isinstance(command, APIError):
+                raise PromptRefused(i, command)
+            if isinstance(command, BaseException):
+                raise command
+        sent: list[_Add] = []
+        try:
+            for command in prepared:      # no await between them: no other batch's add comes in between
+                self._submit_add(command)
+                sent.append(command)
+            counts = await asyncio.gather(*(command.future for command in prepared), return_exceptions=True)
+        except BaseException:            # cancelled, or the core went away mid-batch: the aborts follow the adds
+            for command in sent:
+                self.abort(command.request_id)
+            raise
+        refused = next(((i, e) for i, e in enumerate(counts) if isinstance(e, BaseException)), None)
+        if refused is not None:
+            for command, count in zip(prepared, counts):
+                if not isinstance(count, BaseException):
+                    self.abort(command.request_id)
+            index, error = refused
+            if isinstance(error, APIError):
+                raise PromptRefused(index, error)
+            raise error
+        for command, count in zip(prepared, counts):
+            command.stream.count_from(count)
+        return [command.stream for command in prepared]
+
+    async def _prepared_add(self, request: AddRequest, on_progress) -> _Add:
+        """An add command for the core: the prompt tokenized (a text) and truncated as the request asks."""
+        stream = RequestStream(request.request_id, on_progress=on_progress)
+        prompt, truncate, params = request.prompt, request.truncate, request.params
         if isinstance(prompt, str):
             text = cut_prompt_text(prompt, truncate, self.max_prompt_chars)
             ids, cut = await self.encode(text), len(text) < len(prompt)
         else:
             ids, cut = list(prompt), False
-        kept = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if max_tokens_given else 0)
+        kept = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if request.max_tokens_given else 0)
         stream.prompt_ids, stream.prompt_cut = kept, cut or len(kept) < len(ids)
-        ids = kept
-        future = asyncio.get_running_loop().create_future()
-        self._submit_add(_Add(request_id, ids, params, max_tokens_given, stream, future, cache_salt))
-        try:
-            stream.count_from(await future)
-        except asyncio.CancelledError:
-            self.abort(request_id)     # runs after the add, so a request added meanwhile is freed
-            raise
-        return stream
+        return _Add(request.request_id, kept, params, request.max_tokens_given, stream,
+                    asyncio.get_running_loop().create_future(), request.cache_salt)
 
     def _submit_add(self, command: "_Add") -> None:
         raise NotImplementedError
