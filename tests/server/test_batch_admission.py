@@ -5,6 +5,7 @@ got 429 all. A batch's adds go to the core together: one round trip a batch, not
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -79,7 +80,34 @@ def test_a_batch_waits_for_the_core_once_and_a_refused_prompt_aborts_the_others(
                 stats = serving.stats()
                 if stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
                     break
-                asyncio.run(asyncio.sleep(0.05))
+                time.sleep(0.05)
             assert stats["running"] == stats["waiting"] == 0 and stats["kv_blocks_used"] == 0, stats
+    finally:
+        engine.shutdown()
+
+
+def test_a_batch_that_does_not_fit_leaves_the_room_to_the_next_one(tiny_llama):
+    """Three batches at once with room for 10 (2 running + 8 waiting): A (8) fits, B (8) does not and is refused
+    whole, C (2) fits in what B's refusal leaves (B's first prompts are aborted before C's adds are sent)."""
+    from kvfit.sampling_params import SamplingParams
+    from kvfit.server.async_engine import AddRequest, AsyncEngine, PromptRefused
+    engine = make_engine(tiny_llama, max_num_seqs=2)
+    try:
+        async def main():
+            serving = AsyncEngine(engine, max_waiting_requests=8)
+            serving.start(asyncio.get_running_loop())
+            params = SamplingParams(max_tokens=120, ignore_eos=True)
+
+            async def admit(name, size):
+                try:
+                    await serving.add_batch([AddRequest(f"{name}-{i}", [5, 6, 7 + i], params) for i in range(size)])
+                    return "ok"
+                except PromptRefused as exc:
+                    return exc.error.status
+            try:
+                return await asyncio.gather(admit("A", 8), admit("B", 8), admit("C", 2))
+            finally:
+                serving.stop()
+        assert asyncio.run(main()) == ["ok", 429, "ok"]
     finally:
         engine.shutdown()

@@ -193,9 +193,10 @@ F16_QUERY_MAX = tl.constexpr(16384.0)
 @triton.jit
 def query_in_f16(q, scale_log2):
     """A query tile [M, D] for fp16 dots against an fp8 cache (e4m3 converts to fp16 exactly, in one instruction):
-    scaled by a power of two into fp16's range (exact), the score scale times it -> (fp16 q, scale_log2)."""
-    q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-    shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)
+    each row scaled by a power of two into fp16's range (exact; a loud row does not push the others toward fp16's
+    subnormals), the score scale times it -> (fp16 q, scale_log2 [M, 1])."""
+    q_max = tl.max(tl.abs(q.to(tl.float32)), 1)                                             # [M]
+    shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)[:, None]
     return (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16), scale_log2 * tl.exp2(shift)
 
 

@@ -395,9 +395,9 @@ async def _until_finished_or_gone(request: Request, streams: list[RequestStream]
 
 
 async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateInput]) -> list[RequestStream]:
-    """Queue every prompt's request (ServingEngine.add_batch: one batch's adds reach the core together, none of
-    another batch's among them); if one is refused, those queued are aborted and the whole request fails with that
-    prompt's error (its index named in a batch)."""
+    """Queue every prompt's request (ServingEngine.add_batch: one batch's adds reach the core together, one batch
+    at a time); if one is refused, those queued are aborted and the whole request fails with that prompt's error
+    (its index named in a batch)."""
     if len(inputs) > 1:
         wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
         if cap and wanted > cap:     # as n alone past it (EngineCore.add): refused before any is queued
@@ -411,9 +411,9 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
     try:
         return await state.engine.add_batch(requests, state.metrics.progress)
     except PromptRefused as exc:
-        if not batch:
-            raise exc.error from None
         error = exc.error
+        if not batch or error.status >= 500:          # one prompt's, or the engine's (shutting down, dead)
+            raise error from None
         raise APIError(error.status, f"prompt {exc.index} of {len(inputs)}: {error.message}", error.type,
                        error.param or "prompt", error.code) from None
 

@@ -202,6 +202,8 @@ class ServingEngine:
         # requests that can run or wait at once (--max-num-seqs + --max-waiting-requests); 0: not known
         self.max_requests_at_once = 0
         self._closing = False                 # no new requests; running ones end with a 503
+        # batches are admitted one at a time (add_batch): a refused one's aborts reach the core before the next's adds
+        self._batch_admission = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvfit-prepare")
 
@@ -250,27 +252,35 @@ class ServingEngine:
         return stream
 
     async def add_batch(self, requests: list[AddRequest], on_progress=None) -> list[RequestStream]:
-        """Queue several requests as one (a completions request's prompts): every prompt tokenized first (on the
-        prepare threads, together), then every add sent with no other request's add among them, then the core's
-        answers awaited together: a batch costs the core one round trip, not one a prompt. If one is refused,
-        the others are aborted (their blocks freed) and PromptRefused names it; a cancelled caller aborts all."""
+        """Queue several requests as one (a completions request's prompts): each prompt tokenized in turn (a
+        refused one stops the rest), then, one batch at a time, every add sent together and the core's answers
+        awaited together: a batch costs the core one round trip, not one a prompt. If one is refused, the others
+        are aborted (their blocks freed) before the next batch is sent, so a batch that does not fit never holds
+        room another would fit in; PromptRefused names it. A cancelled caller aborts all."""
         if (error := self.health()) is not None:
             raise error
-        prepared = await asyncio.gather(*(self._prepared_add(r, on_progress) for r in requests),
-                                        return_exceptions=True)
-        for i, command in enumerate(prepared):
-            if isinstance(command, APIError):
-                raise PromptRefused(i, command)
-            if isinstance(command, BaseException):
-                raise command
+        prepared: list[_Add] = []
+        for i, request in enumerate(requests):
+            try:
+                prepared.append(await self._prepared_add(request, on_progress))
+            except APIError as exc:
+                raise PromptRefused(i, exc) from None
+        if len(prepared) == 1:
+            return await self._admit(prepared)
+        async with self._batch_admission:
+            return await self._admit(prepared)
+
+    async def _admit(self, prepared: list[_Add]) -> list[RequestStream]:
+        """Send the adds together, await their answers together (add_batch)."""
         sent: list[_Add] = []
         try:
-            for command in prepared:      # no await between them: no other batch's add comes in between
+            for command in prepared:      # no await between them: no other request's add comes in between
                 self._submit_add(command)
                 sent.append(command)
             counts = await asyncio.gather(*(command.future for command in prepared), return_exceptions=True)
         except BaseException:            # cancelled, or the core went away mid-batch: the aborts follow the adds
             for command in sent:
+                command.future.cancel()  # nobody reads their answers now
                 self.abort(command.request_id)
             raise
         refused = next(((i, e) for i, e in enumerate(counts) if isinstance(e, BaseException)), None)
