@@ -60,6 +60,16 @@ ACTIVATION_SCRATCH_BYTES = 1
 STATIC_ACTIVATION_SCRATCH_BYTES = 4 + 1
 
 
+# a checkpoint's separate projections -> the fused module vLLM builds from them (its packed_modules_mapping)
+FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
+
+
+def _names(module: str, name: str) -> bool:
+    """An ignore list's plain name names module: the module itself, a suffix of whole parts, or a module it is in."""
+    return module == name or module.endswith("." + name) or module.startswith(name + ".")
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How one model's linear weights (and activations) are held in 8 bits."""
@@ -83,12 +93,18 @@ class Fp8Scheme:
         assert self.activation != "group" or self.weight_strategy == "block", self
 
     def quantizes(self, module: str) -> bool:
-        """Whether module (a checkpoint name such as model.layers.0.self_attn.q_proj) is in FP8."""
+        """Whether module (a checkpoint name such as model.layers.0.self_attn.q_proj) is in FP8. An ignore list may
+        name the fused module vLLM builds from it (self_attn.qkv_proj, mlp.gate_up_proj: vLLM's is_layer_skipped
+        and should_ignore_layer honour that name, not a pattern over it): its parts stay 16-bit too."""
+        prefix, _, leaf = module.rpartition(".")
+        fused = FUSED_MODULES.get(leaf)
+        if fused is not None and any(_names(f"{prefix}.{fused}", p) for p in self.ignore if not p.startswith("re:")):
+            return False
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):          # compressed-tensors' rule: a match at the start
                     return False
-            elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
+            elif _names(module, pattern):
                 return False
         return True
 
@@ -293,10 +309,11 @@ def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None
     if not isinstance(acts, dict) or acts.get("num_bits") != 8 or acts.get("type") != "float":
         raise ConfigError(f"{where}: input_activations must be 8-bit float, got {_show(acts)}")
     act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
-    if dynamic and act_strategy in ("token", "tensor") and block is None:   # per token: at least as accurate
-        activation = "token"
-    elif dynamic and act_strategy == "group" and block is not None and acts.get("group_size") == block[1]:
-        activation = "group"
+    if dynamic and act_strategy in ("token", "tensor", "group"):
+        # dynamic activations are quantized as the weights' GEMM reads them, whatever strategy the group names
+        # (vLLM's CompressedTensorsW8A8Fp8 too): per token and block column with block weights, else per token
+        # (at least as fine as per tensor or a group's columns)
+        activation = "group" if block is not None else "token"
     elif not dynamic and act_strategy == "tensor" and block is None:
         activation = "static"
     else:
@@ -313,8 +330,9 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
     scheme = quant.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ConfigError(f"{where}: activation_scheme {_show(scheme)} is not supported; use dynamic or static")
-    ignore = _ignore_list(quant.get("modules_to_not_convert") or quant.get("ignored_layers"),
-                          "modules_to_not_convert", where)
+    # vLLM's Fp8Config reads ignored_layers, and modules_to_not_convert only where that is empty
+    key = "ignored_layers" if quant.get("ignored_layers") else "modules_to_not_convert"
+    ignore = _ignore_list(quant.get(key), key, where)
     scale_fmt = quant.get("scale_fmt")
     if scale_fmt not in (None, "ue8m0"):
         raise ConfigError(f"{where}: scale_fmt {_show(scale_fmt)} is not supported; kvfit reads float scales "

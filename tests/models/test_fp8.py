@@ -268,6 +268,33 @@ def test_ignored_layers_stay_in_the_model_dtype(models):
     assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
 
 
+@pytest.mark.parametrize("fmt,key", [("ct-channel", "ignore"), ("block", "modules_to_not_convert")])
+def test_an_ignore_list_naming_the_fused_module_keeps_its_parts_16_bit(models, fmt, key):
+    """An ignore list may name the module vLLM fuses the checkpoint's projections into (self_attn.qkv_proj,
+    mlp.gate_up_proj; vLLM's is_layer_skipped and should_ignore_layer honour it): q/k/v and gate/up stay 16-bit
+    (they were refused as a mismatch with the checkpoint), the logits those of the partly dequantized reference."""
+    root, src = models
+    fp8, deq = write_fp8_copy(src["llama"], root / f"fused-ignore-{fmt}", fmt,
+                              skip=("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.1.self_attn.q_proj",
+                                    "layers.1.self_attn.k_proj", "layers.1.self_attn.v_proj"))
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"][key] = ["lm_head", "model.layers.0.mlp.gate_up_proj", "layers.1.self_attn.qkv_proj"]
+    json.dump(config, open(path, "w"))
+    model, got, tokens = _logits(fp8)
+    layers = model.model.layers
+
+    def weight_dtypes(module):       # a fused layer's, or its parts' (block scales the parts do not fill split it)
+        return {p.dtype for n, p in module.named_parameters() if n.rsplit(".", 1)[-1] == "weight"}
+    assert weight_dtypes(layers[0].mlp.gate_up_proj) == {torch.float32} == weight_dtypes(layers[1].self_attn.qkv_proj)
+    assert weight_dtypes(layers[1].mlp.gate_up_proj) == {FP8_DTYPE} == weight_dtypes(layers[0].self_attn.qkv_proj)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    fake_quant_hooks(hf, fmt, skip=("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.1.self_attn.q_proj",
+                                    "layers.1.self_attn.k_proj", "layers.1.self_attn.v_proj"))
+    assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
+
+
 def _quantized_linears(hf):
     from fp8_checkpoints import LINEAR
     return [(n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and LINEAR.fullmatch(n + ".weight")]

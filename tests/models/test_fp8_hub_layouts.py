@@ -292,6 +292,36 @@ def test_fp8_fmt_is_read_in_both_spellings():
             parse_quantization_config(dict(HUB["fp8-block"][0], fmt=fmt))
 
 
+def test_fp8_method_reads_ignored_layers_before_modules_to_not_convert():
+    """vLLM's Fp8Config reads ignored_layers, and modules_to_not_convert only where that is empty (kvfit read them
+    the other way round and refused a checkpoint whose lists differ)."""
+    quant = dict(HUB["fp8-block"][0], ignored_layers=["lm_head", "down_proj"], modules_to_not_convert=["lm_head"])
+    scheme = parse_quantization_config(quant)
+    assert scheme.ignore == ("lm_head", "down_proj") and not scheme.quantizes("model.layers.3.mlp.down_proj")
+    scheme = parse_quantization_config(dict(quant, ignored_layers=[]))
+    assert scheme.ignore == ("lm_head",) and scheme.quantizes("model.layers.3.mlp.down_proj")
+
+
+def test_dynamic_activations_are_quantized_as_the_weights_gemm_reads_them():
+    """compressed-tensors' dynamic activations of any strategy run as vLLM's CompressedTensorsW8A8Fp8 runs them: per
+    token and block column under block weights, per token under channel or tensor weights (both were refused)."""
+    base = HUB["ct-fp8-dynamic"][0]
+    group = base["config_groups"]["group_0"]
+
+    def with_(weights, acts):
+        return dict(base, config_groups={"group_0": dict(group, weights=dict(group["weights"], **weights),
+                                                          input_activations=dict(group["input_activations"], **acts))})
+    block = {"strategy": "block", "block_structure": [128, 128]}
+    for acts, want in (({"strategy": "token"}, "group"), ({"strategy": "tensor"}, "group"),
+                       ({"strategy": "group", "group_size": 128}, "group")):
+        assert parse_quantization_config(with_(block, acts)).activation == want
+    for weights in ({"strategy": "channel"}, {"strategy": "tensor"}):
+        scheme = parse_quantization_config(with_(weights, {"strategy": "group", "group_size": 128}))
+        assert scheme.activation == "token"
+    with pytest.raises(ConfigError, match=r"input_activations strategy 'tensor' \(dynamic False\) with block"):
+        parse_quantization_config(with_(block, {"strategy": "tensor", "dynamic": False}))
+
+
 def _transform(*locations: str) -> dict:
     """A compressed-tensors transform_config (QuIP / SpinQuant) applying one Hadamard at each location."""
     apply = [{"targets": ["Linear"], "location": loc, "inverse": i % 2 == 1, "ignore": ["lm_head"]}

@@ -551,15 +551,22 @@ SCENARIOS = [(greedy_again, 6), (greedy_stop, 4), (sampled_n, 4), (echo_and_prom
              (chat_default_max_tokens, 1)]
 
 
-async def client_loop(soak: Soak, seconds: float, seed: int) -> None:
+async def client_loop(soak: Soak, seconds: float, seed: int, first: int) -> None:
+    """Scenarios drawn by weight until the deadline, the first one SCENARIOS[first] (so that clients as many as the
+    scenarios run each at least once, however slow the machine)."""
     rng = random.Random(seed)
     functions, weights = zip(*SCENARIOS)
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=soak.url, timeout=httpx.Timeout(REQUEST_DEADLINE_S)) as http:
-        while time.monotonic() < deadline:
-            scenario = rng.choices(functions, weights)[0]
+        scenario = functions[first % len(functions)]
+        while True:
+            if scenario is None:
+                if time.monotonic() >= deadline:
+                    break
+                scenario = rng.choices(functions, weights)[0]
             soak.tally(scenario.__name__)
             await scenario(soak, http)
+            scenario = None
 
 
 async def references(soak: Soak) -> None:
@@ -636,7 +643,7 @@ def run_soak(model_path: str, tmp_path, seconds: float, num_clients: int, seed: 
                 async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(REQUEST_DEADLINE_S)) as http:
                     # six whole contexts at once need 96 blocks of the 64: preemption, whatever the machine's speed
                     await asyncio.gather(*(full_context(soak, http, over=False) for _ in range(6)),
-                                         *(client_loop(soak, seconds, seed * 1000 + i) for i in range(num_clients)))
+                                         *(client_loop(soak, seconds, seed * 1000 + i, i) for i in range(num_clients)))
             asyncio.run(load())
             m = drained(url)
             assert m['kvfit_kv_blocks{state="free"}'] + m['kvfit_kv_blocks{state="cached"}'] == \
