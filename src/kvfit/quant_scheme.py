@@ -34,13 +34,14 @@ a checkpoint kvfit cannot run correctly is never loaded as if it were 16-bit.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass
 
 from kvfit.errors import ConfigError
 
 DUMMY_INPUT_SCALE = 1.0 / 64     # dummy weights with static FP8 activations: |x| up to 7 before clipping
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")   # --quantization values (vLLM's names)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt", "fbgemm_fp8")   # --quantization (vLLM's names)
 ONLINE_METHODS = ("fp8",)                    # of those, what quantizes a 16-bit checkpoint at load
 MODELOPT_ALGOS = {"FP8": ("tensor", "static"),                  # ModelOpt quant_algo -> (weights, activations)
                   "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "token")}
@@ -86,11 +87,14 @@ class Fp8Scheme:
     #                                          they are float8_e8m0fnu's exponent bytes (DeepSeek-V3.1's exports)
     mxfp4_experts: bool = False              # quant_method fp8's store_dtype "mxfp4": vLLM runs the routed experts
     #                                          in MXFP4 (kvfit refuses such experts; dense layers stay FP8)
+    activation_ub: float | None = None       # fbgemm_fp8's activation_scale_ub: a token's amax is capped at it
+    #                                          before its scale (values past it saturate at +-448)
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
         assert (self.block_size is not None) == (self.weight_strategy == "block"), self
         assert self.activation != "group" or self.weight_strategy == "block", self
+        assert self.activation_ub is None or (self.activation == "token" and self.weight_strategy == "channel"), self
 
     def quantizes(self, module: str) -> bool:
         """Whether module (a checkpoint name such as model.layers.0.self_attn.q_proj) is in FP8. An ignore list may
@@ -114,6 +118,8 @@ class Fp8Scheme:
                    else f"per {self.weight_strategy}")
         acts = {"token": "per token", "group": f"per token and {self.block_size and self.block_size[1]} columns",
                 "static": "static per tensor"}[self.activation]
+        if self.activation_ub is not None:
+            acts += f" (amax capped at {self.activation_ub:g})"
         source = "online" if self.online else self.method
         return f"fp8 ({source}, weights {weights}, activations {acts})"
 
@@ -139,8 +145,11 @@ def parse_quantization_config(quant: dict, source: str = "config.json", key: str
         return _fp8_method(quant, where)
     if method.lower() == "modelopt":
         return _modelopt(quant, where)
+    if method.lower() == "fbgemm_fp8":
+        return _fbgemm_fp8(quant, where)
     raise ConfigError(f"{where}: quant_method {_show(method)} is not supported; kvfit runs FP8 checkpoints "
-                      "(compressed-tensors float8, fp8, or ModelOpt FP8) and --quantization fp8 on 16-bit ones")
+                      "(compressed-tensors float8, fp8, fbgemm_fp8 or ModelOpt FP8) and --quantization fp8 on 16-bit "
+                      "ones")
 
 
 def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, source: str = "config.json",
@@ -356,6 +365,18 @@ def _fp8_method(quant: dict, where: str) -> Fp8Scheme:
         raise ConfigError(f"{where}: block-wise fp8 needs activation_scheme dynamic, got {scheme!r}")
     return Fp8Scheme(method="fp8", weight_strategy="block", activation="group", block_size=block,
                      scale_name="weight_scale_inv", ignore=ignore, ue8m0_scales=ue8m0, mxfp4_experts=mxfp4)
+
+
+def _fbgemm_fp8(quant: dict, where: str) -> Fp8Scheme:
+    """FBGEMM's FP8 (Meta's Llama FP8 releases): weights per output channel (`weight_scale` [N, 1]), activations per
+    token with each token's amax capped at activation_scale_ub, `modules_to_not_convert` in 16 bits (vLLM's
+    FBGEMMFp8Config: linear layers only)."""
+    ub = quant.get("activation_scale_ub")
+    if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not math.isfinite(ub) or ub <= 0:
+        raise ConfigError(f"{where}: fbgemm_fp8 needs activation_scale_ub, a positive number (Meta's releases write "
+                          f"1200.0), got {_show(ub)}")
+    return Fp8Scheme(method="fbgemm_fp8", weight_strategy="channel", activation="token", activation_ub=float(ub),
+                     ignore=_ignore_list(quant.get("modules_to_not_convert"), "modules_to_not_convert", where))
 
 
 def _modelopt(quant: dict, where: str) -> Fp8Scheme | None:

@@ -293,11 +293,12 @@ def _fp8_cache_step(seq_lens, q_lens, num_kv, head_dim, seed, shared_blocks=0, e
 
 
 @pytest.mark.parametrize("dots", ["fp16", "pairs"])
-@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
+@pytest.mark.parametrize("loud", [1.0, 2e6, 1e-7], ids=["plain", "query-past-fp16", "query-under-fp16"])
 def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud, dots):
     """DOT_F16 (an fp8 cache's decode dots in fp16; "pairs": K/V read as 16-bit words of two e4m3, the even and
     odd columns' dots apart): the same output as the bf16 dots, within bf16's rounding, split or not; a query
-    past fp16's range (65,504) is scaled by a power of two into it, not overflowed."""
+    past fp16's range (65,504) is scaled by a power of two into it, not overflowed, one under fp16's normals (a
+    tiny query under a large score scale) up into them, not flushed."""
     num_q, num_kv, head_dim = 8, 2, 32
     seq_lens = [13, 30, 7]
     k_cache, v_cache, meta, gen = _fp8_cache_step(seq_lens, [1] * len(seq_lens), num_kv, head_dim, seed=5)
@@ -315,12 +316,13 @@ def test_fp8_cache_decode_with_fp16_dots_matches_the_bf16_dots(loud, dots):
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "masked-only"])
-@pytest.mark.parametrize("loud", [1.0, 2e6], ids=["plain", "query-past-fp16"])
+@pytest.mark.parametrize("loud", [1.0, 2e6, 1e-7], ids=["plain", "query-past-fp16", "query-under-fp16"])
 def test_fp8_cache_prefill_with_pairs_matches_the_bf16_dots(loud, split):
     """dots="pairs" in the prefill kernel (an fp8 cache read as int16 words of two e4m3, fp16 dots over the even and
     odd columns): a fresh prompt, a chunk over a cached prefix, a decode row and a prompt longer than a row tile, as
     the bf16 dots and the reference give them, through both loops (whole tiles below the diagonal and the causal
-    ones), both grids (eager and a graph's tile map); a query past fp16's range is scaled into it."""
+    ones), both grids (eager and a graph's tile map); a query past fp16's range, or under its normals, is scaled
+    into them."""
     from kvfit.kernels.attention_prefill import paged_prefill_attention
     num_q, num_kv, head_dim = 4, 2, 32
     q_lens, seq_lens = [7, 5, 1, 21], [7, 40, 12, 26]

@@ -185,6 +185,26 @@ def test_quantize_kernel_equals_the_torch_path(k, group):
 
 
 @needs_triton
+@pytest.mark.parametrize("k", [300, 5000])
+def test_quantize_kernel_caps_each_rows_amax_as_the_torch_path(k):
+    """fbgemm_fp8's activation_scale_ub: each token's amax capped before its scale (rows past it saturate at 448),
+    in the one-program and the two-pass kernel, the torch path's scales exactly."""
+    torch.manual_seed(6)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(6, k) * torch.logspace(-3, 2, 6)[:, None]).to(device)
+    ub = 3.0                                   # under the loud rows' amax, over the quiet ones'
+    capped = Fp8Weight(torch.empty(0), torch.empty(0), None, None, ub)
+    got_q, got_s = qk.quantize_rows(x, None, ub)
+    want_q, want_s = quantize_activations(x.cpu(), capped)
+    assert torch.equal(got_s.cpu(), want_s) and float(want_s.max()) == pytest.approx(ub / 448)
+    loud = x.abs().amax(1).cpu() > ub
+    assert loud.any() and (~loud).any()
+    assert (want_q[loud].float().abs().amax(1) == 448).all()             # saturated
+    if not INTERPRET:
+        assert torch.equal(got_q.cpu().float(), want_q.float())
+
+
+@needs_triton
 @pytest.mark.parametrize("block,config", [
     (None, fe.fm.make_config(16, 32, 32, 1, 4, 1)),
     ((32, 32), fe.fm.make_config(16, 32, 32, 1, 4, 1)),                        # a tile is one scale block
@@ -333,11 +353,12 @@ def _compile_check() -> None:
                       stride_ask=0, stride_bsk=0)
         _compile_block_gemm(compile_sm90, kernel, types, consts, warps, stages)
     _compile_check_fused_experts(compile_sm90)
-    for group, block in ((4096, 4096), (14336, 4096), (128, 128)):       # the quantize kernel, per token and group
-        sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32",
-               "stride_s": "i32", "K": "constexpr", "GROUP": "constexpr", "BLOCK": "constexpr",
-               "FP8_MAX_C": "constexpr", "MIN_AMAX_C": "constexpr"}
-        consts = dict(K=group if group > 128 else 4096, GROUP=group, BLOCK=block, FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
+    for group, block, ub in ((4096, 4096, 0.0), (14336, 4096, 1200.0), (128, 128, 0.0)):   # per token and group;
+        sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32",  # ub:
+               "stride_s": "i32", "K": "constexpr", "GROUP": "constexpr", "BLOCK": "constexpr",       # fbgemm's cap
+               "FP8_MAX_C": "constexpr", "MIN_AMAX_C": "constexpr", "UB": "constexpr"}
+        consts = dict(K=group if group > 128 else 4096, GROUP=group, BLOCK=block, FP8_MAX_C=448.0, MIN_AMAX_C=1e-10,
+                      UB=ub)
         compiled, spills, report = compile_sm90(qk._quantize_kernel, sig, consts, {"x_ptr", "q_ptr", "scale_ptr"},
                                                 {"num_warps": 4 if block <= 1024 else 8, "num_stages": 1})
         print(f"quantize K={consts['K']} group={group}: spills {spills} B")
@@ -346,7 +367,8 @@ def _compile_check() -> None:
         group_p2, groups, rows = qk.tile_shape(group, -(-k // group))
         sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "stride_x": "i32",
                "stride_q": "i32", "stride_s": "i32", "K": "i32", "NUM_GROUPS": "i32"}
-        consts = dict(GROUP=group, GROUP_P2=group_p2, GROUPS=groups, ROWS=rows, FP8_MAX_C=448.0, MIN_AMAX_C=1e-10)
+        consts = dict(GROUP=group, GROUP_P2=group_p2, GROUPS=groups, ROWS=rows, FP8_MAX_C=448.0, MIN_AMAX_C=1e-10,
+                      UB=1200.0 if group == k == 4096 else 0.0)
         sig.update({name: "constexpr" for name in consts})
         compiled, spills, report = compile_sm90(qk._quantize_tile_kernel, sig, consts, {"x_ptr", "q_ptr", "scale_ptr"},
                                                 {"num_warps": qk.tile_warps(group_p2, groups, rows), "num_stages": 1})

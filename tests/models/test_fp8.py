@@ -295,6 +295,51 @@ def test_an_ignore_list_naming_the_fused_module_keeps_its_parts_16_bit(models, f
     assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
 
 
+def test_fbgemm_fp8_checkpoint_caps_each_tokens_amax(models):
+    """quant_method fbgemm_fp8 (Meta's Llama FP8 releases): per-channel weights, per-token activations whose amax is
+    capped at activation_scale_ub (values past it saturate), modules_to_not_convert 16-bit. The logits are the
+    dequantized reference's with that cap (set low here, so that it bites), and differ from the uncapped one's."""
+    from kvfit.kernels.fp8 import Fp8Weight, dequantize_activations, quantize_activations
+    root, src = models
+    fp8, deq = write_fp8_copy(src["llama"], root / "fbgemm", "ct-channel", skip=(".mlp.down_proj",))
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    ub = 0.05
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": ub,
+                                     "modules_to_not_convert": ["lm_head", "down_proj"]}
+    json.dump(config, open(path, "w"))
+    model, got, tokens = _logits(fp8)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8_DTYPE and qkv.qweight.input_scale_ub == ub
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    capped = Fp8Weight(torch.empty(0), torch.empty(0), None, None, ub)
+
+    def hook(_module, args):
+        x = args[0]
+        xq, scale = quantize_activations(x.reshape(-1, x.shape[-1]), capped)
+        assert float(scale.max()) <= ub / 448 * (1 + 1e-6)
+        return (dequantize_activations(xq, scale, capped).to(x.dtype).reshape(x.shape),)
+    handles = [m.register_forward_pre_hook(hook) for n, m in _quantized_linears(hf) if not n.endswith("down_proj")]
+    assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
+    for handle in handles:
+        handle.remove()
+    fake_quant_hooks(hf, "ct-channel", skip=(".mlp.down_proj",))           # no cap: another model
+    assert not torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
+
+
+@pytest.mark.parametrize("ub", [None, 0, -1.0, float("inf"), "1200", True])
+def test_fbgemm_fp8_needs_a_positive_activation_scale_ub(ub):
+    from kvfit.quant_scheme import parse_quantization_config
+    quant = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["lm_head"]}
+    if ub is not None:
+        quant["activation_scale_ub"] = ub
+    with pytest.raises(ConfigError, match="fbgemm_fp8 needs activation_scale_ub, a positive number") as info:
+        parse_quantization_config(quant)
+    assert "\n" not in str(info.value)
+
+
 def _quantized_linears(hf):
     from fp8_checkpoints import LINEAR
     return [(n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and LINEAR.fullmatch(n + ".weight")]

@@ -193,10 +193,12 @@ F16_QUERY_MAX = tl.constexpr(16384.0)
 @triton.jit
 def query_in_f16(q, scale_log2):
     """A query tile [M, D] for fp16 dots against an fp8 cache (e4m3 converts to fp16 exactly, in one instruction):
-    each row scaled by a power of two into fp16's range (exact; a loud row does not push the others toward fp16's
-    subnormals), the score scale times it -> (fp16 q, scale_log2 [M, 1])."""
+    each row scaled by a power of two so that its largest is at most F16_QUERY_MAX and above half of it (exact: a
+    bf16 value has fewer mantissa bits than fp16; a loud row past fp16's range comes down, a tiny one comes up out of
+    fp16's subnormals), the score scale times the inverse -> (fp16 q, scale_log2 [M, 1]). An all-zero row (a
+    padding row) is scaled by 2^74 and stays zero."""
     q_max = tl.max(tl.abs(q.to(tl.float32)), 1)                                             # [M]
-    shift = tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1.0) / F16_QUERY_MAX)), 0.0)[:, None]
+    shift = tl.ceil(tl.log2(tl.maximum(q_max, 8.673617379884035e-19) / F16_QUERY_MAX))[:, None]   # 2^-60 at least
     return (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16), scale_log2 * tl.exp2(shift)
 
 

@@ -33,6 +33,7 @@ class Fp8Weight:
     scale: torch.Tensor                      # fp32 [N, 1] (per channel) or [ceil(N/bn), ceil(K/bk)] (block)
     block_size: tuple[int, int] | None       # (bn, bk), or None for per channel
     input_scale: torch.Tensor | None = None  # fp32 [1]: static activations; None: dynamic
+    input_scale_ub: float | None = None      # dynamic per token: each token's amax capped at it (fbgemm_fp8)
 
     @property
     def out_features(self) -> int:
@@ -75,8 +76,8 @@ def quantize_input(x: torch.Tensor, w: Fp8Weight, pre: PreQuantized | None = Non
 
 def activation_group(w: Fp8Weight, k: int) -> int | None:
     """Columns per dynamic activation scale of w's GEMM on inputs of k columns (the block width, k per token);
-    None for a static input scale (no dynamic quantization to fuse)."""
-    if w.input_scale is not None:
+    None for a static input scale or a capped amax (no dynamic quantization to fuse)."""
+    if w.input_scale is not None or w.input_scale_ub is not None:     # (the fused kernels cap no amax)
         return None
     return k if w.block_size is None else w.block_size[1]
 
@@ -131,10 +132,10 @@ def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, t
         scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
         return _to_fp8_(x.to(torch.float32, copy=True).div_(scale)), scale
     if quantize_kernel_applies(x):        # CUDA: one launch, the same numbers
-        return quantize_rows(x, None if w.block_size is None else w.block_size[1])
+        return quantize_rows(x, None if w.block_size is None else w.block_size[1], w.input_scale_ub)
     if w.block_size is None:
         x32 = x.to(torch.float32, copy=True)
-        scale = _amax(x32, dim=1).clamp(min=MIN_AMAX).unsqueeze(1) / FP8_MAX                # [T, 1]
+        scale = _amax(x32, dim=1).clamp(min=MIN_AMAX, max=w.input_scale_ub).unsqueeze(1) / FP8_MAX      # [T, 1]
         return _to_fp8_(x32.div_(scale)), scale
     return quantize_groups(x, w.block_size[1])
 

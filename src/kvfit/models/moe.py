@@ -46,6 +46,10 @@ class SparseMoE(torch.nn.Module):
         e, h = moe.num_experts, hidden_size
         self.gate = torch.nn.Module()
         self.gate.weight = make_param((e, h), None, dtype, device)
+        if scheme is not None and scheme.method == "fbgemm_fp8":
+            raise ConfigError("quant_method fbgemm_fp8 quantizes linear layers only (vLLM's FBGEMMFp8Config leaves "
+                              "a MoE model's experts to the checkpoint's 16-bit weights), and kvfit does not run it "
+                              "on a MoE model; use a compressed-tensors or fp8 checkpoint of it")
         if scheme is not None and scheme.quantizes(f"{prefix}.experts.0.{moe.expert_names[0]}"):
             self.experts = Fp8Experts(e, h, moe.intermediate_size, self.start, self.size, scheme, device,
                                       f"{prefix}.experts")

@@ -238,7 +238,8 @@ class Fp8Linear(torch.nn.Module):
                 names = ", ".join(part.name.rsplit(".", 1)[-1] for part in self.parts)
                 logger.info("%s: the checkpoint's static input_scale differs among %s (%s); the fused GEMM quantizes "
                             "its input with the largest", self.name, names, values.tolist())
-        self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size, input_scale)
+        self.qweight = Fp8Weight(self.weight.data, scale.data, self.scheme.block_size, input_scale,
+                                 self.scheme.activation_ub)
 
     def prequantize_group(self, x: torch.Tensor) -> int | None:
         """Columns per scale in which a kernel before this layer may quantize its input x [T, in here] for it
