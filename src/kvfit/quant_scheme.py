@@ -71,6 +71,11 @@ def _names(module: str, name: str) -> bool:
     return module == name or module.endswith("." + name) or module.startswith(name + ".")
 
 
+def _targeted(module: str, target: str) -> bool:
+    """A compressed-tensors target (a layer name, or a pattern after "re:" matched at the start) names module."""
+    return bool(re.match(target[3:], module)) if target.startswith("re:") else module == target
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How one model's linear weights (and activations) are held in 8 bits."""
@@ -89,6 +94,8 @@ class Fp8Scheme:
     #                                          in MXFP4 (kvfit refuses such experts; dense layers stay FP8)
     activation_ub: float | None = None       # fbgemm_fp8's activation_scale_ub: a token's amax is capped at it
     #                                          before its scale (values past it saturate at +-448)
+    targets: tuple[str, ...] = ()            # compressed-tensors' layer targets (names, "re:" patterns); (): every
+    #                                          linear layer ("Linear")
 
     def __post_init__(self):
         assert self.weight_strategy in WEIGHT_STRATEGIES and self.activation in ACTIVATION_MODES, self
@@ -102,7 +109,11 @@ class Fp8Scheme:
         and should_ignore_layer honour that name, not a pattern over it): its parts stay 16-bit too."""
         prefix, _, leaf = module.rpartition(".")
         fused = FUSED_MODULES.get(leaf)
-        if fused is not None and any(_names(f"{prefix}.{fused}", p) for p in self.ignore if not p.startswith("re:")):
+        fused_name = None if fused is None else f"{prefix}.{fused}"
+        if self.targets and not any(_targeted(name, target) for name in (module, fused_name) if name
+                                    for target in self.targets):
+            return False                                   # no group targets it (vLLM's find_matched_target)
+        if fused is not None and any(_names(fused_name, p) for p in self.ignore if not p.startswith("re:")):
             return False
         for pattern in self.ignore:
             if pattern.startswith("re:"):
@@ -259,14 +270,32 @@ def _compressed_tensors(quant: dict, where: str) -> Fp8Scheme | None:
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{where}: compressed-tensors needs 'config_groups' (a JSON object of schemes)")
-    schemes = {_ct_group(name, group, f"{where} config_groups.{name}") for name, group in groups.items()}
+    schemes, targets = set(), []
+    for name, group in groups.items():
+        schemes.add(_ct_group(name, group, f"{where} config_groups.{name}"))
+        targets += _ct_targets(group.get("targets", ["Linear"]), f"{where} config_groups.{name}")
     if len(schemes) > 1:
         raise ConfigError(f"{where}: config_groups mix {len(schemes)} different schemes; kvfit runs one FP8 "
                           "scheme for every quantized layer")
     strategy, block, activation = schemes.pop()
     _check_transforms(quant.get("transform_config"), where)
+    every_linear = any(target.lower() == "linear" for target in targets)
     return Fp8Scheme(method="compressed-tensors", weight_strategy=strategy, activation=activation, block_size=block,
-                     ignore=_ignore_list(quant.get("ignore"), "ignore", where))
+                     ignore=_ignore_list(quant.get("ignore"), "ignore", where),
+                     targets=() if every_linear else tuple(dict.fromkeys(targets)))
+
+
+def _ct_targets(targets, where: str) -> list[str]:
+    """A config group's targets: "Linear" (every linear layer), layer names, or "re:" patterns over them (vLLM's
+    find_matched_target; a layer no group targets stays 16-bit). Other module classes are a ConfigError."""
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"{where}: targets must be a non-empty list of module names, got {_show(targets)}")
+    _ignore_list(targets, "targets", where)                 # the patterns compile
+    classes = [t for t in targets if not t.startswith("re:") and "." not in t and t.lower() != "linear"]
+    if classes:
+        raise ConfigError(f"{where}: targets {_show(classes)} are not supported; kvfit runs FP8 schemes that target "
+                          "Linear layers, by class (\"Linear\"), by name or by \"re:\" pattern")
+    return targets
 
 
 def _check_transforms(transforms, where: str) -> None:
@@ -292,10 +321,6 @@ def _check_transforms(transforms, where: str) -> None:
 def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None, str]:
     if not isinstance(group, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {_show(group)}")
-    targets = group.get("targets", ["Linear"])
-    if targets != ["Linear"]:
-        raise ConfigError(f"{where}: targets {_show(targets)} are not supported; kvfit runs FP8 schemes that "
-                          "target every Linear (with an ignore list)")
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise ConfigError(f"{where}: a scheme without 'weights' is not supported; kvfit runs FP8 weights")

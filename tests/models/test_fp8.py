@@ -340,6 +340,36 @@ def test_fbgemm_fp8_needs_a_positive_activation_scale_ub(ub):
     assert "\n" not in str(info.value)
 
 
+def test_config_groups_may_target_layers_by_pattern(models):
+    """compressed-tensors' targets by "re:" pattern or name (vLLM's find_matched_target): groups of one scheme over
+    the attention and the MLP load as one; a layer no group targets stays 16-bit (here the MLPs: the logits are
+    the reference's with only the attention quantized); a module class other than Linear is a one-line error."""
+    from kvfit.quant_scheme import parse_quantization_config
+    root, src = models
+    fp8, deq = write_fp8_copy(src["llama"], root / "targets", "ct-channel", skip=(".mlp.",))
+    path = os.path.join(fp8, "config.json")
+    config = json.load(open(path))
+    quant = config["quantization_config"]
+    group = quant["config_groups"].pop("group_0")
+    quant["config_groups"] = {"attention": dict(group, targets=["re:.*self_attn[.](q|k|v)_proj$"]),
+                              "output": dict(group, targets=["re:.*o_proj$"])}
+    json.dump(config, open(path, "w"))
+    model, got, tokens = _logits(fp8)
+    layer = model.model.layers[1]
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8_DTYPE == layer.self_attn.o_proj.weight.dtype
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.float32 == layer.mlp.down_proj.weight.dtype
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    fake_quant_hooks(hf, "ct-channel", skip=(".mlp.",))
+    assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
+    both = dict(quant, config_groups={"a": dict(group, targets=["re:.*self_attn.*"]), "b": dict(group, targets=["Linear"])})
+    assert parse_quantization_config(both).targets == ()                   # "Linear" in any group: every layer
+    for bad in (["Embedding"], ["Linear", ""], "Linear", ["re:(q"]):
+        with pytest.raises(ConfigError, match="targets") as info:
+            parse_quantization_config(dict(quant, config_groups={"g": dict(group, targets=bad)}))
+        assert "\n" not in str(info.value)
+
+
 def _quantized_linears(hf):
     from fp8_checkpoints import LINEAR
     return [(n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and LINEAR.fullmatch(n + ".weight")]
@@ -434,8 +464,10 @@ def test_quantization_flag_must_match_the_checkpoint(models):
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      r"weight-only FP8 \(no input_activations\) is not supported"),
-    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["re:.*self_attn.*"]}}},
-     r"targets \['re:.\*self_attn.\*'\] are not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Embedding"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}, "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+     r"targets \['Embedding'\] are not supported"),
     ({"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24-bitmask"}, "config_groups": {}},
      r"sparsity \('sparse-24-bitmask'\) is not supported"),
 ])
