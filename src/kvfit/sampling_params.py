@@ -17,6 +17,7 @@ from kvfit.structured_params import StructuredOutputsParams
 
 # Below this a softmax over logits / temperature overflows to inf; 0 means greedy.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SAMPLING_TEMPERATURE = 2.0         # vLLM's (and OpenAI's) upper bound
 # vLLM's default --max-logprobs: the most top-k logprobs (and prompt logprobs) a request may ask for
 # (the engine's setting is checked at admission).
 MAX_LOGPROBS = 20
@@ -158,8 +159,9 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty", "stop")
 
     def _check_sampling(self) -> None:
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}", "temperature")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_SAMPLING_TEMPERATURE:
+            raise RequestError(f"temperature must be in [0, {MAX_SAMPLING_TEMPERATURE:g}] (0 = greedy), got "
+                               f"{self.temperature!r}", "temperature")
         if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
             raise RequestError(f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}, "
                                f"got {self.temperature!r}", "temperature")

@@ -29,7 +29,8 @@ def test_params_are_frozen():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-0.01), "temperature must be >= 0"),
+    (dict(temperature=-0.01), r"temperature must be in \[0, 2\]"),
+    (dict(temperature=2.01), r"temperature must be in \[0, 2\]"),
     (dict(temperature=-1), "temperature"),
     (dict(temperature="1"), "temperature"),
     (dict(top_p=0), r"top_p must be in \(0, 1\]"),

@@ -158,6 +158,15 @@ BAD_COMPLETIONS = {
     "max-tokens-float": ({"max_tokens": 1.5}, "max_tokens"),
     "temperature-negative": ({"temperature": -0.1}, "temperature"),
     "temperature-tiny": ({"temperature": 1e-300}, "temperature"),
+    "temperature-above-two": ({"temperature": 2.5}, "temperature"),          # vLLM's [0, 2]
+    "too-many-prompts": ({"prompt": ["a"] * 1025}, "prompt"),                # vLLM's VLLM_MAX_COMPLETION_PROMPTS
+    "json-schema-without-name": ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+                                 "response_format"),
+    # vLLM 0.26 fields it acts on, kvfit does not implement: refused, never silently dropped
+    "logprob-token-ids": ({"logprobs": 2, "logprob_token_ids": [3, 4]}, "logprob_token_ids"),
+    "repetition-detection": ({"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
+    "thinking-token-budget": ({"thinking_token_budget": 10}, "thinking_token_budget"),
+    "prompt-embeds": ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     "top-p-zero": ({"top_p": 0}, "top_p"),
     "top-p-above-one": ({"top_p": 1.01}, "top_p"),
     "n-zero": ({"n": 0}, "n"),
@@ -189,6 +198,31 @@ def test_bad_chat_requests_get_400(server, body):
     r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH)
     assert r.status_code == 400, r.text
     openai_error(r)
+
+
+def test_add_special_tokens_false_tokenizes_a_completions_prompt_as_it_is(server):
+    """add_special_tokens false: no bos before a text prompt (a client that rendered its own template sends its
+    own); it was read and then ignored (the bos came twice)."""
+    def prompt_ids(**extra):
+        body = {"model": MODEL, "prompt": "hello world", "max_tokens": 1, "return_token_ids": True, **extra}
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["prompt_token_ids"]
+    with_bos, plain = prompt_ids(), prompt_ids(add_special_tokens=False)
+    assert len(with_bos) == len(plain) + 1 and with_bos[1:] == plain
+    r = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": "hello world", "add_special_tokens": False},
+                   headers=AUTH)
+    assert r.json()["tokens"] == plain
+
+
+@pytest.mark.parametrize("field,value", [("return_prompt_text", True), ("return_assistant_tokens_mask", True),
+                                         ("media_io_kwargs", {"image": {"x": 1}})])
+def test_chat_fields_vllm_acts_on_are_refused(server, field, value):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and openai_error(r)["param"] == field, r.text
+    r = httpx.post(f"{server}/v1/chat/completions", json=dict(body, **{field: None}), headers=AUTH)
+    assert r.status_code == 200, r.text
 
 
 def test_a_role_the_chat_template_rejects_is_400(client):

@@ -406,7 +406,8 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
                                 "send fewer prompts a request", "invalid_request_error", "prompt")
     batch = len(inputs) > 1
     requests = [AddRequest(f"{response_id}-{i}" if batch else response_id,     # vLLM's sub-request ids
-                           inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt, inp.truncate)
+                           inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt, inp.truncate,
+                           inp.add_special_tokens)
                 for i, inp in enumerate(inputs)]
     try:
         return await state.engine.add_batch(requests, state.metrics.progress)

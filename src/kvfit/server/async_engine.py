@@ -157,6 +157,7 @@ class AddRequest:
     max_tokens_given: bool = True
     cache_salt: str | None = None
     truncate: tuple[int, str] | None = None
+    add_special_tokens: bool = True           # a text prompt: tokenized with the tokenizer's special tokens (bos)
 
 
 class PromptRefused(Exception):
@@ -302,7 +303,7 @@ class ServingEngine:
         prompt, truncate, params = request.prompt, request.truncate, request.params
         if isinstance(prompt, str):
             text = cut_prompt_text(prompt, truncate, self.max_prompt_chars)
-            ids, cut = await self.encode(text), len(text) < len(prompt)
+            ids, cut = await self.encode(text, request.add_special_tokens), len(text) < len(prompt)
         else:
             ids, cut = list(prompt), False
         kept = truncate_prompt(ids, truncate, self.max_model_len, params.max_tokens if request.max_tokens_given else 0)

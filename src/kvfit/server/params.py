@@ -11,6 +11,7 @@ top_p, top_k, min_p, repetition_penalty (and chat's max_tokens) comes from --gen
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from pydantic import TypeAdapter, ValidationError
@@ -60,6 +61,7 @@ class GenerateInput:
     prompt_tokens_details: bool = False  # usage shows cached_tokens (--enable-prompt-tokens-details)
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply (chunks: the new ids)
     truncate: tuple[int, str] | None = None   # truncate_prompt_tokens (-1: what max_tokens leaves), "left" or "right"
+    add_special_tokens: bool = True  # a text prompt's tokenizing adds the tokenizer's special tokens (bos)
     echo_only: bool = False         # completions' echo with max_tokens 0 (a scorer's request): the reply is the prompt
     #                                 (and its logprobs) alone; the engine samples one token, left out (vLLM's)
 
@@ -140,6 +142,8 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise bad_request("response_format json_schema needs a json_schema object with a 'schema' object",
                                   param="response_format")
+            if not isinstance(spec.get("name"), str):       # required by OpenAI's and vLLM's request models
+                raise bad_request("response_format json_schema needs a 'name' (a string)", param="response_format")
             fmt_fields = {"json": spec.get("schema", {})}
         elif kind == "text":
             fmt_fields = {}
@@ -289,12 +293,26 @@ def _rendering(req, defaults: RequestDefaults) -> dict:
             "return_token_ids": bool(req.return_token_ids)}
 
 
+DEFAULT_MAX_COMPLETION_PROMPTS = 1024     # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
+
+
+def max_completion_prompts() -> int:
+    """Prompts one completions request may hold: $VLLM_MAX_COMPLETION_PROMPTS (vLLM's), else 1,024."""
+    value = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "")
+    return int(value) if value.strip().isdigit() and int(value) > 0 else DEFAULT_MAX_COMPLETION_PROMPTS
+
+
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completions request: one text or token-id list, or (vLLM's batch) a list of them."""
     prompt = req.prompt
     if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty; give at least one token", param="prompt")
     prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    limit = max_completion_prompts()
+    if len(prompts) > limit:
+        raise bad_request(f"{len(prompts)} prompts in one request are over the limit of {limit}; send fewer a request "
+                          "(or raise VLLM_MAX_COMPLETION_PROMPTS, vLLM's setting, which kvfit reads too)",
+                          param="prompt")
     for i, one in enumerate(prompts):
         if not one:
             where = f"prompt {i} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
@@ -319,7 +337,8 @@ def completion_inputs(req: CompletionRequest, defaults: RequestDefaults = NO_DEF
     salt = _cache_salt(req)
     return [GenerateInput(prompt, params, True, stream, include_usage, echo=bool(req.echo), top_logprobs=req.logprobs,
                           prompt_logprobs=req.prompt_logprobs is not None and not stream, continuous_usage=continuous_usage,
-                          cache_salt=salt, echo_only=echo_only, truncate=truncation(req), **_rendering(req, defaults))
+                          cache_salt=salt, echo_only=echo_only, truncate=truncation(req),
+                          add_special_tokens=req.add_special_tokens is not False, **_rendering(req, defaults))
             for prompt in prompts]
 
 

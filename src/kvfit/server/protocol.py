@@ -81,7 +81,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "function_call": (("none",), "the legacy functions API is not implemented; send tool_choice with tools"),
     "audio": ((), "audio output is not implemented; kvfit serves text models only"),
     "modalities": ((["text"],), "audio output is not implemented; leave it out or send [\"text\"]"),
-    "web_search_options": ((), "web search is not implemented")}
+    "web_search_options": ((), "web search is not implemented"),
+    # vLLM 0.26's own fields kvfit does not implement (vLLM acts on them: a silent no-op would change the reply)
+    "logprob_token_ids": (([],), "logprobs of chosen token ids are not implemented; use logprobs (top_logprobs)"),
+    "repetition_detection": ((), "repetition detection is not implemented; use stop strings or max_tokens"),
+    "thinking_token_budget": ((), "a thinking budget is not implemented (no reasoning parser)"),
+    "ec_transfer_params": ((), "encoder cache transfer is not implemented"),
+    "prompt_embeds": ((), "prompt embeddings are not accepted; send text or token ids"),
+    "return_prompt_text": ((False,), "the rendered prompt in the reply is not implemented; POST it to /tokenize "
+                                     "with the messages to see its tokens"),
+    "return_assistant_tokens_mask": ((False,), "the assistant tokens mask is not implemented"),
+    "media_io_kwargs": (({},), "kvfit serves text models only")}
 # vLLM 0.12 removed these (vLLM now ignores them, so a constraint silently does nothing): refuse them
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                          "guided_whitespace_pattern")
@@ -147,12 +157,17 @@ class _SamplingFields(_Body):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    logprob_token_ids: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    ec_transfer_params: Any = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | _Ints | _Strs | _IntLists
     logprobs: int | None = None         # top-k count, 0-20
     suffix: Any = None
+    prompt_embeds: Any = None
     max_completion_tokens: Any = None   # chat's name for max_tokens: a 400 here (params.completion_inputs)
 
 
@@ -203,6 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Any = None
     modalities: Any = None
     web_search_options: Any = None
+    return_prompt_text: Any = None
+    return_assistant_tokens_mask: Any = None
+    media_io_kwargs: Any = None
 
 
 class TokenizeRequest(_Body):
