@@ -115,6 +115,12 @@ class SamplingParams:
             value = getattr(self, f.name)
             if not isinstance(value, (str, bool, int, float, type(None), StructuredOutputsParams)):
                 object.__setattr__(self, f.name, as_python(value))
+        # vLLM's readings: seed -1 is no seed; logprobs / prompt_logprobs True are 1
+        if _is_int(self.seed) and self.seed == -1:
+            object.__setattr__(self, "seed", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
         self._check_types()
         self._check_stops()
         self._check_sampling()

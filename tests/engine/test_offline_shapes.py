@@ -39,7 +39,7 @@ def test_one_sampling_params_per_prompt(llm):
         llm.generate([[5], [6], [7]], [GREEDY, GREEDY], use_tqdm=False)
 
 
-@pytest.mark.parametrize("prompt", [{"text": "hi"}, {"prompt": "a", "prompt_token_ids": [1]}, {"prompt": 5},
+@pytest.mark.parametrize("prompt", [{"text": "hi"}, {"prompt": 5, "prompt_token_ids": [1]}, {"prompt": 5},
                                     {"prompt_token_ids": "abc"}])
 def test_bad_prompt_dicts_are_one_line_errors(llm, prompt):
     with pytest.raises(RequestError, match="prompt") as info:

@@ -117,7 +117,7 @@ def test_values_the_sampler_cannot_use_are_rejected_up_front(kwargs):
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(logprobs=-2), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(logprobs=-2), "logprobs"), (dict(logprobs=2.0), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
     (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={"a": 1.0}), "logit_bias"),
     (dict(logit_bias={3: math.inf}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
@@ -183,3 +183,10 @@ def test_admission_checks_logprobs_against_max_logprobs():
         assert info.value.param == name
         assert check_request([1, 2], params, 100, 64, 4, 100, max_logprobs=21) == 2 + 16     # max_tokens 16
     assert check_request([1, 2], SamplingParams(logprobs=20, prompt_logprobs=20), 100, 64, 4, 100) == 18
+
+
+def test_vllm_readings_of_seed_minus_one_and_logprobs_true():
+    """As vLLM's SamplingParams: seed -1 is no seed (a random draw each call), logprobs / prompt_logprobs True are 1."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    p = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert p.logprobs == 1 and p.prompt_logprobs == 1 and type(p.logprobs) is int

@@ -128,3 +128,51 @@ def test_chat_joins_text_parts_as_the_server_and_vllm_do(llm):
     with pytest.raises(RequestError, match=r"messages\[0\].content holds a 'image_url' part") as info:
         llm.chat(image, GREEDY, use_tqdm=False, chat_template=template)
     assert "\n" not in str(info.value)
+
+
+def test_a_chat_message_whose_content_is_null_renders_empty(llm):
+    """An assistant turn of tool calls alone has content None: the template gets "" (vLLM's reading), not "None"."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert "None" not in out.prompt
+    (same,) = llm.chat([dict(m, content=m["content"] or "") for m in messages], GREEDY, use_tqdm=False)
+    assert out.prompt == same.prompt and out.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_vllm_prompt_dicts_and_call_arguments(llm):
+    """vLLM's TokensPrompt may carry the "prompt" text its ids came from (the output's prompt), multimodal keys as
+    None; lora_request=None, a tqdm-like callable for use_tqdm and llm.llm_engine are vLLM's calls too."""
+    ids = llm.get_tokenizer().encode("hello world")
+    plain, with_text, media_none = llm.generate(
+        [{"prompt_token_ids": ids}, {"prompt_token_ids": ids, "prompt": "hello world"},
+         {"prompt": "hello world", "multi_modal_data": None, "mm_processor_kwargs": None}], GREEDY, use_tqdm=False,
+        lora_request=None)
+    assert plain.prompt is None and with_text.prompt == "hello world" and media_none.prompt == "hello world"
+    assert plain.outputs[0].token_ids == with_text.outputs[0].token_ids == media_none.outputs[0].token_ids
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            bars.append(kwargs)
+
+        def update(self, n):
+            bars.append(n)
+
+        def close(self):
+            bars.append("closed")
+    llm.generate("hello", GREEDY, use_tqdm=Bar)
+    assert bars[0]["total"] == 1 and bars[1:] == [1, "closed"]
+    assert llm.llm_engine is llm.engine
+    with pytest.raises(ConfigError, match="LoRA adapters are not implemented"):
+        llm.generate("hello", GREEDY, lora_request=object())
+    with pytest.raises(RequestError, match="multi_modal_data: kvfit serves text models only"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": 1}}, GREEDY)
+
+
+def test_a_torch_dtype_is_taken_as_its_name(tiny_llama):
+    llm = LLM(tiny_llama, **dict(SMALL, dtype=torch.float32))
+    try:
+        assert llm.config.model.dtype == "float32"
+    finally:
+        llm.shutdown()

@@ -166,13 +166,13 @@ def test_mixed_greedy_and_sampled_rows():
 
 def test_large_and_negative_seeds_work():
     logits = logits_batch(1, seed=10)
-    for seed in (-1, 0, 2**62, 2**80, -(2**70)):
+    for seed in (-2, 0, 2**62, 2**80, -(2**70)):
         p = SamplingParams(temperature=1.0, seed=seed)
         assert sample(logits, [p], [3]) == sample(logits, [p], [3])
-    # seeds are taken mod 2^64: -1 and 2^64 - 1 are one seed, -1 and 1 are not
+    # seeds are taken mod 2^64: -2 and 2^64 - 2 are one seed, -2 and 2 are not (-1 is no seed: vLLM's reading)
     many = logits.expand(32, V)
-    draws = {s: sample(many, [SamplingParams(seed=s)] * 32, list(range(32))) for s in (-1, 2**64 - 1, 1)}
-    assert draws[-1] == draws[2**64 - 1] != draws[1]
+    draws = {s: sample(many, [SamplingParams(seed=s)] * 32, list(range(32))) for s in (-2, 2**64 - 2, 2)}
+    assert draws[-2] == draws[2**64 - 2] != draws[2]
 
 
 def test_hash_is_splitmix64():
@@ -279,12 +279,12 @@ def test_set_rows_counts_a_resumed_requests_outputs():
 
 def test_set_rows_writes_parameters_and_mirrors():
     state = SamplingState(4, V, torch.device("cpu"))
-    state.set_rows([3, 1], [SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, seed=-1),
+    state.set_rows([3, 1], [SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, seed=-2),
                             SamplingParams(temperature=0, top_k=4, seed=3)], [[], []])
     assert state.temperature.tolist() == pytest.approx([0, 0, 0, 0.7])
     assert state.top_p.tolist() == pytest.approx([1, 1, 1, 0.9])
     assert state.top_k.tolist() == [0, 4, 0, 0]
-    assert state.seed.tolist() == [0, 3, 0, -1]
+    assert state.seed.tolist() == [0, 3, 0, -2]
     assert state.greedy == [True, True, True, False]
     assert state.seeded == [False, False, False, True]          # a greedy row never pays for the hash
     assert state.uses_top_k == [False] * 4 and state.uses_top_p == [False, False, False, True]

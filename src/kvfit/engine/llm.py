@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from kvfit.config import EngineConfig, setting_names
@@ -58,6 +59,8 @@ class LLM:
         where kvfit does what they ask, else a ConfigError says why."""
         # numpy / torch values converted once here; None for a setting is its default, as in vLLM (seed=None: 0, vLLM v1's)
         kwargs = {k: as_python(v) for k, v in kwargs.items() if v is not None or k not in setting_names()}
+        if isinstance(kwargs.get("dtype"), torch.dtype):           # LLM(dtype=torch.float16), as vLLM takes it
+            kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         vllm_kwargs = {k: kwargs.pop(k) for k in [*VLLM_KWARGS, "tokenizer", "swap_space"] if k in kwargs}
         _check_vllm_kwargs(vllm_kwargs)
         memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)     # vLLM's name of kv_cache_memory
@@ -88,6 +91,11 @@ class LLM:
         """The KV plan this engine was started with (kvfit.kv.plan.KVPlan)."""
         return self.engine.plan
 
+    @property
+    def llm_engine(self):
+        """vLLM's name of the engine LLM runs (kvfit's LLMEngine; also `engine`)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The model's tokenizer (kvfit.text.tokenizer.Tokenizer: encode, decode, apply_chat_template)."""
         return self.engine.tokenizer
@@ -98,28 +106,37 @@ class LLM:
         return SamplingParams(**self.engine.default_sampling_params)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True, lora_request=None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order (vLLM's shapes).
 
         prompts: a text, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids} (either dict
         may add "cache_salt": a non-empty string; the prompt then shares prefix-cache blocks only with
         prompts of the same salt), or a list of those; sampling_params: one for every prompt or a list with one per prompt (default
-        get_default_sampling_params()). Thread-safe: calls from several threads run one after another (one batch)."""
+        get_default_sampling_params()). A token-ids dict may also hold the "prompt" text it came from (the output's
+        prompt, vLLM's TokensPrompt), and "multi_modal_data" / "mm_processor_kwargs" as None. use_tqdm: a bool, or a
+        tqdm-like class to make the progress bar with (vLLM's); lora_request: None (LoRA is not implemented).
+        Thread-safe: calls from several threads run one after another (one batch)."""
+        _check_no_lora(lora_request)
         prompts = _prompt_list(prompts)
         with self._lock:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            outputs = self._generate([(value, salt) for value, salt, _ in prompts], sampling_params, use_tqdm)
+        for output, (_, _, text) in zip(outputs, prompts):
+            if text is not None:
+                output.prompt = text
+        return outputs
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them.
 
         Each is rendered with the model's chat template (or chat_template, a template text) to token ids
         as transformers' apply_chat_template(tokenize=True) gives them (no second bos). tools: OpenAI
         function tools for the template (vLLM's); assistant tool_calls reach it with their arguments as
         objects. The outputs are text: the server's --tool-call-parser reads tool calls out of it."""
+        _check_no_lora(lora_request)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise RequestError("chat needs a tokenizer (tokenizer.json), which this model folder lacks", "messages")
@@ -144,7 +161,7 @@ class LLM:
             output.prompt = text            # vLLM's: the rendered conversation
         return outputs
 
-    def _generate(self, prompts: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[tuple], sampling_params, use_tqdm: bool | Callable) -> list[RequestOutput]:
         """prompts: (text or token ids, cache_salt or None) pairs."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -163,7 +180,8 @@ class LLM:
                 engine.abort(request_id)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm          # vLLM: a callable makes the bar
+        bar = make_bar(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in engine.step(stream=False):
@@ -252,24 +270,39 @@ def _refuse_non_int_ids(value) -> None:
     raise RequestError(f"prompt token ids must be integers, got {type(bad).__name__} {bad!r:.20}", "prompt")
 
 
-def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
-    """A text, token ids, {"prompt": text} or {"prompt_token_ids": ids} (a dict may add "cache_salt")
-    -> (text or token ids, cache_salt or None)."""
+def _check_no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ConfigError("lora_request: LoRA adapters are not implemented in kvfit; leave it out (or None)")
+
+
+MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _one_prompt(prompt) -> tuple[str | list[int], str | None, str | None]:
+    """A text, token ids, {"prompt": text} or {"prompt_token_ids": ids} (a dict may add "cache_salt"; a token-ids
+    dict the "prompt" text it came from; any dict the multimodal keys as None) -> (text or token ids, cache_salt or
+    None, the token ids' text or None)."""
     if isinstance(prompt, dict):
-        keys = set(prompt) - {"cache_salt"}
+        media = [k for k in MULTIMODAL_PROMPT_KEYS if prompt.get(k) is not None]
+        if media:
+            raise RequestError(f"prompt {media[0]}: kvfit serves text models only; leave it out (or None)", "prompt")
+        keys = set(prompt) - {"cache_salt", *MULTIMODAL_PROMPT_KEYS}
         cache_salt = check_cache_salt(prompt.get("cache_salt"))
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"], cache_salt
-        ids = _token_ids(prompt["prompt_token_ids"]) if keys == {"prompt_token_ids"} else None
+            return prompt["prompt"], cache_salt, None
+        text = prompt.get("prompt")
+        ids = None
+        if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "prompt"}) and (text is None or isinstance(text, str)):
+            ids = _token_ids(prompt["prompt_token_ids"])
         if ids is not None:
-            return ids, cache_salt
-        raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]}, with an optional '
-                           f'"cache_salt"; got {_describe(prompt)}', "prompt")
+            return ids, cache_salt, text
+        raise RequestError('a prompt dict must be {"prompt": text} or {"prompt_token_ids": [ids]} (and the "prompt" '
+                           f'text they came from), with an optional "cache_salt"; got {_describe(prompt)}', "prompt")
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     ids = _token_ids(prompt)
     if ids is not None:
-        return ids, None
+        return ids, None, None
     _refuse_non_int_ids(prompt)
     raise RequestError('each prompt must be a string, a list of token ids (ints), {"prompt": text} or '
                        f'{{"prompt_token_ids": ids}}; got {type(prompt).__name__}', "prompt")
@@ -281,7 +314,7 @@ def _describe(prompt: dict) -> str:
 
 def _prompt_list(prompts) -> list:
     """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list of (text or token
-    ids, cache_salt) pairs; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
+    ids, cache_salt, the token ids' text) triples; anything else is a RequestError (bytes are not token ids, None is not a prompt)."""
     if isinstance(prompts, (str, dict)):
         return [_one_prompt(prompts)]
     if type(prompts).__module__.partition(".")[0] in ("numpy", "torch"):   # an array: ids, or a batch of them
@@ -292,6 +325,6 @@ def _prompt_list(prompts) -> list:
     prompts = list(prompts)
     ids = _token_ids(prompts) if prompts else None
     if ids is not None:
-        return [(ids, None)]
+        return [(ids, None, None)]
     _refuse_non_int_ids(prompts)
     return [_one_prompt(p) for p in prompts]

@@ -341,11 +341,13 @@ class _Budget:
 
 def text_parts_joined(messages: list[dict]) -> list[dict]:
     """messages with a content given as OpenAI parts ([{"type": "text", "text": ...}]) made one string, the parts
-    joined by a line break, as vLLM gives them to a template (and as the server does); a part other than text is
-    a RequestError (kvfit serves text models)."""
+    joined by a line break, as vLLM gives them to a template (and as the server does), a null content the empty
+    string; a part other than text is a RequestError (kvfit serves text models)."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
+        if content is None and "content" in message:    # an assistant's tool calls alone: "" (vLLM's), not "None"
+            message = {**message, "content": ""}
         if isinstance(content, list):
             texts = []
             for part in content:
