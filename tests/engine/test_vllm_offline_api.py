@@ -176,3 +176,23 @@ def test_a_torch_dtype_is_taken_as_its_name(tiny_llama):
         assert llm.config.model.dtype == "float32"
     finally:
         llm.shutdown()
+
+
+def test_get_tokenizer_answers_transformers_names(llm, tiny_llama):
+    """What a vLLM script reads from LLM.get_tokenizer(), against transformers' tokenizer of the same folder."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tiny_llama)
+    tok = llm.get_tokenizer()
+    assert (tok.eos_token, tok.bos_token, tok.eos_token_id, tok.bos_token_id) == \
+        (hf.eos_token, hf.bos_token, hf.eos_token_id, hf.bos_token_id)
+    assert tok("hello world")["input_ids"] == hf("hello world")["input_ids"]
+    assert tok(["a b", "c"])["input_ids"] == hf(["a b", "c"])["input_ids"]
+    assert len(tok) == len(hf) and tok.get_vocab() == hf.get_vocab()
+    assert tok.tokenize("hello world") == hf.tokenize("hello world")
+    assert tok.convert_tokens_to_ids(tok.tokenize("hello")) == hf.convert_tokens_to_ids(hf.tokenize("hello"))
+    ids = hf("hello world")["input_ids"]
+    assert tok.batch_decode([ids, ids[1:]]) == hf.batch_decode([ids, ids[1:]], skip_special_tokens=True)
+    assert set(tok.all_special_ids) == set(hf.all_special_ids)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False) == \
+        hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)

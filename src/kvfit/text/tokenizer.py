@@ -166,19 +166,64 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    # transformers' names for what a vLLM script reads from LLM.get_tokenizer() (the defaults above stay kvfit's:
+    # decode skips special tokens, apply_chat_template adds the generation prompt and returns text) -----------------
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._token_id("pad_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted({i for i in (self._tok.token_to_id(t) for t in self.special_tokens.values()) if i is not None})
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """{"input_ids": ids} (a list of them for a list of texts), as a transformers tokenizer's call."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The vocabulary pieces of text (transformers' tokenize: no special tokens unless asked)."""
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             template_kwargs: dict | None = None, tokenize: bool = False,
-                            tools: list | None = None) -> str | list[int]:
+                            tools: list | None = None, **variables) -> str | list[int]:
         """The prompt for a chat: its text, or (tokenize) its token ids as transformers'
         apply_chat_template(tokenize=True) gives them: the rendered text encoded WITHOUT adding
         special tokens, since the template writes its own (a `{{ bos_token }}` template gets one bos).
 
         chat_template: a template text to use instead of the model's; ConfigError when there is none.
-        tools: OpenAI function tools for the template (transformers' tools=)."""
+        tools: OpenAI function tools for the template (transformers' tools=). Other keyword arguments are template
+        variables, as transformers passes them (enable_thinking=False), with template_kwargs'."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
+        if variables:
+            template_kwargs = {**variables, **(template_kwargs or {})}
         text = render_chat_template(self.compiled_template(source), messages, add_generation_prompt,
                                     self.special_tokens, continue_final_message, template_kwargs, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
