@@ -111,7 +111,7 @@ class LLMEngine:
             vocab = self.facts.vocab_size
             params = params.clone(**{name: vocab for name in ("logprobs", "prompt_logprobs")
                                      if getattr(params, name) == -1})
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request_id = request_id if request_id is not None else str(next(self._ids))     # vLLM LLM's ids: "0", "1", ...
         child_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
         for rid in dict.fromkeys([request_id, *child_ids]):
             if rid in self.scheduler.requests or rid in self._parents:
