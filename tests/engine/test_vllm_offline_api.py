@@ -196,3 +196,8 @@ def test_get_tokenizer_answers_transformers_names(llm, tiny_llama):
     messages = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False) == \
         hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+
+
+def test_request_ids_count_as_vllms_do(llm):
+    first, second = llm.generate(["a", "b"], GREEDY, use_tqdm=False)
+    assert first.request_id.isdigit() and int(second.request_id) == int(first.request_id) + 1
