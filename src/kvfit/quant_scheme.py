@@ -291,10 +291,13 @@ def _ct_targets(targets, where: str) -> list[str]:
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(f"{where}: targets must be a non-empty list of module names, got {_show(targets)}")
     _ignore_list(targets, "targets", where)                 # the patterns compile
-    classes = [t for t in targets if not t.startswith("re:") and "." not in t and t.lower() != "linear"]
+    # a name without a dot is a module class (vLLM matches it against the class's name) unless it is lower case
+    # (a top-level module's name, e.g. lm_head)
+    classes = [t for t in targets if not t.startswith("re:") and "." not in t and t.lower() != "linear"
+               and t != t.lower()]
     if classes:
         raise ConfigError(f"{where}: targets {_show(classes)} are not supported; kvfit runs FP8 schemes that target "
-                          "Linear layers, by class (\"Linear\"), by name or by \"re:\" pattern")
+                          "Linear layers: by the class \"Linear\", by module name or by \"re:\" pattern")
     return targets
 
 
@@ -345,8 +348,8 @@ def _ct_group(name: str, group, where: str) -> tuple[str, tuple[int, int] | None
     act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
     if dynamic and act_strategy in ("token", "tensor", "group"):
         # dynamic activations are quantized as the weights' GEMM reads them, whatever strategy the group names
-        # (vLLM's CompressedTensorsW8A8Fp8 too): per token and block column with block weights, else per token
-        # (at least as fine as per tensor or a group's columns)
+        # (vLLM's CompressedTensorsW8A8Fp8 does the same): per token and block column with block weights, else per
+        # token (finer than per tensor, coarser than a group's columns: what the per-channel GEMM takes)
         activation = "group" if block is not None else "token"
     elif not dynamic and act_strategy == "tensor" and block is None:
         activation = "static"

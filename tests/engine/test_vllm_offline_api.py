@@ -201,3 +201,39 @@ def test_get_tokenizer_answers_transformers_names(llm, tiny_llama):
 def test_request_ids_count_as_vllms_do(llm):
     first, second = llm.generate(["a", "b"], GREEDY, use_tqdm=False)
     assert first.request_id.isdigit() and int(second.request_id) == int(first.request_id) + 1
+
+
+def test_get_tokenizer_special_ids_unknown_tokens_and_refused_options(tiny_llama, tmp_path):
+    """all_special_ids holds tokenizer_config.json's additional special tokens (ChatML's <|im_start|>), as
+    transformers'; an unknown token is the unk token's id; transformers' own apply_chat_template options (return_dict,
+    return_tensors, ...) are refused, not read as template variables."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvfit.text.tokenizer import Tokenizer
+    folder = tmp_path / "chatml"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    hf0 = AutoTokenizer.from_pretrained(str(folder))
+    extra = next(t for t in hf0.get_vocab() if t not in hf0.all_special_tokens and t.isalpha() and len(t) > 2)
+    config["additional_special_tokens"] = [extra]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    hf, tok = AutoTokenizer.from_pretrained(str(folder)), Tokenizer.from_folder(str(folder))
+    assert set(tok.all_special_ids) == set(hf.all_special_ids) and hf.convert_tokens_to_ids(extra) in tok.all_special_ids
+    assert tok.convert_tokens_to_ids(["no-such-token-xyz", extra]) == hf.convert_tokens_to_ids(["no-such-token-xyz", extra])
+    with pytest.raises(RequestError, match=r"apply_chat_template\(return_dict=...\) is transformers' option"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)
+
+
+def test_a_capped_fp8_weight_never_takes_the_unquantized_gemv(monkeypatch):
+    """fbgemm_fp8's cap applies at one token too: the GEMV reads x unquantized, so a capped weight's token takes the
+    quantizing GEMM (on a GPU; forced here)."""
+    from kvfit.kernels import fp8_gemv
+    from kvfit.kernels.fp8 import Fp8Weight, quantize_weight_per_channel
+    monkeypatch.setattr(fp8_gemv, "triton_applies", lambda x: True)
+    wq, scale = quantize_weight_per_channel(torch.randn(8, 16))
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    assert fp8_gemv.fp8_gemv_applies(x, Fp8Weight(wq, scale, None))
+    assert not fp8_gemv.fp8_gemv_applies(x, Fp8Weight(wq, scale, None, None, 1200.0))

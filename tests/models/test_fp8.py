@@ -364,6 +364,8 @@ def test_config_groups_may_target_layers_by_pattern(models):
     assert torch.allclose(got, hf_logits(hf, tokens), atol=FLIP_ATOL)
     both = dict(quant, config_groups={"a": dict(group, targets=["re:.*self_attn.*"]), "b": dict(group, targets=["Linear"])})
     assert parse_quantization_config(both).targets == ()                   # "Linear" in any group: every layer
+    named = dict(quant, config_groups={"a": dict(group, targets=["lm_head", "re:.*o_proj$"])})   # a top-level name
+    assert parse_quantization_config(named).targets == ("lm_head", "re:.*o_proj$")
     for bad in (["Embedding"], ["Linear", ""], "Linear", ["re:(q"]):
         with pytest.raises(ConfigError, match="targets") as info:
             parse_quantization_config(dict(quant, config_groups={"g": dict(group, targets=bad)}))

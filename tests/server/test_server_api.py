@@ -304,3 +304,11 @@ def test_unknown_routes_are_openai_style_404(server):
     r = httpx.get(f"{server}/v1/nothing", headers=AUTH)
     assert r.status_code == 404
     openai_error(r)
+
+
+def test_the_prompts_limit_reads_vllms_variable(monkeypatch):
+    from kvfit.server.params import DEFAULT_MAX_COMPLETION_PROMPTS, max_completion_prompts
+    for value, want in (("5", 5), ("", DEFAULT_MAX_COMPLETION_PROMPTS), ("\u00b2", DEFAULT_MAX_COMPLETION_PROMPTS),
+                        ("0", DEFAULT_MAX_COMPLETION_PROMPTS), ("x", DEFAULT_MAX_COMPLETION_PROMPTS)):
+        monkeypatch.setenv("VLLM_MAX_COMPLETION_PROMPTS", value)
+        assert max_completion_prompts() == want

@@ -126,7 +126,7 @@ class LLM:
         return outputs
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
@@ -180,8 +180,10 @@ class LLM:
                 engine.abort(request_id)
             raise
         done: dict[str, RequestOutput] = {}
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm          # vLLM: a callable makes the bar
-        bar = make_bar(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        if callable(use_tqdm):          # vLLM's: a callable makes the bar, called with vLLM's keywords
+            bar = use_tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, postfix="")
+        else:
+            bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in engine.step(stream=False):

@@ -73,8 +73,10 @@ if triton is not None:
 
 
 def fp8_gemv_applies(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """One 16-bit (or fp32) token on CUDA with Triton; the weight with unit stride along K."""
-    return (triton_applies(x) and x.dim() == 2 and x.shape[0] == 1
+    """One 16-bit (or fp32) token on CUDA with Triton; the weight with unit stride along K; no cap on the token's
+    amax (fbgemm_fp8's input_scale_ub: the GEMV reads x unquantized, so a capped weight's token takes the
+    quantizing GEMM, which caps it, as at every other batch size)."""
+    return (triton_applies(x) and x.dim() == 2 and x.shape[0] == 1 and w.input_scale_ub is None
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.weight.stride(1) == 1)
 
 

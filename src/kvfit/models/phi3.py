@@ -82,7 +82,7 @@ class Phi3CausalLM(CausalLM):
 
     def __init__(self, facts, dtype, device, attention_backend, tp_rank: int = 0, tp_size: int = 1):
         scheme = facts.quantization
-        if scheme is not None and scheme.ignore:
+        if scheme is not None and (scheme.ignore or scheme.targets):     # both name the fused modules
             fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(Fp8Scheme)}
             facts = dataclasses.replace(facts, quantization=PackedScheme(**fields, packed=self.packed_modules))
         super().__init__(facts, dtype, device, attention_backend, tp_rank, tp_size)

@@ -299,7 +299,8 @@ DEFAULT_MAX_COMPLETION_PROMPTS = 1024     # vLLM's VLLM_MAX_COMPLETION_PROMPTS d
 def max_completion_prompts() -> int:
     """Prompts one completions request may hold: $VLLM_MAX_COMPLETION_PROMPTS (vLLM's), else 1,024."""
     value = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "")
-    return int(value) if value.strip().isdigit() and int(value) > 0 else DEFAULT_MAX_COMPLETION_PROMPTS
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else DEFAULT_MAX_COMPLETION_PROMPTS
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from kvfit.errors import ConfigError
+from kvfit.errors import ConfigError, RequestError
 from kvfit.model_facts import read_field, read_json_object
 from kvfit.text.chat_template import compile_chat_template, render_chat_template
 
@@ -59,6 +59,11 @@ def _chat_template(folder: str, config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# transformers' apply_chat_template options that are not template variables (kvfit's returns text or ids only)
+HF_CHAT_TEMPLATE_OPTIONS = frozenset({"return_dict", "return_tensors", "padding", "truncation", "max_length",
+                                      "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
 class Tokenizer:
     """encode / decode / chat templates for one model folder."""
 
@@ -68,6 +73,11 @@ class Tokenizer:
         source = "tokenizer_config.json"
         self._tok = backend                         # a tokenizers.Tokenizer
         self.special_tokens = _special_tokens(config, source)
+        # transformers' additional (4.x) / extra (5.x) special tokens: in all_special_ids
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        extra = extra.values() if isinstance(extra, dict) else extra if isinstance(extra, list) else []
+        self.extra_special_tokens = [t.get("content") if isinstance(t, dict) else t for t in extra
+                                     if isinstance(t, str) or (isinstance(t, dict) and isinstance(t.get("content"), str))]
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         missing = [s for s in self.special_tokens.values() if s not in added]
         if missing:   # as transformers does: a special token not in tokenizer.json gets the next free id
@@ -182,7 +192,8 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        return sorted({i for i in (self._tok.token_to_id(t) for t in self.special_tokens.values()) if i is not None})
+        tokens = [*self.special_tokens.values(), *self.extra_special_tokens]
+        return sorted({i for i in (self._tok.token_to_id(t) for t in tokens) if i is not None})
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -201,9 +212,12 @@ class Tokenizer:
         return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """Each token's id; one not in the vocabulary is the unk token's (None without one), as transformers'."""
+        unk = self._token_id("unk_token")
         if isinstance(tokens, str):
-            return self._tok.token_to_id(tokens)
-        return [self._tok.token_to_id(t) for t in tokens]
+            found = self._tok.token_to_id(tokens)
+            return unk if found is None else found
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
@@ -222,6 +236,11 @@ class Tokenizer:
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
+        unread = sorted(set(variables) & HF_CHAT_TEMPLATE_OPTIONS)
+        if unread:
+            raise RequestError(f"apply_chat_template({unread[0]}=...) is transformers' option, which kvfit's tokenizer "
+                               "does not take: it returns the text, or the token ids with tokenize=True",
+                               "apply_chat_template")
         if variables:
             template_kwargs = {**variables, **(template_kwargs or {})}
         text = render_chat_template(self.compiled_template(source), messages, add_generation_prompt,
