@@ -504,6 +504,24 @@ def test_hub_quantization_configs_parse():
     assert parse_quantization_config({**qwen3_fp8, "quant_method": "FP8"}).block_size == (128, 128)
 
 
+def test_plan_counts_the_layers_an_ignore_list_or_targets_keep_16_bit(models):
+    """weight_bytes (kvfit plan, dummy loads) counts a linear layer the scheme leaves in 16 bits at 2 bytes: the
+    parameters the loaded model holds in each dtype, for an ignore list and for targets."""
+    import dataclasses
+    root, src = models
+    facts = load_model_facts(src["llama"], "fp8")
+    model = load_model(src["llama"], facts, torch.float32, "cpu", BACKEND)
+
+    def fp8_params(m):
+        return sum(p.numel() for p in m.parameters() if p.dtype == FP8_DTYPE)
+    assert facts.quantized_params == fp8_params(model)
+    for scheme in (dataclasses.replace(facts.quantization, ignore=("down_proj", "layers.0.self_attn.qkv_proj")),
+                   dataclasses.replace(facts.quantization, targets=("re:.*self_attn.*",))):
+        kept = dataclasses.replace(facts, quantization=scheme)
+        partial = load_model(src["llama"], kept, torch.float32, "cpu", BACKEND)
+        assert 0 < kept.quantized_params == fp8_params(partial) < facts.quantized_params
+
+
 def test_plan_counts_fp8_weights(models):
     from kvfit.platforms.estimate import estimate_weights_bytes
     bf16 = load_model_facts("llama-3.1-8b")

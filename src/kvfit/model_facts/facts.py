@@ -95,7 +95,23 @@ class ModelFacts:
                                                            self.raw.get("num_local_experts") or
                                                            self.raw.get("n_routed_experts") or 0)
         norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        return max(self.num_params - embed - routers - norms, 0)
+        return max(self.num_params - embed - routers - norms - self._kept_linear_params(), 0)
+
+    def _kept_linear_params(self) -> int:
+        """Parameters of the decoder's attention projections and dense MLP that the scheme keeps 16-bit (its ignore
+        list, or a layer its targets miss: Fp8Scheme.quantizes on each checkpoint name). MLA attention and MoE
+        experts are counted as quantized."""
+        scheme = self.quantization
+        if scheme is None or not (scheme.ignore or scheme.targets) or self.is_mla:
+            return 0
+        h, q_out, kv_out = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sizes = {"self_attn.q_proj": h * q_out, "self_attn.k_proj": h * kv_out, "self_attn.v_proj": h * kv_out,
+                 "self_attn.o_proj": q_out * h}
+        if not any(self.raw.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+            sizes.update({"mlp.gate_proj": h * self.intermediate_size, "mlp.up_proj": h * self.intermediate_size,
+                          "mlp.down_proj": self.intermediate_size * h})
+        return sum(size for layer in range(self.num_layers) for name, size in sizes.items()
+                   if not scheme.quantizes(f"model.layers.{layer}.{name}"))
 
     @property
     def weight_scale_bytes(self) -> int:
