@@ -13,7 +13,7 @@ import select
 import sys
 
 from kvfit.version import __version__
-from kvfit.errors import KvfitError
+from kvfit.errors import ConfigError, KvfitError
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -84,10 +84,33 @@ def _silence_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+def out_of_memory(exc: BaseException) -> str:
+    """The allocation failure's own words (one line, shortened) when exc is one, else ""."""
+    text = str(exc)
+    if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
+        line = next((part for part in text.splitlines() if "allocate" in part or "memory" in part), text)
+        return " ".join(line.split())[:200] or type(exc).__name__
+    return ""
+
+
+def vllm_spellings(argv: list[str]) -> list[str]:
+    """Flags as vLLM's FlexibleArgumentParser reads them: --max_model_len is --max-model-len (underscores in a flag's
+    name, not in its value); --config FILE (vLLM's YAML of flags) is refused by name, not taken for a longer flag."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        if arg == "--config" or arg.startswith("--config="):
+            raise ConfigError("--config (a YAML file of flags) is not read by kvfit; pass the flags on the command line")
+        out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace | None:
     """The parsed command line; None (after printing the commands) when no command is given. A flag
     the command does not know is an error that points to that command's --help."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = vllm_spellings(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:
         parser.print_help()
@@ -117,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     except KvfitError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
+    except (MemoryError, RuntimeError) as exc:     # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(exc):
+            raise
+        sys.stderr.write(f"error: out of memory ({out_of_memory(exc)}); the settings ask for more than this machine "
+                         "has: lower --max-num-seqs (each row's sampling state is vocabulary-sized), "
+                         "--max-model-len or --kv-cache-memory\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

@@ -55,6 +55,12 @@ def max_model_len_flag(text: str) -> int | str:
     value = text.strip()
     if value.lower() == "auto" or value == "-1":
         return "auto"
+    return human_int_flag(value)
+
+
+def human_int_flag(text: str) -> int:
+    """An integer as vLLM's human_readable_int reads it: 4096, 8k (8,000; decimals allowed) or 8K (8,192)."""
+    value = text.strip()
     try:
         if value[-1:] in _BINARY_SUFFIXES:
             number = int(value[:-1]) * _BINARY_SUFFIXES[value[-1]]
@@ -63,8 +69,8 @@ def max_model_len_flag(text: str) -> int | str:
         else:
             number = int(value)
     except (ValueError, OverflowError):   # not a number, inf/nan, or past Python's 4,300 digits
-        raise argparse.ArgumentTypeError(f"expected an integer like 4096, 32k or 32K, or auto, got "
-                                         f"{text[:40]!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer like 4096, 32k or 32K (or auto for --max-model-len), "
+                                         f"got {text[:40]!r}") from None
     return int_flag(str(number))
 
 
@@ -309,7 +315,7 @@ def add_capacity_flags(p: argparse.ArgumentParser) -> None:
                    help="longest request (prompt + output) in tokens, e.g. 4096, 32k (32,000) or 32K (32,768); "
                         "auto (or -1): the longest that one request can hold in the KV cache, at most the "
                         "model's (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-batched-tokens", type=int_flag, default=None,
+    p.add_argument("--max-num-batched-tokens", type=human_int_flag, default=None,
                    help="tokens per engine step, and of the start-up profile's steps (default: 8192 on a GPU, "
                         "64 on the CPU)")
     p.add_argument("--max-num-seqs", type=int_flag, default=None, help="requests in the batch at once")

@@ -68,7 +68,8 @@ class FrontendOptions:
             _check_params(params)
             logger.info("default sampling params with --override-generation-config: %s",
                         ", ".join(f"{k}={v}" for k, v in params.items()) or "none")
-        return RequestDefaults.from_config(params, serving.generation_config, serving.max_logprobs,
+        override_cap = (self.override_generation_config or {}).get("max_new_tokens")
+        return RequestDefaults.from_config(params, serving.generation_config, serving.max_logprobs, override_cap,
                                            enable_force_include_usage=self.enable_force_include_usage,
                                            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
                                            enable_prompt_tokens_details=self.enable_prompt_tokens_details)

@@ -38,7 +38,7 @@ except ImportError:       # httptools not installed: h11 serves
 
 from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, HeadSizeCounter, head_too_large_response, is_loopback_host
-from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
+from kvfit.server.limits import (API_KEY_ENV, VLLM_API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                  DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, LINGER_BYTES,
                                  LINGER_SECONDS, MAX_HEADER_BYTES, RESERVED_FDS)
 from kvfit.server.logs import AccessLogMiddleware
@@ -55,7 +55,7 @@ logger = logging.getLogger("kvfit")
 # start-up safety --------------------------------------------------------------------------------
 def resolve_api_key(api_key: str | None, api_key_file: str | None,
                     environ: Mapping[str, str] = os.environ) -> str | None:
-    """The API key from --api-key, --api-key-file (read once, here) or $KVFIT_API_KEY, in that order;
+    """The API key from --api-key, --api-key-file (read once, here), $KVFIT_API_KEY or $VLLM_API_KEY, in that order;
     None when none is given. A ConfigError when both flags are given, the file cannot be read, or the
     key is empty or not printable ASCII (a header could never carry it, so no request would match)."""
     if api_key is not None and api_key_file is not None:
@@ -70,6 +70,8 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
         key, source = api_key.strip(), "--api-key"
     elif API_KEY_ENV in environ:
         key, source = environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+    elif VLLM_API_KEY_ENV in environ:      # vLLM's variable: a deployment that sets it is not left open
+        key, source = environ[VLLM_API_KEY_ENV].strip(), f"${VLLM_API_KEY_ENV}"
     else:
         return None
     if not key:

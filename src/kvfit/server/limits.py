@@ -16,3 +16,4 @@ LINGER_SECONDS = 2.0                      # after a 431: how long the rest of th
 LINGER_BYTES = 1 << 20                    # ... and how many at most, before the connection closes
 PUBLIC_MIN_PREFIX_CACHE_QUERY_TOKENS = 100_000   # an open /metrics shows the hit rate only past this many
 API_KEY_ENV = "KVFIT_API_KEY"             # the API key, when neither --api-key nor --api-key-file is given
+VLLM_API_KEY_ENV = "VLLM_API_KEY"          # read where KVFIT_API_KEY is not set (vLLM's name)

@@ -89,9 +89,11 @@ class RequestDefaults:
 
     @classmethod
     def from_config(cls, params: dict, generation_config: str, max_logprobs: int = MAX_LOGPROBS,
-                    **frontend) -> "RequestDefaults":
-        """frontend: the front-end flags above, by name."""
-        cap = params.get("max_tokens") if generation_config not in ("auto", "vllm") else None
+                    override_max_tokens: int | None = None, **frontend) -> "RequestDefaults":
+        """frontend: the front-end flags above, by name. The cap on every request's max_tokens is vLLM's: a
+        generation-config folder's max_new_tokens, or with auto / vllm --override-generation-config's
+        (override_max_tokens)."""
+        cap = params.get("max_tokens") if generation_config not in ("auto", "vllm") else override_max_tokens
         return cls(dict(params), cap, max_logprobs, **frontend)
 
     def max_tokens(self, requested: int | None) -> int | None:
