@@ -49,3 +49,12 @@ def test_an_allocation_failure_is_named():
                        "you tried to allocate 128000000000 bytes.")
     assert "can't allocate memory" in out_of_memory(exc) and out_of_memory(MemoryError()) == "MemoryError"
     assert out_of_memory(RuntimeError("shape mismatch")) == ""
+
+
+def test_short_parallel_flags_and_no_enable_log_requests(capsys):
+    from kvfit.cli import parse_args
+    parse_args(["generate", "llama-3.1-8b", "-pp", "1", "-dp", "1"])       # vLLM's short forms, at their neutral 1
+    assert main(["generate", "llama-3.1-8b", "-pp", "2"]) == 2
+    assert "-pp 2 is not supported by kvfit: pipeline parallelism" in capsys.readouterr().err
+    assert parse_args(["serve", "llama-3.1-8b", "--no-enable-log-requests"]).vllm_log_requests is False
+    assert parse_args(["serve", "llama-3.1-8b"]).vllm_log_requests is True

@@ -135,10 +135,10 @@ class _Refused(argparse.Action):
             raise ConfigError(f"{option_string}{shown} is not supported by kvfit: {self.reason}")
 
 
-def refuse(p: argparse.ArgumentParser, flag: str, reason: str, neutral: tuple | None = ()) -> None:
-    """Add vLLM's `flag`, refused with `reason` unless its value is one of `neutral` (None: a switch,
-    always refused)."""
-    p.add_argument(flag, action=_Refused, reason=reason, neutral=neutral,
+def refuse(p: argparse.ArgumentParser, flag: str, reason: str, neutral: tuple | None = (), aliases: tuple = ()) -> None:
+    """Add vLLM's `flag` (and its short `aliases`), refused with `reason` unless its value is one of `neutral`
+    (None: a switch, always refused)."""
+    p.add_argument(flag, *aliases, action=_Refused, reason=reason, neutral=neutral,
                    dest="vllm_" + flag.lstrip("-").replace("-", "_"))
 
 
@@ -154,8 +154,9 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's; accepted, nothing is reserved: kvfit preempts by recomputing (as vLLM v1), so "
                         "no KV blocks are swapped to host memory (default: none)")
     refuse(p, "--pipeline-parallel-size", "pipeline parallelism is not implemented; use --tensor-parallel-size",
-           ("1",))
-    refuse(p, "--data-parallel-size", "data parallelism is not implemented; run one server per device", ("1",))
+           ("1",), ("-pp",))
+    refuse(p, "--data-parallel-size", "data parallelism is not implemented; run one server per device", ("1",),
+           ("-dp",))
     refuse(p, "--cpu-offload-gb", "weights are not offloaded; use a smaller model or more devices", ("0",))
     refuse(p, "--distributed-executor-backend", "tensor-parallel ranks run as processes of this host", ("mp",))
     refuse(p, "--enable-lora", "LoRA adapters are not implemented", None)
@@ -181,6 +182,8 @@ def add_vllm_server_flags(p: argparse.ArgumentParser) -> None:
                    action="store_false", default=True,
                    help="vLLM's: no log line per request (kvfit's access line: method, path, status, tokens, "
                         "time; default: one per request at --log-level info)")
+    p.add_argument("--no-enable-log-requests", dest="vllm_log_requests", action="store_false",
+                   help="vLLM's: --disable-log-requests")
     p.add_argument("--enable-log-requests", dest="vllm_log_requests", action="store_true",
                    help="vLLM's: a log line per request: kvfit's access line, on by default (it never shows the "
                         "prompt)")
