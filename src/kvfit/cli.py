@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     except (MemoryError, RuntimeError) as exc:     # torch.OutOfMemoryError is a RuntimeError
-        if not out_of_memory(exc):
+        words = out_of_memory(exc)
+        if not words:
             raise
-        sys.stderr.write(f"error: out of memory ({out_of_memory(exc)}); the settings ask for more than this machine "
+        sys.stderr.write(f"error: out of memory ({words}); the settings ask for more than this machine "
                          "has: lower --max-num-seqs (each row's sampling state is vocabulary-sized), "
                          "--max-model-len or --kv-cache-memory\n")
         return 1

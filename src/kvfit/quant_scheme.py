@@ -61,9 +61,10 @@ ACTIVATION_SCRATCH_BYTES = 1
 STATIC_ACTIVATION_SCRATCH_BYTES = 4 + 1
 
 
-# a checkpoint's separate projections -> the fused module vLLM builds from them (its packed_modules_mapping)
-FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                 "up_proj": "gate_up_proj"}
+# a fused module's leaf -> the projections it stacks by rows, in order (vLLM's packed_modules_mapping; Phi-3's
+# checkpoints hold the fused tensors), and each projection's fused module
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_MODULES = {part: fused for fused, parts in PACKED_MODULES.items() for part in parts}
 
 
 def _names(module: str, name: str) -> bool:
@@ -71,9 +72,10 @@ def _names(module: str, name: str) -> bool:
     return module == name or module.endswith("." + name) or module.startswith(name + ".")
 
 
-def _targeted(module: str, target: str) -> bool:
-    """A compressed-tensors target (a layer name, or a pattern after "re:" matched at the start) names module."""
-    return bool(re.match(target[3:], module)) if target.startswith("re:") else module == target
+def _matches(module: str, entry: str, plain) -> bool:
+    """An ignore or targets entry names module: a pattern after "re:" matched at its start (compressed-tensors'
+    rule), else plain(module, entry)."""
+    return bool(re.match(entry[3:], module)) if entry.startswith("re:") else plain(module, entry)
 
 
 @dataclass(frozen=True)
@@ -110,18 +112,12 @@ class Fp8Scheme:
         prefix, _, leaf = module.rpartition(".")
         fused = FUSED_MODULES.get(leaf)
         fused_name = None if fused is None else f"{prefix}.{fused}"
-        if self.targets and not any(_targeted(name, target) for name in (module, fused_name) if name
+        if self.targets and not any(_matches(name, target, str.__eq__) for name in (module, fused_name) if name
                                     for target in self.targets):
             return False                                   # no group targets it (vLLM's find_matched_target)
         if fused is not None and any(_names(fused_name, p) for p in self.ignore if not p.startswith("re:")):
             return False
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], module):          # compressed-tensors' rule: a match at the start
-                    return False
-            elif _names(module, pattern):
-                return False
-        return True
+        return not any(_matches(module, pattern, _names) for pattern in self.ignore)
 
     def describe(self) -> str:
         """e.g. 'fp8 (compressed-tensors, per channel, activations per token)' for logs and the capacity line."""

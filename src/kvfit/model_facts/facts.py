@@ -91,11 +91,15 @@ class ModelFacts:
         if self.quantization is None:
             return 0
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        routers = self.num_layers * self.hidden_size * int(self.raw.get("num_experts") or
-                                                           self.raw.get("num_local_experts") or
-                                                           self.raw.get("n_routed_experts") or 0)
+        routers = self.num_layers * self.hidden_size * self._num_routed_experts
         norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
         return max(self.num_params - embed - routers - norms - self._kept_linear_params(), 0)
+
+    @property
+    def _num_routed_experts(self) -> int:
+        """config.json's expert count (0 for a dense model), in any of the families' names."""
+        return int(self.raw.get("num_experts") or self.raw.get("num_local_experts") or
+                   self.raw.get("n_routed_experts") or 0)
 
     def _kept_linear_params(self) -> int:
         """Parameters of the decoder's attention projections and dense MLP that the scheme keeps 16-bit (its ignore
@@ -107,7 +111,7 @@ class ModelFacts:
         h, q_out, kv_out = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         sizes = {"self_attn.q_proj": h * q_out, "self_attn.k_proj": h * kv_out, "self_attn.v_proj": h * kv_out,
                  "self_attn.o_proj": q_out * h}
-        if not any(self.raw.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        if not self._num_routed_experts:
             sizes.update({"mlp.gate_proj": h * self.intermediate_size, "mlp.up_proj": h * self.intermediate_size,
                           "mlp.down_proj": self.intermediate_size * h})
         return sum(size for layer in range(self.num_layers) for name, size in sizes.items()

@@ -24,7 +24,7 @@ import torch
 from kvfit.errors import ConfigError
 from kvfit.models.llama import CausalLM
 from kvfit.models.parallel import check_source_shape, source_shape
-from kvfit.quant_scheme import Fp8Scheme
+from kvfit.quant_scheme import PACKED_MODULES, Fp8Scheme
 
 # a fused tensor's leaves: split by rows (weights, per-channel and block scales) or one value for every part
 ROW_LEAVES = ("weight", "weight_scale", "weight_scale_inv")
@@ -77,8 +77,8 @@ class PackedScheme(Fp8Scheme):
 class Phi3CausalLM(CausalLM):
     """The Llama decoder, loading Phi-3's fused qkv_proj and gate_up_proj tensors into its parts."""
 
-    # a fused checkpoint tensor's leaf -> the parts it stacks by rows, in order (nano-vllm's packed_modules_mapping)
-    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # a fused checkpoint tensor's leaf -> the parts it stacks by rows, in order (vLLM's packed_modules_mapping)
+    packed_modules = PACKED_MODULES
 
     def __init__(self, facts, dtype, device, attention_backend, tp_rank: int = 0, tp_size: int = 1):
         scheme = facts.quantization

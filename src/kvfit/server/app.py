@@ -398,13 +398,12 @@ async def _add_all(state: ServerState, response_id: str, inputs: list[GenerateIn
     """Queue every prompt's request (ServingEngine.add_batch: one batch's adds reach the core together, one batch
     at a time); if one is refused, those queued are aborted and the whole request fails with that prompt's error
     (its index named in a batch)."""
-    if len(inputs) > 1:
-        wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
-        if cap and wanted > cap:     # as n alone past it (EngineCore.add): refused before any is queued
-            raise APIError(400, f"{len(inputs)} prompts x n={inputs[0].n} = {wanted} requests can never be queued "
-                                f"here: at most --max-num-seqs + --max-waiting-requests = {cap} run or wait at once; "
-                                "send fewer prompts a request", "invalid_request_error", "prompt")
     batch = len(inputs) > 1
+    wanted, cap = len(inputs) * inputs[0].n, state.engine.max_requests_at_once
+    if batch and cap and wanted > cap:     # as n alone past it (EngineCore.add): refused before any is queued
+        raise APIError(400, f"{len(inputs)} prompts x n={inputs[0].n} = {wanted} requests can never be queued "
+                            f"here: at most --max-num-seqs + --max-waiting-requests = {cap} run or wait at once; "
+                            "send fewer prompts a request", "invalid_request_error", "prompt")
     requests = [AddRequest(f"{response_id}-{i}" if batch else response_id,     # vLLM's sub-request ids
                            inp.prompt, inp.params, inp.max_tokens_given, inp.cache_salt, inp.truncate,
                            inp.add_special_tokens)

@@ -38,9 +38,9 @@ except ImportError:       # httptools not installed: h11 serves
 
 from kvfit.errors import ConfigError
 from kvfit.server.guards import GuardMiddleware, HeadSizeCounter, head_too_large_response, is_loopback_host
-from kvfit.server.limits import (API_KEY_ENV, VLLM_API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
+from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
                                  DEFAULT_KEEP_ALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS, LINGER_BYTES,
-                                 LINGER_SECONDS, MAX_HEADER_BYTES, RESERVED_FDS)
+                                 LINGER_SECONDS, MAX_HEADER_BYTES, RESERVED_FDS, VLLM_API_KEY_ENV)
 from kvfit.server.logs import AccessLogMiddleware
 from kvfit.server.start_gate import StartGate
 

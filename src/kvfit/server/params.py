@@ -300,9 +300,11 @@ DEFAULT_MAX_COMPLETION_PROMPTS = 1024     # vLLM's VLLM_MAX_COMPLETION_PROMPTS d
 
 def max_completion_prompts() -> int:
     """Prompts one completions request may hold: $VLLM_MAX_COMPLETION_PROMPTS (vLLM's), else 1,024."""
-    value = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "")
-    value = value.strip()
+    value = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "").strip()
     return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else DEFAULT_MAX_COMPLETION_PROMPTS
+
+
+MAX_COMPLETION_PROMPTS = max_completion_prompts()      # read once, when the server starts (not a request)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -311,9 +313,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if isinstance(prompt, list) and not prompt:
         raise bad_request("the prompt is empty; give at least one token", param="prompt")
     prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
-    limit = max_completion_prompts()
-    if len(prompts) > limit:
-        raise bad_request(f"{len(prompts)} prompts in one request are over the limit of {limit}; send fewer a request "
+    if len(prompts) > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"{len(prompts)} prompts in one request are over the limit of {MAX_COMPLETION_PROMPTS}; "
+                          "send fewer a request "
                           "(or raise VLLM_MAX_COMPLETION_PROMPTS, vLLM's setting, which kvfit reads too)",
                           param="prompt")
     for i, one in enumerate(prompts):
