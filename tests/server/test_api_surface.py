@@ -162,6 +162,17 @@ def test_the_stats_line_reports_activity_and_is_quiet_when_idle():
     assert logger.line(start + 30) is None                                            # idle: quiet
 
 
+def test_request_success_has_every_finish_reason_from_the_start():
+    """vLLM creates vllm:request_success_total for each of its finish reasons at start-up (at 0)."""
+    stats = {"kv_blocks_total": 64, "kv_blocks_free": 64, "kv_blocks_used": 0, "kv_blocks_cached": 0,
+             "token_capacity": 1024, "running": 0, "waiting": 0, "preemptions": 0, "prefix_cache_queries": 0,
+             "prefix_cache_hits": 0}
+    text = ServerMetrics(lambda: stats, model_name="m").render().decode()
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        assert f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="m"}} 0.0' in text \
+            or f'vllm:request_success_total{{model_name="m",engine="0",finished_reason="{reason}"}} 0.0' in text, reason
+
+
 # chat messages ------------------------------------------------------------------------------------
 TEMPLATE = "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %};{% endfor %}{{ extra }}"
 

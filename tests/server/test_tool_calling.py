@@ -264,7 +264,9 @@ def test_history_with_an_empty_tool_calls_list_renders_as_plain_assistant_turns(
 
 def test_no_calls_leave_tool_calls_out_and_whitespace_beside_calls_is_no_content():
     """vLLM's ChatMessage drops an empty tool_calls list; text beside calls that is only whitespace is null."""
-    for script, want in (("Just text.", {"role": "assistant", "content": "Just text."}),
+    for script, want in (("Just text.", {"role": "assistant", "content": "Just text.", "refusal": None,
+                                         "annotations": None, "audio": None, "function_call": None,
+                                         "reasoning": None}),
                          ('\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None)):
         with running_server(ScriptedEngine(script), "fake", chat_template=TOOLS_TEMPLATE,
                             tool_options=ToolOptions(True, "hermes")) as (url, _):
@@ -275,3 +277,18 @@ def test_no_calls_leave_tool_calls_out_and_whitespace_beside_calls_is_no_content
                 assert message == want
             else:
                 assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_exclude_tools_when_tool_choice_none_renders_no_tools():
+    """vLLM's --exclude-tools-when-tool-choice-none: tool_choice none leaves the tools out of the prompt (and only
+    then); without the flag they are rendered."""
+    from kvfit.server.frontend import FrontendOptions
+    body = {"model": "fake", "messages": USER, "tools": [WEATHER], "max_tokens": 1}
+    prompt_tokens = {}
+    for exclude in (False, True):
+        with running_server(ScriptedEngine("x"), "fake", chat_template=TOOLS_TEMPLATE,
+                            frontend=FrontendOptions(exclude_tools_when_tool_choice_none=exclude)) as (url, _):
+            for choice in ("none", "required"):
+                reply = httpx.post(f"{url}/v1/chat/completions", json={**body, "tool_choice": choice}, timeout=30)
+                prompt_tokens[exclude, choice] = reply.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens[True, "none"] < prompt_tokens[False, "none"] == prompt_tokens[True, "required"]

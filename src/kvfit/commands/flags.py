@@ -253,7 +253,9 @@ def add_vllm_frontend_flags(p: argparse.ArgumentParser) -> None:
                                              "and continuous_usage_stats (responses that are not streamed always have "
                                              "it)"),
             ("--return-tokens-as-token-ids", "logprobs show each token as 'token_id:<id>' (a request's "
-                                             "return_tokens_as_token_ids wins)")):
+                                             "return_tokens_as_token_ids wins)"),
+            ("--exclude-tools-when-tool-choice-none", "a chat with tool_choice none renders its template without its "
+                                                      "tools")):
         p.add_argument(flag, action=on_off, default=False, help=f"vLLM's: {what}")
     p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                    help="vLLM's: how a message's content reaches the chat template: string (its text parts joined "

@@ -22,7 +22,7 @@ def register(sub) -> None:
                                       add_vllm_server_flags, refuse)
     # the server's defaults, without importing fastapi for every other subcommand
     from kvfit.server.limits import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_SECONDS, DEFAULT_HEADER_TIMEOUT_SECONDS,
-                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
+                                     BODY_BYTES_PER_TOKEN, MIN_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING_REQUESTS)
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_model_argument(p, "a catalog name with --load-format dummy")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -51,8 +51,9 @@ def register(sub) -> None:
                    help=f"requests (an n > 1 request counts n) allowed to wait for the batch; beyond it new ones get "
                         f"429 (default: {WAITING_REQUESTS_PER_SEQ} x --max-num-seqs, so a burst of thousands of "
                         "streams is queued)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help=f"larger request bodies get 413 (default: {BODY_BYTES_PER_TOKEN} bytes a token of "
+                        f"--max-model-len, at least {MIN_MAX_BODY_BYTES >> 20} MiB)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="the server's log level (kvfit and uvicorn; info: an access line per request and a stats "
                         "line every 10 s while busy)")
@@ -75,7 +76,7 @@ def _check_args(args) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ConfigError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    if args.max_request_body_bytes < 1024:
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1024:
         raise ConfigError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
 
 

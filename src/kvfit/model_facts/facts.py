@@ -102,20 +102,35 @@ class ModelFacts:
                    self.raw.get("n_routed_experts") or 0)
 
     def _kept_linear_params(self) -> int:
-        """Parameters of the decoder's attention projections and dense MLP that the scheme keeps 16-bit (its ignore
-        list, or a layer its targets miss: Fp8Scheme.quantizes on each checkpoint name). MLA attention and MoE
-        experts are counted as quantized."""
+        """Parameters of the decoder's linear layers that the scheme keeps 16-bit (its ignore list, or a layer its
+        targets miss: Fp8Scheme.quantizes on each checkpoint name): attention, dense MLPs, MoE experts and shared
+        experts. MLA attention is counted as quantized."""
         scheme = self.quantization
         if scheme is None or not (scheme.ignore or scheme.targets) or self.is_mla:
             return 0
         h, q_out, kv_out = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        sizes = {"self_attn.q_proj": h * q_out, "self_attn.k_proj": h * kv_out, "self_attn.v_proj": h * kv_out,
-                 "self_attn.o_proj": q_out * h}
-        if not self._num_routed_experts:
-            sizes.update({"mlp.gate_proj": h * self.intermediate_size, "mlp.up_proj": h * self.intermediate_size,
-                          "mlp.down_proj": self.intermediate_size * h})
-        return sum(size for layer in range(self.num_layers) for name, size in sizes.items()
-                   if not scheme.quantizes(f"model.layers.{layer}.{name}"))
+        attention = {"self_attn.q_proj": h * q_out, "self_attn.k_proj": h * kv_out, "self_attn.v_proj": h * kv_out,
+                     "self_attn.o_proj": q_out * h}
+        dense = {"mlp.gate_proj": h * self.intermediate_size, "mlp.up_proj": h * self.intermediate_size,
+                 "mlp.down_proj": self.intermediate_size * h}
+        moe = None
+        if self._num_routed_experts:
+            from kvfit.model_facts.architectures import moe_config       # it imports this module
+            moe = moe_config(self)
+        kept = 0
+        for layer in range(self.num_layers):
+            sizes = dict(attention)
+            if moe is None or layer not in moe.sparse_layers:
+                sizes.update(dense)
+            else:
+                width = moe.intermediate_size
+                sizes.update({f"{moe.block_name}.experts.{e}.{name}": h * width
+                              for e in range(moe.num_experts) for name in moe.expert_names})
+                if moe.shared_intermediate_size:
+                    sizes.update({f"mlp.shared_expert.{name}": h * moe.shared_intermediate_size
+                                  for name in ("gate_proj", "up_proj", "down_proj")})
+            kept += sum(size for name, size in sizes.items() if not scheme.quantizes(f"model.layers.{layer}.{name}"))
+        return kept
 
     @property
     def weight_scale_bytes(self) -> int:

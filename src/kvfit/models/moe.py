@@ -202,7 +202,6 @@ class MoECausalLM(CausalLM):
     def load_special(self, name: str, source) -> list[str] | None:
         match = _ROUTER.fullmatch(name)
         if match is not None and self.moe.fp8_router and self.scheme is not None and not self.scheme.online \
-                and (match.group(2) != "weight" or is_fp8_source(source)) \
                 and int(match.group(1)) in self.moe.sparse_layers \
                 and self.scheme.quantizes(f"model.layers.{match.group(1)}.mlp.gate"):
             return self._load_fp8_router(int(match.group(1)), match.group(2), name, source)
@@ -220,6 +219,10 @@ class MoECausalLM(CausalLM):
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
                                   f"{self.moe.num_experts}; the weights do not match this config.json")
             kind = {"weight": "weight", "input_scale": "input_scale"}.get(match.group(4), "scale")
+            if kind == "scale" and match.group(4) != self._scale_name():
+                raise ConfigError(f"checkpoint tensor {name} is a weight scale under another name than "
+                                  f"quantization_config ({self.scheme.method}) gives its weights' scales "
+                                  f"({self._scale_name()}); the checkpoint does not match its config.json")
             block.load_expert(expert, part, source, kind, name)
             return self._done(layer, {(expert, part)}, _KIND_SUFFIX[kind])
         match = _STACKED.fullmatch(name)
@@ -230,9 +233,14 @@ class MoECausalLM(CausalLM):
             return self._done(layer, {(e, p) for e in range(self.moe.num_experts) for p in wanted})
         return None
 
+    def _scale_name(self) -> str:
+        return self.scheme.scale_name if self.scheme is not None else "weight_scale"
+
     def _load_fp8_router(self, layer: int, kind: str, name: str, source) -> list[str]:
         """An FP8 router's weight or scale (the scheme quantizes it, as vLLM's Qwen3-MoE does): once both are read,
-        the weight dequantized into the 16-bit router. Its static input scale has nothing to scale here."""
+        the weight dequantized into the 16-bit router. Its static input scale has nothing to scale here. A weight
+        held in 16 bits loads as it is, and a scale beside it multiplies it, as vLLM's FP8 router reads it (its
+        values cast into the FP8 parameter, then scaled)."""
         if kind == "input_scale":
             return []
         parts = self._fp8_router.setdefault(layer, {})
@@ -240,10 +248,21 @@ class MoECausalLM(CausalLM):
             parts["weight"] = (name, source if isinstance(source, torch.Tensor) else source[:])
         else:
             parts["scale"] = (name, scale_values(source, name, self.scheme))
-        if len(parts) < 2:
+        target = self.model.layers[layer].mlp.gate.weight
+        loaded = f"model.layers.{layer}.mlp.gate.weight"
+        weight = parts.get("weight", (None, None))[1]
+        sixteen_bit = weight is not None and weight.element_size() > 1
+        if "scale" not in parts:
+            if not sixteen_bit:
+                return []
+            if tuple(weight.shape) != tuple(target.shape):
+                raise ConfigError(f"checkpoint tensor {name} has shape {list(weight.shape)} but the router is "
+                                  f"{list(target.shape)}; the checkpoint does not match config.json")
+            target.copy_(weight)                    # a router held in 16 bits: loaded; a scale read later scales it
+            return [loaded]
+        if weight is None:
             return []
         (weight_name, weight), (scale_name, scale) = parts.pop("weight"), parts.pop("scale")
-        target = self.model.layers[layer].mlp.gate.weight
         rows, cols = target.shape
         block = self.scheme.block_size
         want = {"tensor": ((), (1,)), "channel": ((rows, 1), (rows,)),
@@ -253,7 +272,7 @@ class MoECausalLM(CausalLM):
                               f"{list(scale.shape)} are not an FP8 router of {rows} experts x {cols} with "
                               f"{self.scheme.weight_strategy} scales; the checkpoint does not match config.json")
         target.copy_(dequantize_weight(weight, scale, block).to(target.dtype))
-        return [f"model.layers.{layer}.mlp.gate.weight"]
+        return [loaded] if kind == "weight" or not sixteen_bit else []    # a 16-bit weight said so when read
 
     def _sparse_block(self, layer: int, name: str) -> SparseMoE:
         if layer not in self.moe.sparse_layers:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfit.errors import ConfigError
 from kvfit.server.async_engine import AddRequest, AsyncEngine, PromptRefused, RequestStream, ServingEngine
 from kvfit.server.frontend import DEFAULT_FRONTEND, FrontendOptions, install_frontend_middleware
-from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, DEFAULT_MAX_BODY_BYTES
+from kvfit.server.limits import APP_MAX_WAITING_REQUESTS, default_max_body_bytes
 from kvfit.server.logs import ACCESS_SCOPE_KEY, STATS_INTERVAL_SECONDS, AccessRecord, StatsLogger
 from kvfit.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfit.server.params import NO_DEFAULTS, GenerateInput, RequestDefaults, chat_input, completion_inputs
@@ -80,7 +80,7 @@ def _model_names(served_model_name: str | Sequence[str]) -> tuple[str, ...]:
 
 def create_app(engine, served_model_name: str | Sequence[str], api_key: str | None = None,
                max_waiting_requests: int = APP_MAX_WAITING_REQUESTS,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_require_key: bool = False,
+               max_body_bytes: int | None = None, metrics_require_key: bool = False,
                chat_template: str | None = None, stats_interval_s: float = STATS_INTERVAL_SECONDS,
                prepare_processes: int | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
                tool_options: ToolOptions = NO_TOOLS, frontend: FrontendOptions = DEFAULT_FRONTEND) -> FastAPI:
@@ -102,9 +102,11 @@ def create_app(engine, served_model_name: str | Sequence[str], api_key: str | No
     metrics = ServerMetrics(serving.stats, metrics_require_key, names[0], serving.max_model_len)
     defaults = frontend.request_defaults(serving)
     context = PrepareContext(names, chat_template, serving.max_prompt_chars, serving.max_model_len,
-                             frontend.content_format)
+                             frontend.content_format, frontend.exclude_tools_when_tool_choice_none)
     num_processes = default_num_processes() if prepare_processes is None else prepare_processes
     pool = _prepare_pool(serving, context, num_processes) if num_processes > 0 else None
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(serving.max_model_len)
     state = ServerState(serving, metrics, names, api_key, max_body_bytes, int(time.time()), context, pool,
                         large_body_bytes, defaults=defaults, tool_options=tool_options)
     stats_logger = StatsLogger(metrics, async_engine.stats, stats_interval_s) if stats_interval_s > 0 else None

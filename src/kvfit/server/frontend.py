@@ -41,6 +41,7 @@ class FrontendOptions:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     return_tokens_as_token_ids: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
     chat_template_content_format: str = "auto"
     override_generation_config: dict | None = None
 

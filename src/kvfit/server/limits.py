@@ -1,6 +1,16 @@
 """Server defaults, importable without fastapi (the CLI reads them for --help)."""
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20          # 1 MiB: far beyond any prompt max_model_len allows
+# request bodies: at least 1 MiB, and room for a prompt of max_model_len tokens written as JSON (a token id is at most
+# 8 bytes with its separator; text runs 2-6 bytes a token, 12 for escaped CJK): 4 MiB at 131,072 tokens
+MIN_MAX_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 32
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The request body limit when --max-request-body-bytes is not given."""
+    return max(MIN_MAX_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
 DEFAULT_MAX_WAITING_REQUESTS = None       # kvfit serve: 16 x --max-num-seqs (commands/serve.py)
 APP_MAX_WAITING_REQUESTS = 1024           # create_app's default, for an engine served in-process
 # open connections (--max-connections; past it uvicorn answers 503). None: as many as the process's file

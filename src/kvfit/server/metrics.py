@@ -126,6 +126,10 @@ class _EngineCollector:
                          "of cached tokens.", s["prefix_cache_hits"])
 
 
+# vLLM's FinishReason strings (v1/engine/__init__.py), each a vllm:request_success_total series from start-up
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
 class ServerMetrics:
     """The app's registry: engine gauges plus request latency histograms and token counters.
 
@@ -177,6 +181,8 @@ class ServerMetrics:
                                                    "generation tokens processed.", buckets=token_buckets)
         self._vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                      VLLM_LABELS + ("finished_reason",), registry=r)
+        for reason in VLLM_FINISH_REASONS:          # every label from the start, at 0, as vLLM creates them
+            self._vllm_success.labels(*labels, reason)
         self._labels = labels
         # totals since start, for the periodic stats line (counters read back would need the registry)
         self.num_prompt_tokens = 0

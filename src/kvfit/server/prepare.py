@@ -40,6 +40,7 @@ class PrepareContext:
     max_prompt_chars: int
     max_model_len: int
     content_format: str = "string"
+    exclude_tools_when_tool_choice_none: bool = False     # vLLM's flag: tool_choice none renders no tools
 
 
 @dataclass
@@ -173,6 +174,8 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
     kwargs = _template_kwargs(body, source, template_variables)
     from kvfit.server.tools import template_messages, template_tools
     tools = template_tools(body)
+    if context.exclude_tools_when_tool_choice_none and getattr(body, "tool_choice", None) == "none":
+        tools = None
     try:
         return tokenizer.apply_chat_template(template_messages(messages), body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,

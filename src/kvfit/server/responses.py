@@ -20,6 +20,10 @@ from kvfit.server.params import GenerateInput
 from kvfit.server.protocol import new_id
 
 MIN_LOGPROB = -9999.0
+# vLLM's ChatMessage after role and content: what it writes as null when unused (tool_calls, left out when empty,
+# and reasoning follow)
+_NULL_MESSAGE_FIELDS = {"role": None, "content": None, "refusal": None, "annotations": None, "audio": None,
+                        "function_call": None}
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
@@ -202,10 +206,10 @@ class ResponseBuilder:
                    for sample in sorted(output.outputs, key=lambda s: s.index)]
         extra = {"usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in output.outputs),
                                 cached_tokens(self.inp, [output]))}
-        if self.chat and self.inp.prompt_logprobs:       # vLLM: on the response for chat, per choice otherwise
-            extra["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
-        if self.chat and self.inp.return_token_ids:
-            extra["prompt_token_ids"] = list(output.prompt_token_ids)
+        if self.chat:       # vLLM: on the response for chat, per choice otherwise; null when not asked for
+            extra["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs) \
+                if self.inp.prompt_logprobs else None
+            extra["prompt_token_ids"] = list(output.prompt_token_ids) if self.inp.return_token_ids else None
         return self._envelope(self._object, choices, extra)
 
     def _full_choice(self, output: RequestOutput, sample: CompletionOutput) -> dict:
@@ -224,14 +228,17 @@ class ResponseBuilder:
             choice["message"] = {"role": self.inp.role, "content": text}
         else:
             choice["text"] = text
+        if self.chat:       # vLLM's ChatMessage fields, null when unused (no reasoning parser here)
+            choice["message"] = {**_NULL_MESSAGE_FIELDS, **choice["message"]}
+            choice["message"].setdefault("reasoning", None)
         choice.update({"logprobs": logprobs, "finish_reason": reason,
                        "stop_reason": sample.stop_reason})
-        if not self.chat and self.inp.prompt_logprobs:
-            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
-        if self.inp.return_token_ids:                   # vLLM: the prompt's per choice for completions
-            if not self.chat:
-                choice["prompt_token_ids"] = list(output.prompt_token_ids)
-            choice["token_ids"] = list(sample.token_ids)
+        # vLLM's extra fields are always there, null unless asked for: the prompt's per choice for completions
+        choice["token_ids"] = list(sample.token_ids) if self.inp.return_token_ids else None
+        if not self.chat:
+            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs) \
+                if self.inp.prompt_logprobs else None
+            choice["prompt_token_ids"] = list(output.prompt_token_ids) if self.inp.return_token_ids else None
         return choice
 
     # stream chunks ------------------------------------------------------------------------------
@@ -257,9 +264,9 @@ class ResponseBuilder:
         choice["stop_reason"] = stop_reason
         if ids:
             choice.update(ids)
-        if not self.inp.include_usage:
+        if not (self.inp.include_usage and self.inp.continuous_usage):    # vLLM leaves the key out then
             return self._envelope(self._chunk_object, [choice])
-        return self._envelope(self._chunk_object, [choice], {"usage": so_far if self.inp.continuous_usage else None})
+        return self._envelope(self._chunk_object, [choice], {"usage": so_far})
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """The chunks that a new (cumulative) output adds, one per choice that moved."""

@@ -55,9 +55,8 @@ class ToolOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{', '.join(PARSERS)})")
-        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
-            raise ConfigError(f"--tool-call-parser {self.tool_call_parser} parses only with "
-                              "--enable-auto-tool-choice; add it, or drop --tool-call-parser")
+        # --tool-call-parser alone is accepted, as vLLM does: tool_choice auto stays a 400 without
+        # --enable-auto-tool-choice, required and a named function need no parser
 
 
 NO_TOOLS = ToolOptions()
@@ -210,6 +209,8 @@ class ToolPlan:
             message["tool_calls"] = [c.as_json() for c in calls]
             if content is not None and not content.strip():      # and text beside calls that is only whitespace
                 message["content"] = None
+        if self.mode in ("named", "required"):      # vLLM: content or "" for a forced call
+            message["content"] = message["content"] or ""
         return message, self.finish_reason(bool(calls), finish_reason)
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
