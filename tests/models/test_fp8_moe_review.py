@@ -274,6 +274,17 @@ def test_an_expert_scale_under_the_schemes_other_name_is_refused_or_ignored(tiny
     assert torch.equal(experts.gate_up_proj_scale[1, :32].flatten(), true.flatten())
 
 
+def test_a_router_scale_under_the_schemes_other_name_is_refused(tiny):
+    """A Qwen3-MoE FP8 router (block scales, weight_scale_inv) with a stray weight_scale beside them: refused, as
+    for the experts and dense layers (read as the scale, whichever paired first would win)."""
+    root, src = tiny
+    fp8, _ = write_fp8_copy(src["qwen3_moe"], root / "routername", "block", block=BLOCK, router=True)
+    gate = "model.layers.0.mlp.gate."
+    _edit(fp8, tensors=lambda t: t.update({gate + "weight_scale": t[gate + "weight_scale_inv"] * 1000}))
+    with pytest.raises(ConfigError, match="under another name"):
+        _load(fp8, 4)
+
+
 def _allocated(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -6,6 +6,7 @@ loading.py reads them from a config.json through the model's Architecture entry 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from kvfit.model_facts.rope import RopeConfig
 from kvfit.quant_scheme import Fp8Scheme
@@ -57,6 +58,9 @@ class ModelFacts:
     # the context a yarn or linear rope scaling extends the model to (vLLM's derived max_model_len: yarn's
     # original_max_position_embeddings x factor, linear's max_position_embeddings x factor); None: not extended
     rope_context: int | None = None
+    # a mixture-of-experts model's routing and expert layout, read when asked (its Architecture entry's `moe`,
+    # experts.MoEConfig; None: dense)
+    moe_layout: Callable[[ModelFacts], Any] | None = field(default=None, compare=False, repr=False)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -113,19 +117,17 @@ class ModelFacts:
                      "self_attn.o_proj": q_out * h}
         dense = {"mlp.gate_proj": h * self.intermediate_size, "mlp.up_proj": h * self.intermediate_size,
                  "mlp.down_proj": self.intermediate_size * h}
-        moe = None
-        if self._num_routed_experts:
-            from kvfit.model_facts.architectures import moe_config       # it imports this module
-            moe = moe_config(self)
+        moe = self.moe_layout(self) if self.moe_layout is not None else None
         kept = 0
         for layer in range(self.num_layers):
             sizes = dict(attention)
             if moe is None or layer not in moe.sparse_layers:
                 sizes.update(dense)
             else:
-                width = moe.intermediate_size
-                sizes.update({f"{moe.block_name}.experts.{e}.{name}": h * width
-                              for e in range(moe.num_experts) for name in moe.expert_names})
+                # a layer's experts are all FP8 or all 16-bit, as its first expert's first projection says (SparseMoE
+                # decides so; a checkpoint that mixes them is refused): one name, not num_experts x 3
+                if not scheme.quantizes(f"model.layers.{layer}.{moe.block_name}.experts.0.{moe.expert_names[0]}"):
+                    kept += moe.num_experts * 3 * h * moe.intermediate_size
                 if moe.shared_intermediate_size:
                     sizes.update({f"mlp.shared_expert.{name}": h * moe.shared_intermediate_size
                                   for name in ("gate_proj", "up_proj", "down_proj")})

@@ -102,7 +102,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         raise ConfigError(f"{source} describes {num_params:.3g} parameters, far more than any published model (about "
                           f"2e12 at most); check its sizes (hidden_size, intermediate_size, num_hidden_layers, "
                           "vocab_size, the expert counts and widths)")
-    return replace(facts, num_params=num_params)
+    return replace(facts, num_params=num_params, moe_layout=arch.moe)
 
 
 def _rope_context(rope, max_pos: int) -> int | None:

@@ -219,10 +219,8 @@ class MoECausalLM(CausalLM):
                 raise ConfigError(f"checkpoint tensor {name} names expert {expert} but config.json has "
                                   f"{self.moe.num_experts}; the weights do not match this config.json")
             kind = {"weight": "weight", "input_scale": "input_scale"}.get(match.group(4), "scale")
-            if kind == "scale" and match.group(4) != self._scale_name():
-                raise ConfigError(f"checkpoint tensor {name} is a weight scale under another name than "
-                                  f"quantization_config ({self.scheme.method}) gives its weights' scales "
-                                  f"({self._scale_name()}); the checkpoint does not match its config.json")
+            if kind == "scale":
+                self._check_scale_name(name, match.group(4))
             block.load_expert(expert, part, source, kind, name)
             return self._done(layer, {(expert, part)}, _KIND_SUFFIX[kind])
         match = _STACKED.fullmatch(name)
@@ -233,8 +231,14 @@ class MoECausalLM(CausalLM):
             return self._done(layer, {(e, p) for e in range(self.moe.num_experts) for p in wanted})
         return None
 
-    def _scale_name(self) -> str:
-        return self.scheme.scale_name if self.scheme is not None else "weight_scale"
+    def _check_scale_name(self, name: str, suffix: str) -> None:
+        """A weight scale under the other scheme's name (weight_scale beside weight_scale_inv) is refused, as dense
+        layers refuse it: read as the scale, whichever came last would win. Without a scheme, load_expert refuses
+        any scale."""
+        if self.scheme is not None and suffix != self.scheme.scale_name:
+            raise ConfigError(f"checkpoint tensor {name} is a weight scale under another name than "
+                              f"quantization_config ({self.scheme.method}) gives its weights' scales "
+                              f"({self.scheme.scale_name}); the checkpoint does not match its config.json")
 
     def _load_fp8_router(self, layer: int, kind: str, name: str, source) -> list[str]:
         """An FP8 router's weight or scale (the scheme quantizes it, as vLLM's Qwen3-MoE does): once both are read,
@@ -243,6 +247,8 @@ class MoECausalLM(CausalLM):
         values cast into the FP8 parameter, then scaled)."""
         if kind == "input_scale":
             return []
+        if kind != "weight":
+            self._check_scale_name(name, kind)
         parts = self._fp8_router.setdefault(layer, {})
         if kind == "weight":
             parts["weight"] = (name, source if isinstance(source, torch.Tensor) else source[:])
@@ -259,6 +265,7 @@ class MoECausalLM(CausalLM):
                 raise ConfigError(f"checkpoint tensor {name} has shape {list(weight.shape)} but the router is "
                                   f"{list(target.shape)}; the checkpoint does not match config.json")
             target.copy_(weight)                    # a router held in 16 bits: loaded; a scale read later scales it
+            parts["weight"] = (name, target)        # (the checkpoint's tensor is not kept)
             return [loaded]
         if weight is None:
             return []

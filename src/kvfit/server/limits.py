@@ -19,7 +19,7 @@ APP_MAX_WAITING_REQUESTS = 1024           # create_app's default, for an engine 
 DEFAULT_MAX_CONNECTIONS = None
 RESERVED_FDS = 256
 DEFAULT_HEADER_TIMEOUT_SECONDS = 10       # from connect (or the last response) to a complete request head
-DEFAULT_BODY_TIMEOUT_SECONDS = 30         # from the request head to its last body byte (>= 35 KB/s for 1 MiB)
+DEFAULT_BODY_TIMEOUT_SECONDS = 30         # from the request head to its last body byte (35 KB/s for 1 MiB, 140 for 4)
 DEFAULT_KEEP_ALIVE_SECONDS = 5            # an idle keep-alive connection is closed after this
 MAX_HEADER_BYTES = 16 * 1024              # a request head past this is a 431 (h11's own default, made explicit)
 LINGER_SECONDS = 2.0                      # after a 431: how long the rest of the client's bytes are read and dropped

@@ -55,8 +55,9 @@ class ToolOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{', '.join(PARSERS)})")
-        # --tool-call-parser alone is accepted, as vLLM does: tool_choice auto stays a 400 without
-        # --enable-auto-tool-choice, required and a named function need no parser
+        # --tool-call-parser alone is accepted, as vLLM accepts it: tool_choice auto stays a 400 without
+        # --enable-auto-tool-choice (kvfit serves required and a named function with or without a parser; vLLM
+        # builds its parser only with both flags and answers them 400 otherwise)
 
 
 NO_TOOLS = ToolOptions()
