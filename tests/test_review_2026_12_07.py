@@ -79,6 +79,9 @@ def test_a_reply_with_tools_takes_the_requests_role_too():
         def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(i) for i in ids)
 
+        def token_text(self, token_id):
+            return chr(token_id)
+
     text = 'ok <tool_call>{"name": "f", "arguments": {}}</tool_call>'
     for role in ("user", "assistant"):
         inp = GenerateInput([1], SamplingParams(), True, False, False, tools=ToolPlan("auto", True, parser="hermes"),

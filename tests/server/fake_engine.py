@@ -35,6 +35,9 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return [chr(i) for i in ids]
 

@@ -15,6 +15,9 @@ class Chars:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
 
+    def token_text(self, token_id):
+        return chr(token_id)
+
 
 A, B, C, X = ord("a"), ord("b"), ord("c"), ord("x")
 

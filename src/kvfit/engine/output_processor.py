@@ -48,7 +48,7 @@ class OutputProcessor:
         detok = None
         if params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                           params.include_stop_str_in_output)
+                                           params.include_stop_str_in_output, params.spaces_between_special_tokens)
         self._states[req.request_id] = _State(detok, prompt, req)
 
     def drop(self, request_id: str) -> None:
@@ -110,7 +110,7 @@ class OutputProcessor:
     def _decoded(self, token_id: int, detokenize: bool) -> str | None:
         if not detokenize or self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
 
     def sample(self, req: Request, finished: bool) -> CompletionOutput:
         """The request's sample so far (finished: its final text; the request's state is dropped)."""

@@ -236,9 +236,9 @@ class EngineCoreClient(ServingEngine):
         self._send_lock = threading.Lock()
         self._stats = dict(ready.stats)
         self._eos_token_ids = tuple(ready.eos_token_ids)
-        # a token's text for logprobs (vLLM's decoded_token: decoded alone, special tokens shown)
+        # a token's text for logprobs (vLLM's decoded_token: Tokenizer.token_text)
         self._token_text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+            lambda token_id: tokenizer.token_text(token_id))      # (no tokenizer: never called)
         self._pending: dict[str, _Add] = {}                     # adds sent, not yet answered (loop only)
         self._streams: dict[str, tuple[RequestStream, OutputAccumulator]] = {}   # loop only
         self._stopped = False

@@ -215,7 +215,8 @@ class FrontEndText:
         if detok is None:
             params = self._params
             detok = self._samples[index] = IncrementalDetokenizer(
-                self._tokenizer, (), params.skip_special_tokens, params.include_stop_str_in_output)
+                self._tokenizer, (), params.skip_special_tokens, params.include_stop_str_in_output,
+                params.spaces_between_special_tokens)
         ids = new_ids
         # the core's finish rule: an eos or stop token id (from min_tokens on) ends a sample without its text
         if (finish_reason == "stop" and ids and ids[-1] in self._stop_ids and num_tokens >= self._params.min_tokens

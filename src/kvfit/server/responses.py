@@ -69,7 +69,7 @@ class TokenTexts:
             return logprob.decoded_token
         if self.tokenizer is None:
             return token_id_text(token_id)
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
 
 
 def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -60,12 +60,13 @@ def _last_safe_cut(text: str) -> int:
     return 0
 
 
-def _first_listed_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """(index, stop) of the first stop string in the request's order that text holds, at its first occurrence, or
-    None: vLLM's check_stop_strings (where two stop strings complete at the same token, the one listed first wins,
-    not the one that begins first)."""
+def _first_listed_stop(text: str, stops: tuple[str, ...], new_from: int = 0) -> tuple[int, str] | None:
+    """(index, stop) of the first stop string in the request's order that text holds ending past new_from (in the
+    new text), at its first such occurrence, or None: vLLM's check_stop_strings (where two stop strings complete at
+    the same token, the one listed first wins, not the one that begins first; a stop wholly in text that was
+    there before, as min_tokens leaves it unchecked, is not one)."""
     for stop in stops:
-        at = text.find(stop)
+        at = text.find(stop, max(new_from - len(stop) + 1, 0))
         if at != -1:
             return at, stop
     return None
@@ -98,9 +99,15 @@ class _WindowDecoder:
     left context of each window ids[prefix_offset:].
     """
 
-    def __init__(self, backend, skip_special_tokens: bool = True):
+    def __init__(self, backend, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self._backend = backend                 # a tokenizers.Tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # vLLM's spaces_between_special_tokens False (shown special tokens only): an added token right after an added
+        # token is its bare content, without the space a decoder (WordPiece, WordLevel) puts between them
+        self._added: dict[int, str] | None = None
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()} or None
+        self._last_added = False
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -113,6 +120,15 @@ class _WindowDecoder:
 
     def add(self, token_id: int) -> str:
         """Append one id; the raw text that became stable ("" while a character is incomplete)."""
+        text = self._add(token_id)
+        if self._added is not None:
+            content = self._added.get(token_id)
+            if content is not None and self._last_added and text == " " + content:
+                text = content
+            self._last_added = content is not None
+        return text
+
+    def _add(self, token_id: int) -> str:
         self._ids.append(token_id)
         window = self._decode(self._ids[self._prefix_offset:])
         self._track_byte_run(token_id, window)
@@ -151,7 +167,7 @@ class IncrementalDetokenizer:
     """One request's output text, built token by token."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, spaces_between_special_tokens: bool = True) -> None:
         """tokenizer: a kvfit Tokenizer, or None (then the text stays "" and stop must be empty).
         include_stop_str_in_output: a matched stop string stays in the text (cut after it, not before).
 
@@ -161,7 +177,8 @@ class IncrementalDetokenizer:
         """
         assert tokenizer is not None or not stop, "stop strings need a tokenizer"
         assert all(stop), "stop strings must be non-empty (SamplingParams checks)"
-        self._window = None if tokenizer is None else _WindowDecoder(tokenizer.backend, skip_special_tokens)
+        self._window = None if tokenizer is None else _WindowDecoder(tokenizer.backend, skip_special_tokens,
+                                                                     spaces_between_special_tokens)
         self._include_stop = include_stop_str_in_output
         self._clean = tokenizer is not None and tokenizer.cleans_up_spaces
         self._stops = tuple(stop)
@@ -210,7 +227,7 @@ class IncrementalDetokenizer:
     def _find_stop(self, before: str, committed: str) -> str | None:
         """Search the new text, the context before it and the held-back tail; finish on a match."""
         tail = self._tail()
-        match = _first_listed_stop(before + committed + tail, self._stops)
+        match = _first_listed_stop(before + committed + tail, self._stops, len(before))
         if match is None:
             return None
         at, stop = match

@@ -6,10 +6,17 @@ post-processor decides whatever the flags say, and one without a post-processor 
 tokenizer classes set the post-processor from their own constructor defaults instead
 (CLASS_SPECIAL_TOKENS). vLLM encodes with the same AutoTokenizer, so its ids are these too.
 The chat template comes from chat_template.jinja if present, else tokenizer_config.json's chat_template.
+
+One family is read through transformers itself: a Qwen2 / Qwen3 (MoE) folder may load as Qwen2Tokenizer, whose
+constructor rebuilds the pipeline in code (NFC, its split pattern, byte-level BPE; <|endoftext|> added) whatever
+tokenizer.json holds; which folders it takes depends on the transformers release and on tokenizer_config.json's
+tokenizer_class (tokenization_auto). A tokenizer.json already in that shape (every Qwen release) is read as it is;
+any other such folder is loaded with AutoTokenizer, once, and its backend used (transformers_backend).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from kvfit.errors import ConfigError, RequestError
@@ -17,6 +24,8 @@ from kvfit.model_facts import read_field, read_json_object
 from kvfit.text.chat_template import compile_chat_template, render_chat_template
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# named special tokens that need not be in the model's embeddings (a prompt holding one is refused when sent)
+OTHER_SPECIAL_TOKEN_KEYS = ("cls_token", "sep_token", "mask_token")
 # tokenizer classes (tokenizer_config.json's tokenizer_class, "Fast" dropped) whose transformers 5 constructor
 # rebuilds the post-processor from its own (add_bos_token, add_eos_token) defaults, the config's being dropped
 CLASS_SPECIAL_TOKENS = {"CodeLlamaTokenizer": (True, False), "GPTNeoXTokenizer": (False, False),
@@ -26,10 +35,61 @@ CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-def _special_tokens(config: dict, source: str) -> dict[str, str]:
+# model types whose folders transformers may load as Qwen2Tokenizer, rebuilt in code (see the module's doc)
+REBUILT_BY_TRANSFORMERS = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def _state(component) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _built_as_qwen2(backend) -> bool:
+    """Whether a tokenizer.json has the pipeline Qwen2Tokenizer builds: NFC, a split pattern then byte-level
+    pieces, BPE, byte-level decoding (then transformers' rebuild encodes as the file does)."""
+    pre = _state(backend.pre_tokenizer) or {}
+    parts = pre.get("pretokenizers") or []
+    return (type(backend.model).__name__ == "BPE" and _state(backend.normalizer) == {"type": "NFC"}
+            and pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split"
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)
+            and (_state(backend.decoder) or {}).get("type") == "ByteLevel")
+
+
+def transformers_backend(folder: str, backend, model_type) -> tuple[object, dict[str, str]]:
+    """(the tokenizers.Tokenizer that transformers' AutoTokenizer encodes this folder with, the special tokens
+    it names): the file's own unless the folder is one transformers may rebuild (REBUILT_BY_TRANSFORMERS) and
+    its tokenizer.json is not already in that shape; then AutoTokenizer decides (vLLM encodes with it too)."""
+    if model_type not in REBUILT_BY_TRANSFORMERS or _built_as_qwen2(backend):
+        return backend, {}
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:          # transformers is a dependency; without it the file is the best reading
+        return backend, {}
+    from tokenizers import Tokenizer as Backend
+    try:
+        hf = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:     # noqa: BLE001 - any failure of the reference loader is the folder's
+        raise ConfigError(f"{folder}: transformers could not load its tokenizer ({str(exc).splitlines()[0][:200]}); "
+                          "fix tokenizer.json / tokenizer_config.json") from None
+    inner = getattr(hf, "backend_tokenizer", None)
+    if inner is None:
+        return backend, {}
+    named = {key: str(getattr(hf, key)) for key in SPECIAL_TOKEN_KEYS if getattr(hf, key, None)}
+    return Backend.from_str(inner.to_str()), named
+
+
+def _metaspace_marker(backend) -> str | None:
+    """The replacement character of a Metaspace pre-tokenizer (alone or in a sequence), else None."""
+    pre = _state(backend.pre_tokenizer) or {}
+    for part in [pre, *(pre.get("pretokenizers") or [])]:
+        if part.get("type") == "Metaspace":
+            return part.get("replacement", "\u2581")
+    return None
+
+
+def _special_tokens(config: dict, source: str, keys: tuple[str, ...] = SPECIAL_TOKEN_KEYS) -> dict[str, str]:
     """{key: token text} of the special tokens tokenizer_config.json names (a string or a serialized AddedToken)."""
     tokens = {}
-    for key in SPECIAL_TOKEN_KEYS:
+    for key in keys:
         value = config.get(key)
         if isinstance(value, dict):     # a serialized AddedToken
             value = read_field(value, "content", "str", f"{source} {key}", required=True)
@@ -78,10 +138,15 @@ class Tokenizer:
         extra = extra.values() if isinstance(extra, dict) else extra if isinstance(extra, list) else []
         self.extra_special_tokens = [t.get("content") if isinstance(t, dict) else t for t in extra
                                      if isinstance(t, str) or (isinstance(t, dict) and isinstance(t.get("content"), str))]
-        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        missing = [s for s in self.special_tokens.values() if s not in added]
-        if missing:   # as transformers does: a special token not in tokenizer.json gets the next free id
-            self._tok.add_special_tokens(missing)
+        others = _special_tokens(config, source, OTHER_SPECIAL_TOKEN_KEYS)
+        declared = config.get("added_tokens_decoder")        # transformers' flags win over tokenizer.json's
+        declared = [t.get("content") for t in declared.values() if isinstance(t, dict) and t.get("special") is True
+                    and isinstance(t.get("content"), str)] if isinstance(declared, dict) else []
+        added = {t.content: t.special for t in self._tok.get_added_tokens_decoder().values()}
+        special = [*self.special_tokens.values(), *others.values(), *self.extra_special_tokens, *declared]
+        unmarked = list(dict.fromkeys(s for s in special if not added.get(s, False)))
+        if unmarked:  # as transformers does: one not in tokenizer.json gets the next free id, one held there as a
+            self._tok.add_special_tokens(unmarked)      # plain added token becomes special (decode skips it)
         self._check_special_ids(model_vocab_size)
         clean_up = read_field(config, "clean_up_tokenization_spaces", "bool", source, default=False)
         for key in ("add_bos_token", "add_eos_token"):      # type-checked (a corrupt file), then unused, as above
@@ -93,6 +158,7 @@ class Tokenizer:
         elif self._tok.post_processor is None:
             self._set_post_processor(False, False)
         self._clean_up = clean_up and type(self._tok.model).__name__ != "BPE"
+        self._space_marker = _metaspace_marker(self._tok)
         self.chat_template = chat_template
         self._compiled: dict = {}             # template text -> compiled template
 
@@ -131,6 +197,12 @@ class Tokenizer:
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         model_config = _read_json(os.path.join(folder, "config.json"))
         vocab_size = read_field(model_config, "vocab_size", "int", os.path.join(folder, "config.json"), minimum=1)
+        backend, named = transformers_backend(folder, backend, model_config.get("model_type"))
+        # the special tokens the rebuilt class names where tokenizer_config.json names none (one it appended past
+        # the model's embeddings stays unnamed: a prompt holding it is refused as out of vocabulary, as vLLM does)
+        named = {k: v for k, v in named.items() if not config.get(k)
+                 and (vocab_size is None or (backend.token_to_id(v) or 0) < vocab_size)}
+        config = {**config, **named}
         return cls(backend, config, _chat_template(folder, config), vocab_size)
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
@@ -155,6 +227,19 @@ class Tokenizer:
             for before, after in CLEANUPS:
                 text = text.replace(before, after)
         return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (vLLM's decoded_token, convert_ids_list_to_tokens): decoded alone,
+        special tokens shown, with the leading spaces a Metaspace decoder strips from a lone token put back
+        ('\u2581the' is ' the')."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        marker = self._space_marker
+        if marker is None:
+            return text
+        piece = self._tok.id_to_token(token_id) or ""
+        markers = len(piece) - len(piece.lstrip(marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def convert_ids_to_tokens(self, ids) -> list[str]:
         """The vocabulary entries of ids (byte-level pieces such as 'Ġthe', not decoded text), as transformers'."""
