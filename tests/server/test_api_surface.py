@@ -86,7 +86,7 @@ def test_known_fields_kvfit_cannot_honour_are_a_400_naming_them(client, field, v
 
 
 @pytest.mark.parametrize("field, value", [("chat_template", "{{ x }}"),
-                                          ("documents", [{"text": "d"}])])
+                                          ("documents", "not a list")])
 def test_known_chat_fields_kvfit_cannot_honour_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="first-name", messages=[{"role": "user", "content": "hi"}],

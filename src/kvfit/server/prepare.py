@@ -176,11 +176,18 @@ def _render_chat(context: PrepareContext, tokenizer, body, messages: list[dict],
     tools = template_tools(body)
     if context.exclude_tools_when_tool_choice_none and getattr(body, "tool_choice", None) == "none":
         tools = None
+    documents = getattr(body, "documents", None)
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+            for d in documents)):
+        raise bad_request("documents must be a list of objects of strings (e.g. {\"title\": ..., \"text\": ...})",
+                          param="documents")
     try:
         return tokenizer.apply_chat_template(template_messages(messages), body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
                                              chat_template=override, template_kwargs=kwargs,
-                                             **({"tools": tools} if tools is not None else {}))
+                                             **({"tools": tools} if tools is not None else {}),
+                                             **({"documents": documents} if documents is not None else {}))
     except ConfigError as exc:
         raise bad_request(f"{exc}; start the server with --chat-template, or use /v1/completions", param="messages",
                           code="no_chat_template") from None

@@ -72,7 +72,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "kv_transfer_params": ((), "KV transfer is not implemented"),
     "vllm_xargs": ((), "leave it out"),
     "suffix": ((), "insertion is not implemented"),
-    "documents": ((), "put the documents in the messages"),
     "mm_processor_kwargs": ((), "kvfit serves text models only"),
     "chat_template": ((), "a request may not bring its own template (vLLM's --trust-request-chat-template is "
                           "not implemented); start the server with --chat-template"),
@@ -179,7 +178,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     """One message; the history fields (tool calls, reasoning) go to the chat template as given."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str               # any role reaches the template, as in vLLM (the template refuses one it does not know)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None

@@ -186,7 +186,7 @@ def _environment():
 
 # template variables the renderer sets itself and the helpers templates call: chat_template_kwargs may not
 # replace them
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "raise_exception",
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "chat_template", "raise_exception",
                                          "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
 # transformers marks the end of the message to continue with this, renders, then cuts there
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -235,14 +235,18 @@ def template_variables(source: str) -> frozenset[str]:
 
 def render_chat_template(template, messages: list[dict], add_generation_prompt: bool,
                          special_tokens: dict[str, str], continue_final_message: bool = False,
-                         template_kwargs: dict | None = None, tools: list | None = None) -> str:
+                         template_kwargs: dict | None = None, tools: list | None = None,
+                         source: str | None = None, documents: list | None = None) -> str:
     """Render messages as transformers' apply_chat_template(tokenize=False) does; an error the
     template raises (e.g. roles out of order) or a bad option is a RequestError.
 
     continue_final_message: the last message (its content, or the last text part of a list of parts) is
     left open (no end-of-turn after it), so the model continues it. template_kwargs: extra template
     variables (vLLM's chat_template_kwargs, e.g. enable_thinking); they override the special tokens, as in
-    transformers. tools: OpenAI function tools, passed as transformers passes them (None: no tools)."""
+    transformers. tools: OpenAI function tools, passed as transformers passes them (None: no tools); documents:
+    retrieval documents (transformers' documents=); either may also come in template_kwargs, as vLLM merges
+    them (the argument wins). source: the
+    template's text (a template that never names the developer role gets developer messages as system ones)."""
     if continue_final_message and add_generation_prompt:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true; set "
                            "add_generation_prompt to false to continue the last message", "continue_final_message")
@@ -250,16 +254,58 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
                                         or not all(isinstance(k, str) for k in template_kwargs)):
         raise RequestError(f"chat_template_kwargs must be a map from variable names to values, got "
                            f"{type(template_kwargs).__name__}", "chat_template_kwargs")
-    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+    template_kwargs = dict(template_kwargs or {})
+    tools = template_kwargs.pop("tools", None) if tools is None else tools
+    documents = template_kwargs.pop("documents", None) if documents is None else documents
+    template_kwargs.pop("tools", None), template_kwargs.pop("documents", None)
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs))
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (variables the server sets from "
                            "the request's fields, or helpers the template calls)", "chat_template_kwargs")
-    plain = [dict(m) for m in messages]
+    plain = messages_for_template(messages, source)
     final = _mark_final_message(plain) if continue_final_message else None
-    variables = {**special_tokens, **(template_kwargs or {}), "messages": plain,
-                 "add_generation_prompt": add_generation_prompt, "tools": tools, "documents": None}
+    variables = {**special_tokens, **template_kwargs, "messages": plain,
+                 "add_generation_prompt": add_generation_prompt, "tools": tools, "documents": documents}
     text = _render_bounded(template, variables)
     return text if final is None else _cut_at_continue_tag(text, final)
+
+
+# the names a message's reasoning comes under; templates read reasoning_content (Qwen3), thinking (gpt-oss) or
+# reasoning (vLLM's own name)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def messages_for_template(messages: list[dict], source: str | None = None) -> list[dict]:
+    """Copies of the messages as the template gets them, as transformers and vLLM prepare them: keys whose value is
+    None dropped; a message's reasoning under all of REASONING_FIELDS (transformers' alias, vLLM's reasoning and
+    reasoning_content); and, for a template that never names the developer role, developer messages as system
+    ones, every system message then merged into one first (vLLM's renderer)."""
+    plain = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+        if isinstance(message, dict):
+            reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, "reasoning": reasoning, **message, "reasoning_content": reasoning}
+        plain.append(message)
+    if source is not None and "'developer'" not in source and '"developer"' not in source \
+            and any(isinstance(m, dict) and m.get("role") == "developer" for m in plain):
+        plain = _developer_as_system(plain)
+    return plain
+
+
+def _developer_as_system(messages: list[dict]) -> list[dict]:
+    systems, others = [], []
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") in ("developer", "system"):
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+            if content:
+                systems.append(content)
+        else:
+            others.append(message)
+    return [{"role": "system", "content": "\n\n".join(systems)}, *others] if systems else others
 
 
 def _mark_final_message(plain: list[dict]) -> str:

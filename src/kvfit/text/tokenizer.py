@@ -139,6 +139,8 @@ class Tokenizer:
         self.extra_special_tokens = [t.get("content") if isinstance(t, dict) else t for t in extra
                                      if isinstance(t, str) or (isinstance(t, dict) and isinstance(t.get("content"), str))]
         others = _special_tokens(config, source, OTHER_SPECIAL_TOKEN_KEYS)
+        # the template's token variables (transformers passes its whole special_tokens_map)
+        self.template_tokens = {**others, **self.special_tokens}
         declared = config.get("added_tokens_decoder")        # transformers' flags win over tokenizer.json's
         declared = [t.get("content") for t in declared.values() if isinstance(t, dict) and t.get("special") is True
                     and isinstance(t.get("content"), str)] if isinstance(declared, dict) else []
@@ -310,7 +312,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             template_kwargs: dict | None = None, tokenize: bool = False,
-                            tools: list | None = None, **variables) -> str | list[int]:
+                            tools: list | None = None, documents: list | None = None,
+                            **variables) -> str | list[int]:
         """The prompt for a chat: its text, or (tokenize) its token ids as transformers'
         apply_chat_template(tokenize=True) gives them: the rendered text encoded WITHOUT adding
         special tokens, since the template writes its own (a `{{ bos_token }}` template gets one bos).
@@ -329,7 +332,8 @@ class Tokenizer:
         if variables:
             template_kwargs = {**variables, **(template_kwargs or {})}
         text = render_chat_template(self.compiled_template(source), messages, add_generation_prompt,
-                                    self.special_tokens, continue_final_message, template_kwargs, tools)
+                                    self.template_tokens, continue_final_message, template_kwargs, tools, source,
+                                    documents)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def compiled_template(self, source: str):
