@@ -936,8 +936,6 @@ def test_server_chat_template_kwargs_with_a_request_field_name(hf, ours):
     assert server_ids(ours, body, CHATML) == vllm_ids(hf, USER_CHAT, CHATML)
 
 
-@pytest.mark.xfail(strict=True, reason="named chat templates: only 'default' is read (and additional_chat_templates/ "
-                                       "never); transformers/vLLM pick 'tool_use' when tools are given")
 def test_named_tool_use_template_is_picked_with_tools(tmp_path):
     from transformers import AutoTokenizer
     source = build_folder(str(tmp_path / "src"))
@@ -979,3 +977,23 @@ def test_server_text_like_parts(hf, ours):
 
 def test_server_chat_template_in_kwargs_is_refused(ours):
     server_error(ours, {"messages": USER_CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, CHATML)
+
+
+# follow-ups of a review of the fixes above ------------------------------------------------------------------
+def test_server_developer_with_empty_content_keeps_an_empty_system_message(hf, ours):
+    for messages in ([{"role": "developer", "content": ""}, {"role": "user", "content": "q"}],
+                     [{"role": "system", "content": ""}, {"role": "user", "content": "q"},
+                      {"role": "developer", "content": ""}]):
+        assert server_ids(ours, {"messages": messages}, QWEN25) == vllm_ids(hf, messages, QWEN25), messages
+
+
+def test_server_reasoning_wins_over_reasoning_content_and_stays_on_assistants(hf, ours):
+    messages = [{"role": "user", "content": "q", "reasoning": "U"},
+                {"role": "assistant", "content": "a", "reasoning": "AAA", "reasoning_content": "BBB"},
+                {"role": "user", "content": "q2"}]
+    assert server_ids(ours, {"messages": messages}, QWEN3) == vllm_ids(hf, messages, QWEN3)
+
+
+def test_documents_through_chat_template_kwargs_must_be_objects(llm):
+    with pytest.raises(RequestError, match="documents must be a list of objects"):
+        llm_ids(llm, USER_CHAT, chat_template=MISC, chat_template_kwargs={"documents": "not a list"})

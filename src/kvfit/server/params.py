@@ -372,6 +372,10 @@ def chat_messages(req, content_format: str = "string") -> list[dict]:
         message = {"role": m.role, "content": _template_content(m, content_format)}
         # as transformers: fields left out (None) are not there for the template
         message.update({k: getattr(m, k) for k in TEMPLATE_MESSAGE_FIELDS if getattr(m, k) is not None})
+        if m.role == "assistant":       # vLLM: reasoning (else the deprecated reasoning_content) under both names
+            reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+            if reasoning is not None:
+                message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
     return out
 

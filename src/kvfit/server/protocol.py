@@ -235,8 +235,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
     chat_template: Any = None           # the rest: known, not honoured (UNSUPPORTED_FIELDS)
     tools: Any = None
-    documents: Any = None
-    mm_processor_kwargs: Any = None
+    mm_processor_kwargs: Any = None     # (documents: not a field of vLLM's tokenize request, so ignored)
 
 
 class DetokenizeRequest(_Body):
@@ -392,8 +391,8 @@ def is_text(text: str) -> bool:
 
 # fields with several accepted shapes: one readable line instead of one error per shape
 _SHAPES = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
-           "messages": "a list of {role, content} objects with role system, developer, user, assistant or "
-                       "tool and content a string or a list of text parts"}
+           "messages": "a list of {role, content} objects with role a string (system, developer, user, assistant, "
+                       "tool, ...) and content a string or a list of text parts"}
 
 
 def _validation_error(exc: ValidationError) -> APIError:

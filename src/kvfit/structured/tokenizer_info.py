@@ -71,9 +71,16 @@ def _no_prepended_space(backend):
 def build_ll_tokenizer(backend, vocab_size: int, stop_token_ids: Sequence[int]) -> "llguidance.LLTokenizer":
     """llguidance's tokenizer for a tokenizers.Tokenizer, masks of vocab_size bits, EOS = stop_token_ids.
 
-    ConfigError when the tokenizer has more ids than the model, or a decoder no path here reads.
+    ConfigError when the tokenizer has more ids than the model, or a decoder no path here reads. Added tokens past
+    the model's rows (special tokens transformers appends: the model never samples them) are left out.
     """
     num_tokens = backend.get_vocab_size(with_added_tokens=True)
+    if num_tokens > vocab_size:
+        from tokenizers import Tokenizer as Backend
+        state = json.loads(backend.to_str())
+        state["added_tokens"] = [t for t in state.get("added_tokens") or [] if t.get("id", 0) < vocab_size]
+        backend = Backend.from_str(json.dumps(state))
+        num_tokens = backend.get_vocab_size(with_added_tokens=True)
     if num_tokens > vocab_size:
         raise ConfigError(f"the tokenizer has {num_tokens} tokens but the model's vocab_size is {vocab_size}; "
                           "structured outputs need every token id to be a model output row")

@@ -258,6 +258,8 @@ def render_chat_template(template, messages: list[dict], add_generation_prompt: 
     tools = template_kwargs.pop("tools", None) if tools is None else tools
     documents = template_kwargs.pop("documents", None) if documents is None else documents
     template_kwargs.pop("tools", None), template_kwargs.pop("documents", None)
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+        raise RequestError("documents must be a list of objects (e.g. {\"title\": ..., \"text\": ...})", "documents")
     reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs))
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (variables the server sets from "
@@ -277,16 +279,16 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 def messages_for_template(messages: list[dict], source: str | None = None) -> list[dict]:
     """Copies of the messages as the template gets them, as transformers and vLLM prepare them: keys whose value is
-    None dropped; a message's reasoning under all of REASONING_FIELDS (transformers' alias, vLLM's reasoning and
-    reasoning_content); and, for a template that never names the developer role, developer messages as system
-    ones, every system message then merged into one first (vLLM's renderer)."""
+    None dropped; a message's reasoning (the first of REASONING_FIELDS it has) also as reasoning_content and
+    thinking (transformers' _alias_reasoning_fields); and, for a template that never names the developer role,
+    developer messages as system ones, the system messages then merged into one first (vLLM's renderer)."""
     plain = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
         if isinstance(message, dict):
             reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
             if reasoning is not None:
-                message = {"thinking": reasoning, "reasoning": reasoning, **message, "reasoning_content": reasoning}
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         plain.append(message)
     if source is not None and "'developer'" not in source and '"developer"' not in source \
             and any(isinstance(m, dict) and m.get("role") == "developer" for m in plain):
@@ -295,17 +297,25 @@ def messages_for_template(messages: list[dict], source: str | None = None) -> li
 
 
 def _developer_as_system(messages: list[dict]) -> list[dict]:
-    systems, others = [], []
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") in ("developer", "system"):
+    """vLLM's _convert_developer_to_system then _consolidate_system_messages: developer messages as system ones;
+    when a system message is not first or there are several, all of them merged into one first (their texts
+    joined by a blank line)."""
+    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                for m in messages]
+    systems, others, merge = [], [], False
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "system":
+            merge = merge or i > 0 or bool(systems)
             content = message.get("content")
             if isinstance(content, list):
-                content = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-            if content:
-                systems.append(content)
+                content = "\n".join(p["text"] if isinstance(p, dict) and "text" in p else p
+                                     for p in content if isinstance(p, (dict, str)))
+            systems.append(content)
         else:
             others.append(message)
-    return [{"role": "system", "content": "\n\n".join(systems)}, *others] if systems else others
+    if not merge:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(c for c in systems if c)}, *others]
 
 
 def _mark_final_message(plain: list[dict]) -> str:

@@ -35,8 +35,22 @@ CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-# model types whose folders transformers may load as Qwen2Tokenizer, rebuilt in code (see the module's doc)
-REBUILT_BY_TRANSFORMERS = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+# when transformers 5 (5.17-5.25) loads a folder as Qwen2Tokenizer, rebuilt in code (see the module's doc): qwen2
+# whatever tokenizer_class says (its list of model types with a wrong Hub class); the other Qwen types when
+# tokenizer_config.json names Qwen2Tokenizer or no class; any type that names Qwen2Tokenizer
+QWEN2_ALWAYS = frozenset({"qwen2"})
+QWEN2_UNLESS_NAMED = frozenset({"qwen2_moe", "qwen3", "qwen3_moe"})
+QWEN2_CLASS = "Qwen2Tokenizer"
+# the split pattern of Qwen2Tokenizer (and of every Qwen release's tokenizer.json)
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def rebuilt_as_qwen2(model_type, tokenizer_class) -> bool:
+    """Whether transformers loads a folder of this model type and tokenizer_config.json class as Qwen2Tokenizer."""
+    named = tokenizer_class.removesuffix("Fast") if isinstance(tokenizer_class, str) else None
+    return (named == QWEN2_CLASS or model_type in QWEN2_ALWAYS
+            or (model_type in QWEN2_UNLESS_NAMED and named is None))
 
 
 def _state(component) -> dict | None:
@@ -49,27 +63,32 @@ def _built_as_qwen2(backend) -> bool:
     pre = _state(backend.pre_tokenizer) or {}
     parts = pre.get("pretokenizers") or []
     return (type(backend.model).__name__ == "BPE" and _state(backend.normalizer) == {"type": "NFC"}
-            and pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split"
+            and pre.get("type") == "Sequence" and len(parts) == 2
+            and parts[0] == {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
+                             "invert": False}
             and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)
             and (_state(backend.decoder) or {}).get("type") == "ByteLevel")
 
 
-def transformers_backend(folder: str, backend, model_type) -> tuple[object, dict[str, str]]:
+def transformers_backend(folder: str, backend, model_type, tokenizer_class) -> tuple[object, dict[str, str]]:
     """(the tokenizers.Tokenizer that transformers' AutoTokenizer encodes this folder with, the special tokens
-    it names): the file's own unless the folder is one transformers may rebuild (REBUILT_BY_TRANSFORMERS) and
-    its tokenizer.json is not already in that shape; then AutoTokenizer decides (vLLM encodes with it too)."""
-    if model_type not in REBUILT_BY_TRANSFORMERS or _built_as_qwen2(backend):
+    it names): the file's own unless transformers rebuilds the folder as Qwen2Tokenizer (rebuilt_as_qwen2) and its
+    tokenizer.json is not already in that shape; then AutoTokenizer builds it (vLLM encodes with it too). That
+    costs seconds and hundreds of MB in each process that loads it (the engine, the server, its prepare workers);
+    without transformers installed, the file is read as it is."""
+    if not rebuilt_as_qwen2(model_type, tokenizer_class) or _built_as_qwen2(backend):
         return backend, {}
     try:
         from transformers import AutoTokenizer
-    except ImportError:          # transformers is a dependency; without it the file is the best reading
+    except Exception:            # noqa: BLE001 - not installed, or an import that fails: the file is the best reading
         return backend, {}
     from tokenizers import Tokenizer as Backend
     try:
         hf = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:     # noqa: BLE001 - any failure of the reference loader is the folder's
-        raise ConfigError(f"{folder}: transformers could not load its tokenizer ({str(exc).splitlines()[0][:200]}); "
-                          "fix tokenizer.json / tokenizer_config.json") from None
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"{folder}: transformers could not load its tokenizer ({first}); fix tokenizer.json / "
+                          "tokenizer_config.json") from None
     inner = getattr(hf, "backend_tokenizer", None)
     if inner is None:
         return backend, {}
@@ -104,19 +123,31 @@ def _read_json(path: str) -> dict:
     return read_json_object(path) if os.path.isfile(path) else {}
 
 
-def _chat_template(folder: str, config: dict) -> str | None:
-    jinja_path = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as fh:
-            return fh.read()
+def _chat_templates(folder: str, config: dict) -> dict[str, str]:
+    """The folder's chat templates by name, as transformers 5 reads them: chat_template.jinja (or
+    tokenizer_config.json's chat_template, a text or a list of named ones) is "default"; additional_chat_templates/
+    NAME.jinja (save_pretrained writes named ones there) are the others."""
+    templates: dict[str, str] = {}
     template = config.get("chat_template")
     if template is not None and not isinstance(template, (str, list)):
         raise ConfigError(f"tokenizer_config.json: 'chat_template' must be a string or a list of named templates, "
                           f"got {type(template).__name__}")
-    if isinstance(template, list):   # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+    if isinstance(template, list):
+        templates.update({t["name"]: t["template"] for t in template if isinstance(t, dict)
+                          and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)})
+    elif isinstance(template, str):
+        templates["default"] = template
+    extra = os.path.join(folder, "additional_chat_templates")
+    if os.path.isdir(extra):
+        for name in sorted(os.listdir(extra)):
+            if name.endswith(".jinja"):
+                with open(os.path.join(extra, name), encoding="utf-8") as fh:
+                    templates[name[:-len(".jinja")]] = fh.read()
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as fh:
+            templates["default"] = fh.read()
+    return templates
 
 
 # transformers' apply_chat_template options that are not template variables (kvfit's returns text or ids only)
@@ -132,6 +163,9 @@ class Tokenizer:
         have an id below it."""
         source = "tokenizer_config.json"
         self._tok = backend                         # a tokenizers.Tokenizer
+        # transformers encodes without a truncation or padding tokenizer.json may hold (a cut prompt would be silent)
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.special_tokens = _special_tokens(config, source)
         # transformers' additional (4.x) / extra (5.x) special tokens: in all_special_ids
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
@@ -145,8 +179,9 @@ class Tokenizer:
         declared = [t.get("content") for t in declared.values() if isinstance(t, dict) and t.get("special") is True
                     and isinstance(t.get("content"), str)] if isinstance(declared, dict) else []
         added = {t.content: t.special for t in self._tok.get_added_tokens_decoder().values()}
-        special = [*self.special_tokens.values(), *others.values(), *self.extra_special_tokens, *declared]
-        unmarked = list(dict.fromkeys(s for s in special if not added.get(s, False)))
+        special = [*self.special_tokens.values(), *others.values(), *declared]
+        unmarked = list(dict.fromkeys([*(s for s in special if not added.get(s, False)),
+                                       *(s for s in self.extra_special_tokens if s not in added)]))
         if unmarked:  # as transformers does: one not in tokenizer.json gets the next free id, one held there as a
             self._tok.add_special_tokens(unmarked)      # plain added token becomes special (decode skips it)
         self._check_special_ids(model_vocab_size)
@@ -162,6 +197,8 @@ class Tokenizer:
         self._clean_up = clean_up and type(self._tok.model).__name__ != "BPE"
         self._space_marker = _metaspace_marker(self._tok)
         self.chat_template = chat_template
+        # every template by name ("default" is chat_template); with tools, "tool_use" is rendered when there is one
+        self.named_chat_templates: dict[str, str] = {} if chat_template is None else {"default": chat_template}
         self._compiled: dict = {}             # template text -> compiled template
 
     def _check_special_ids(self, model_vocab_size: int | None) -> None:
@@ -195,17 +232,22 @@ class Tokenizer:
         try:
             backend = Backend.from_file(path)
         except Exception as exc:   # tokenizers raises a plain Exception for a malformed file
-            raise ConfigError(f"{path} could not be read ({str(exc).splitlines()[0]}); re-download it") from None
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"{path} could not be read ({first}); re-download it") from None
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         model_config = _read_json(os.path.join(folder, "config.json"))
         vocab_size = read_field(model_config, "vocab_size", "int", os.path.join(folder, "config.json"), minimum=1)
-        backend, named = transformers_backend(folder, backend, model_config.get("model_type"))
+        backend, named = transformers_backend(folder, backend, model_config.get("model_type"),
+                                              config.get("tokenizer_class"))
         # the special tokens the rebuilt class names where tokenizer_config.json names none (one it appended past
         # the model's embeddings stays unnamed: a prompt holding it is refused as out of vocabulary, as vLLM does)
         named = {k: v for k, v in named.items() if not config.get(k)
                  and (vocab_size is None or (backend.token_to_id(v) or 0) < vocab_size)}
         config = {**config, **named}
-        return cls(backend, config, _chat_template(folder, config), vocab_size)
+        templates = _chat_templates(folder, config)
+        tokenizer = cls(backend, config, templates.get("default"), vocab_size)
+        tokenizer.named_chat_templates = templates
+        return tokenizer
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         from tokenizers import processors
@@ -322,6 +364,8 @@ class Tokenizer:
         tools: OpenAI function tools for the template (transformers' tools=). Other keyword arguments are template
         variables, as transformers passes them (enable_thinking=False), with template_kwargs'."""
         source = chat_template if chat_template is not None else self.chat_template
+        if chat_template is None and tools is not None and "tool_use" in self.named_chat_templates:
+            source = self.named_chat_templates["tool_use"]      # transformers' and vLLM's choice with tools
         if source is None:
             raise ConfigError("this model has no chat_template in tokenizer_config.json or chat_template.jinja")
         unread = sorted(set(variables) & HF_CHAT_TEMPLATE_OPTIONS)
