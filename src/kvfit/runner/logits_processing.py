@@ -1,8 +1,9 @@
 """What a request's parameters do to its logits before the draw, and the log probabilities it asked for.
 
-Applied by SamplingState.sample() to the rows that need it, in vLLM v1's order: raw logprobs (before
-anything else), then on fp32 logits allowed_token_ids, bad words, min_tokens, logit_bias, the
-structured-output bitmask, then the penalties (repetition, frequency, presence); temperature, min_p,
+Applied by SamplingState.sample() to the rows that need it, in vLLM v1's order: raw logprobs (of the logits
+with only the structured-output bitmask applied: vLLM's model runner masks the logits before its sampler), then
+on fp32 logits allowed_token_ids, bad words, min_tokens, logit_bias, the structured-output bitmask, then the
+penalties (repetition, frequency, presence); temperature, min_p,
 top-k and top-p come after, in the sampler.
 
 A request's lists (allowed ids, logit_bias, bad words, held-back ids) go to the device once, when it joins

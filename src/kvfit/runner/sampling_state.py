@@ -307,8 +307,12 @@ class SamplingState:
         """sample_step's work past its plan, for rows whose temporaries fit at once."""
         index = plan.device_tensors(logits.device, logits.shape[0])
         raw = None
+        lp_logits = logits
         if plan.logprobs:
-            raw = top_logprobs(_take(logits, index["logprobs"]), plan.num_logprobs)       # before any edit
+            if plan.masked:     # vLLM applies the grammar's bitmask to the logits before the sampler's logprobs
+                lp_logits = logits.to(torch.float32, copy=True)
+                self._apply_bitmask(lp_logits, index, bitmask)
+            raw = top_logprobs(_take(lp_logits, index["logprobs"]), plan.num_logprobs)    # before any other edit
         work = self._processed_logits(logits, rows, num_generated, plan, index, bitmask)  # [N, V]
         if plan.sampled:
             tokens = self._sample_rows(work, rows, num_generated, plan, index)             # [N]
@@ -319,7 +323,7 @@ class SamplingState:
         if raw is None:
             return SampleResult(tokens)
         lp_idx = index["logprobs"]
-        packed = pack_logprobs(*raw, _take(logits, lp_idx), _take(tokens, lp_idx))          # [L, 3 + 2k] fp64
+        packed = pack_logprobs(*raw, _take(lp_logits, lp_idx), _take(tokens, lp_idx))       # [L, 3 + 2k] fp64
         return SampleResult(tokens, packed, plan.logprobs, [self.num_logprobs[rows_host[i]] for i in plan.logprobs])
 
     def _count(self, tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
@@ -332,6 +336,18 @@ class SamplingState:
         # a row whose logits are not finite gets no token: its request ends alone (finish reason "error")
         return torch.where(finite, tokens, NONFINITE_TOKEN)
 
+    @staticmethod
+    def _apply_bitmask(work: torch.Tensor, index: dict, bitmask: torch.Tensor) -> None:
+        """The grammars' bitmask on fp32 logits [N, V], in place (a row it does not cover: unchanged)."""
+        from kvfit.structured.bitmask import apply_bitmask
+        m_idx = index["masked"]                     # bitmask row j belongs to position masked[j]
+        if m_idx is None:
+            apply_bitmask(work, bitmask)
+        else:
+            picked = work.index_select(0, m_idx)
+            apply_bitmask(picked, bitmask)
+            work.index_copy_(0, m_idx, picked)
+
     def _processed_logits(self, logits: torch.Tensor, rows: torch.Tensor, num_generated: torch.Tensor,
                           plan: _Plan, index: dict, bitmask: torch.Tensor | None) -> torch.Tensor:
         """Logits after allowed ids, bad words, min_tokens, logit_bias, the grammar and penalties (fp32
@@ -341,14 +357,7 @@ class SamplingState:
         work = logits.to(torch.float32, copy=True)                                         # [N, V]
         apply_edits(work, num_generated, *plan.edits.device_edits(index, index["edit_values"]))
         if plan.masked:
-            from kvfit.structured.bitmask import apply_bitmask
-            m_idx = index["masked"]                     # bitmask row j belongs to position masked[j]
-            if m_idx is None:
-                apply_bitmask(work, bitmask)
-            else:
-                picked = work.index_select(0, m_idx)
-                apply_bitmask(picked, bitmask)
-                work.index_copy_(0, m_idx, picked)
+            self._apply_bitmask(work, index, bitmask)
         if plan.penalized:
             p_idx = index["penalized"]
             p_rows = _take(rows, p_idx)                                                    # [P]

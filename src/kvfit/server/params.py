@@ -141,12 +141,13 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
             fmt_fields = {"json_object": True}
         elif kind == "json_schema":
             spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            # a schema is needed (vLLM builds no constraint without one and refuses the request)
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise bad_request("response_format json_schema needs a json_schema object with a 'schema' object",
                                   param="response_format")
             if not isinstance(spec.get("name"), str):       # required by OpenAI's and vLLM's request models
                 raise bad_request("response_format json_schema needs a 'name' (a string)", param="response_format")
-            fmt_fields = {"json": spec.get("schema", {})}
+            fmt_fields = {"json": spec["schema"]}
         elif kind == "text":
             fmt_fields = {}
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import llguidance
 
@@ -57,9 +58,24 @@ def grammar_definition(spec: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
         if kind == "regex":            # \d and \w ASCII, as vLLM's default backend (ascii_regex.py)
             return llguidance.grammar_from("regex", ascii_classes(spec.regex))
-        return llguidance.grammar_from(kind, getattr(spec, kind))   # "grammar"
+        return _grammar(spec.grammar)
     except ValueError as exc:
         raise RequestError(f"structured_outputs.{kind}: {one_line(str(exc))}", PARAM) from None
+
+
+# a Lark rule's name at a line's start (?rule / !rule modifiers, a .priority); terminals are upper case
+_LARK_RULE = re.compile(r"^[ \t]*[?!]?([a-z_][a-z0-9_]*)(?:\.\d+)?[ \t]*:", re.MULTILINE)
+
+
+def _grammar(text: str) -> str:
+    """A grammar in GBNF/EBNF (`::=`) or Lark, as vLLM takes both: a Lark grammar without a start rule starts at
+    its first rule (vLLM's convert_lark_to_ebnf makes that the root)."""
+    if "::=" in text:
+        return llguidance.grammar_from("grammar", text)
+    rules = _LARK_RULE.findall(text)
+    if rules and "start" not in rules:
+        text = f"start: {rules[0]}\n{text}"
+    return llguidance.grammar_from("lark", text)
 
 
 def check_spec(spec: StructuredOutputsParams) -> str:

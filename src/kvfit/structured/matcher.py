@@ -114,14 +114,16 @@ class Matcher:
         """Advance by the sampled token; False when the grammar does not allow it (the matcher then stays
         in error and its mask allows only EOS). An EOS or stop id the grammar allows terminates it."""
         token_id = int(token_id)
-        if self._terminated or not 0 <= token_id < self._vocab_size:
+        if self._terminated or not 0 <= token_id < self._vocab_size or self._state.is_error():
             return False
         is_stop = token_id in self._eos_ids or token_id in self._extra_stops
         # validate_tokens reports 0 on a stopped matcher (nothing may follow but EOS), so ask both
         if is_stop and (self._state.is_stopped() or self._state.validate_tokens([self._eos]) == 1):
             self._terminated = self._state.consume_token(self._eos)
             return self._terminated
-        return self._state.consume_token(token_id)
+        # a token the mask let through into a dead end (a schema feature llguidance's mask does not follow to the
+        # end) leaves the matcher in error: the output can no longer be completed, so it ends in error, never stop
+        return self._state.consume_token(token_id) and not self._state.is_error()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] (a CPU int32 bitmask from allocate_bitmask)."""

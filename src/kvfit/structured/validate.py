@@ -8,13 +8,16 @@ a crash or a timeout there is one request's RequestError, never the server's dea
 
 Children are forked from multiprocessing's fork server, which imports only this module (and
 llguidance), so one costs about 10 ms after the first (which starts the fork server, about 0.2 s).
-This module imports no torch: the fork server stays small.
+This module imports no torch: the fork server stays small. The parent's main script is not imported in the
+child (_main_not_reimported): an offline script without a __main__ guard would run again there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import re
+import sys
 
 import llguidance
 
@@ -67,12 +70,33 @@ def check_definition(kind: str, definition: str, timeout_s: float = VALIDATE_TIM
         raise RequestError(f"structured_outputs.{kind}: {error}", PARAM)
 
 
+@contextlib.contextmanager
+def _main_not_reimported():
+    """multiprocessing prepares a forkserver child by importing the parent's main script, which runs a script's
+    top level again when it has no `if __name__ == "__main__"` guard (an offline script would load its model
+    in the child, which then dies). The child needs only this module, so the main module's file and spec are
+    hidden while it starts."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__} if main else {}
+    try:
+        for key in saved:
+            if key == "__file__":
+                del main.__file__
+            else:
+                main.__spec__ = None
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(main, key, value)
+
+
 def _validate_in_child(kind: str, definition: str, timeout_s: float) -> str | None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_child, args=(definition, send), name="kvfit-grammar-check", daemon=True)
-    process.start()
+    with _main_not_reimported():
+        process.start()
     send.close()
     try:
         if receive.poll(timeout_s):
