@@ -80,8 +80,8 @@ class SamplingParams:
     positive logits and multiplies negative ones of every token in the prompt or the output.
     logprobs: how many top log probabilities to return per output token (the sampled token's always
     comes too); prompt_logprobs: the same for every prompt token. Both are the model's raw fp32
-    log-softmax, before temperature, penalties and every other processing (vLLM's default
-    logprobs_mode, raw_logprobs). n: independent samples of the prompt (a seeded request gives
+    log-softmax, before temperature, penalties and every other processing but a structured output's mask
+    (vLLM's default logprobs_mode, raw_logprobs; vLLM masks the logits first). n: independent samples of the prompt (a seeded request gives
     sample i the seed + i, as vLLM does).
     """
 

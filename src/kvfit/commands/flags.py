@@ -168,7 +168,7 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
     refuse(p, "--scheduling-policy", "kvfit schedules first come, first served (fcfs); it has no request priorities",
            ("fcfs",))
     refuse(p, "--logprobs-mode", "logprobs are the model's raw fp32 log-softmax, before temperature, penalties and "
-           "any other processing (raw_logprobs)", ("raw_logprobs",))
+           "any other processing but a structured output's mask (raw_logprobs)", ("raw_logprobs",))
     refuse(p, "--max-parallel-loading-workers", "each tensor-parallel rank reads only its slice of each weight, "
            "all ranks at once; there is no loading-worker setting")
 

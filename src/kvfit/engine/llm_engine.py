@@ -343,10 +343,10 @@ class LLMEngine:
             if req.request_id in logprobs:
                 self.outputs.add_logprobs(req, logprobs[req.request_id][step])
             if req.matcher is not None and not req.matcher.accept(req.token_ids[-1]):
-                # the grammar went past llguidance's run-time limits (or, a bug, its mask let the token through):
-                # the client sees why in stop_reason
-                reason = (f"structured_outputs: the grammar ended this output at token {req.token_ids[-1]}: "
-                          f"{req.matcher.error or 'the grammar does not allow it'}")
+                # the grammar went past llguidance's run-time limits, or its mask let a token into a dead end (a
+                # schema feature the mask does not follow to its end): the client sees why in stop_reason
+                reason = (f"structured_outputs: the grammar cannot complete this output (at token "
+                          f"{req.token_ids[-1]}: {req.matcher.error or 'the grammar does not allow it'})")
                 logger.warning("request %s: %s; ending it (finish reason 'error')", req.request_id, reason)
                 self.scheduler.finish(req.request_id, "error")
                 outputs[req.request_id] = self.outputs.fail(req, reason)

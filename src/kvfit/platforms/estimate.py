@@ -28,8 +28,9 @@ CUDA_GRAPH_BYTES = 64 * MiB
 # a full sort's values and int64 indices, softmax and cumsum, int64 hash state, fp32 noise): 1336 MiB
 # for 256 rows x 151,936 ids measured on the H200 (2026-12-03), 36 bytes per logit. Rows whose logits are
 # edited first (penalties, logit_bias, bad words, min_tokens, a grammar bitmask) keep an fp32 edited copy
-# beside them: 4 more (estimated from the code, not yet measured; logprobs keep only [rows] values alive).
-LOGIT_BYTES = 2 + 4 + 36
+# beside them: 4 more (estimated from the code, not yet measured); rows that want logprobs under a grammar keep a
+# masked fp32 copy for them: 4 more.
+LOGIT_BYTES = 2 + 4 + 4 + 36
 # prompt_logprobs: planning.prompt_logprobs_slice positions of logits at a time: the LM head's output (2), its fp32
 # copy and logsumexp's temporary (8), top-k and the rank's comparison (about 4); estimated.
 PROMPT_LOGIT_BYTES = 2 + 12

@@ -14,7 +14,8 @@ nothing but those and its own logits: not on the batch, its row, other rows or t
 Before the draw, rows whose parameters change their logits (penalties, logit_bias, bad words,
 min_tokens, allowed_token_ids, a grammar bitmask) are edited on an fp32 copy (runner/logits_processing.py);
 greedy rows then take the argmax of the edited logits, as vLLM's. Log probabilities are the raw
-logits' fp32 log-softmax (vLLM's default logprobs_mode, raw_logprobs), taken before any edit.
+logits' fp32 log-softmax (vLLM's default logprobs_mode, raw_logprobs), taken before any edit but a grammar's
+bitmask (vLLM's model runner masks the logits before its sampler).
 
 Invariants:
 - a row's host mirrors (greedy / seeded / top-k / top-p) and its device parameters are written

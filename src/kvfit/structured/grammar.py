@@ -65,16 +65,18 @@ def grammar_definition(spec: StructuredOutputsParams) -> str:
 
 # a Lark rule's name at a line's start (?rule / !rule modifiers, a .priority); terminals are upper case
 _LARK_RULE = re.compile(r"^[ \t]*[?!]?([a-z_][a-z0-9_]*)(?:\.\d+)?[ \t]*:", re.MULTILINE)
+# a GBNF/EBNF rule definition at a line's start (a `::=` inside a Lark string or comment is not one)
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w-]*[ \t]*::=", re.MULTILINE)
 
 
 def _grammar(text: str) -> str:
     """A grammar in GBNF/EBNF (`::=`) or Lark, as vLLM takes both: a Lark grammar without a start rule starts at
     its first rule (vLLM's convert_lark_to_ebnf makes that the root)."""
-    if "::=" in text:
+    if _GBNF_RULE.search(text):
         return llguidance.grammar_from("grammar", text)
     rules = _LARK_RULE.findall(text)
     if rules and "start" not in rules:
-        text = f"start: {rules[0]}\n{text}"
+        text = f"{text}\nstart: {rules[0]}\n"          # appended: error positions keep their line numbers
     return llguidance.grammar_from("lark", text)
 
 

@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing
 import re
 import sys
+import threading
 
 import llguidance
 
@@ -70,24 +71,28 @@ def check_definition(kind: str, definition: str, timeout_s: float = VALIDATE_TIM
         raise RequestError(f"structured_outputs.{kind}: {error}", PARAM)
 
 
+_MAIN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_not_reimported():
     """multiprocessing prepares a forkserver child by importing the parent's main script, which runs a script's
     top level again when it has no `if __name__ == "__main__"` guard (an offline script would load its model
     in the child, which then dies). The child needs only this module, so the main module's file and spec are
-    hidden while it starts."""
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__} if main else {}
-    try:
-        for key in saved:
-            if key == "__file__":
+    hidden while it starts (under a lock: two checks at once would restore each other's hidden state; another
+    thread starting a process of its own in that moment sees the main module hidden too)."""
+    with _MAIN_LOCK:
+        main = sys.modules.get("__main__")
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__} if main else {}
+        try:
+            if "__file__" in saved:
                 del main.__file__
-            else:
+            if "__spec__" in saved:
                 main.__spec__ = None
-        yield
-    finally:
-        for key, value in saved.items():
-            setattr(main, key, value)
+            yield
+        finally:
+            for key, value in saved.items():
+                setattr(main, key, value)
 
 
 def _validate_in_child(kind: str, definition: str, timeout_s: float) -> str | None:
