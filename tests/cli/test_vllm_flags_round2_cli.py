@@ -50,7 +50,7 @@ def test_frontend_flags_default_to_vllms():
     assert options.allowed_origins == options.allowed_methods == options.allowed_headers == ("*",)
     assert not (options.allow_credentials or options.enable_request_id_headers or options.enable_prompt_tokens_details
                 or options.enable_force_include_usage or options.return_tokens_as_token_ids)
-    assert options.chat_template_content_format == "auto" and options.content_format == "string"
+    assert options.chat_template_content_format == "auto" and options.content_format == "auto"     # resolved per template
 
 
 def test_frontend_flags_parse_as_vllm_spells_them():

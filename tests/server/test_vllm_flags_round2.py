@@ -216,7 +216,8 @@ def rendered(url: str, messages: list[dict]) -> str:
 @pytest.mark.parametrize("content_format, expected", [
     ("openai", "[system]<text:sys>[user]<text:Hi><text:there>[tool]S:r1\nr2[assistant]"),
     ("string", "[system]S:sys[user]S:Hi\nthere[tool]S:r1\nr2[assistant]S:"),
-    ("auto", "[system]S:sys[user]S:Hi\nthere[tool]S:r1\nr2[assistant]S:"),
+    # auto: vLLM's detection: this template loops over a message's content, so openai
+    ("auto", "[system]<text:sys>[user]<text:Hi><text:there>[tool]S:r1\nr2[assistant]"),
 ])
 def test_chat_template_content_format(content_format, expected):
     options = FrontendOptions(chat_template_content_format=content_format)

@@ -4,7 +4,8 @@ way vLLM 0.26 calls it (its message parsing: content format string/openai, tool_
 reasoning fields, developer -> system), on realistic templates (Llama 3.1/3.2, Qwen3, Qwen2.5, Mistral v0.3,
 Phi-3, Gemma, Gemma 3, ChatML) and a tiny llama whose tokenizer knows their control tokens.
 
-Tests marked xfail(strict) expose a divergence from transformers / vLLM that kvfit has today."""
+Each test once exposed a divergence that is fixed now, or pins what already matched; a `chat_template_kwargs` naming
+add_generation_prompt stays a 400 (vLLM lets the request field win silently)."""
 
 from __future__ import annotations
 
@@ -616,7 +617,7 @@ def vllm_ids(hf, messages, template, *, content_format="string", server=True, to
                                        continue_final_message=continue_final_message, **kwargs))
 
 
-def server_ids(ours, body: dict, template: str | None, content_format: str = "string",
+def server_ids(ours, body: dict, template: str | None, content_format: str = "auto",
                model_class=ChatCompletionRequest) -> list[int]:
     """prompt token ids of a chat (or /tokenize) body as the server prepares it, with --chat-template template."""
     context = PrepareContext(("m",), template, 10**7, 2048, content_format)
@@ -836,31 +837,24 @@ ITERATING = ("{% for m in messages %}<{{ m.role }}>{% for part in m.content %}{{
              "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-@pytest.mark.xfail(strict=True, reason="content format auto is always 'string': vLLM detects 'openai' for templates "
-                                       "that loop over message content (Gemma 3 style)")
 def test_auto_content_format_detects_openai_on_the_server(hf, ours):
     parts = [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]
     messages = [{"role": "user", "content": parts}]
     assert server_ids(ours, {"messages": messages}, GEMMA3) == vllm_ids(hf, messages, GEMMA3, content_format="openai")
 
 
-@pytest.mark.xfail(strict=True, reason="content format auto is 'string': a template looping over content gets "
-                                       "characters of a string content instead of one text part")
 def test_auto_content_format_string_content_in_iterating_template(hf, ours):
     messages = [{"role": "user", "content": "hello"}]
     assert server_ids(ours, {"messages": messages}, ITERATING) == \
         vllm_ids(hf, messages, ITERATING, content_format="openai")
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.chat always joins text parts (string format): vLLM's default 'auto' "
-                                       "gives list parts to a template that loops over content")
 def test_llm_chat_auto_content_format(hf, llm):
     messages = [{"role": "user", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]}]
     assert llm_ids(llm, messages, chat_template=GEMMA3) == \
         vllm_ids(hf, messages, GEMMA3, content_format="openai", server=False)
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.chat has no chat_template_content_format argument (vLLM's) : TypeError")
 def test_llm_chat_takes_chat_template_content_format(hf, llm):
     assert llm_ids(llm, USER_CHAT, chat_template=CHATML, chat_template_content_format="string") == \
         vllm_ids(hf, USER_CHAT, CHATML, server=False)
@@ -929,13 +923,6 @@ def test_llm_chat_tools_and_documents_in_chat_template_kwargs(hf, llm):
         vllm_ids(hf, USER_CHAT, QWEN3, server=False, tools=TOOLS)
 
 
-@pytest.mark.xfail(strict=True, reason="chat_template_kwargs naming add_generation_prompt is a 400; vLLM lets the "
-                                       "request's own field win")
-def test_server_chat_template_kwargs_with_a_request_field_name(hf, ours):
-    body = {"messages": USER_CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
-    assert server_ids(ours, body, CHATML) == vllm_ids(hf, USER_CHAT, CHATML)
-
-
 def test_named_tool_use_template_is_picked_with_tools(tmp_path):
     from transformers import AutoTokenizer
     source = build_folder(str(tmp_path / "src"))
@@ -968,8 +955,6 @@ def test_llm_chat_none_valued_keys(hf, llm):
     assert llm_ids(llm, messages, chat_template=MISC) == vllm_ids(hf, messages, MISC, server=False)
 
 
-@pytest.mark.xfail(strict=True, reason="content parts vLLM reads as text (plain strings, input_text, refusal) are "
-                                       "refused with a 400")
 def test_server_text_like_parts(hf, ours):
     messages = [{"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]}]
     assert server_ids(ours, {"messages": messages}, CHATML) == vllm_ids(hf, messages, CHATML)

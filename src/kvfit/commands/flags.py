@@ -260,7 +260,8 @@ def add_vllm_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                    help="vLLM's: how a message's content reaches the chat template: string (its text parts joined "
                         "by a line break), openai (a list of {'type': 'text', 'text': ...} parts; a tool message's "
-                        "stays a string) or auto, which is string in kvfit (vLLM's auto inspects the template)")
+                        "stays a string) or auto: openai for a template that loops over a message's content, else string, as "
+                        "vLLM inspects the template")
     p.add_argument("--override-generation-config", action=_Json, check=_generation_overrides, default=None,
                    metavar="JSON",
                    help="vLLM's: default sampling params (generation_config.json's names: temperature, top_p, top_k, "

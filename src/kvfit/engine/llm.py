@@ -17,7 +17,8 @@ from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.output import RequestOutput
 from kvfit.sampling_params import SamplingParams, as_python
 from kvfit.errors import ConfigError, RequestError
-from kvfit.text.chat_template import text_parts_joined, tool_arguments_as_objects
+from kvfit.text.chat_template import (as_text_parts, detected_content_format, text_parts_joined,
+                                      tool_arguments_as_objects)
 
 # vLLM's LLM(...) keyword arguments that kvfit has no setting for: the values that ask for what kvfit
 # does anyway (accepted), and why another value cannot be honoured (a ConfigError). tokenizer and
@@ -129,19 +130,30 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | Callable = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them.
 
         Each is rendered with the model's chat template (or chat_template, a template text) to token ids
         as transformers' apply_chat_template(tokenize=True) gives them (no second bos). tools: OpenAI
         function tools for the template (vLLM's); assistant tool_calls reach it with their arguments as
-        objects. The outputs are text: the server's --tool-call-parser reads tool calls out of it."""
+        objects. The outputs are text: the server's --tool-call-parser reads tool calls out of it.
+        chat_template_content_format (vLLM's): "string" (text parts joined by a line break), "openai" (content as a
+        list of text parts) or "auto" (openai for a template that loops over a message's content)."""
         _check_no_lora(lora_request)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise RequestError("chat needs a tokenizer (tokenizer.json), which this model folder lacks", "messages")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts", "messages")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise RequestError(f"chat_template_content_format must be auto, string or openai, got "
+                               f"{chat_template_content_format!r:.40}", "chat_template_content_format")
+        content_format = chat_template_content_format
+        source = chat_template if chat_template is not None else tokenizer.chat_template
+        if content_format == "auto":
+            content_format = detected_content_format(source) if isinstance(source, str) else "string"
+        as_content = as_text_parts if content_format == "openai" else text_parts_joined
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts, texts = [], []
         for conversation in conversations:
@@ -149,7 +161,7 @@ class LLM:
                 raise RequestError("each conversation must be a list of {'role': ..., 'content': ...} dicts",
                                    "messages")
             text = tokenizer.apply_chat_template(
-                tool_arguments_as_objects(text_parts_joined(list(conversation))), add_generation_prompt,
+                tool_arguments_as_objects(as_content(list(conversation))), add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs, **({"tools": tools} if tools is not None else {}))
             texts.append(text)

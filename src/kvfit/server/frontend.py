@@ -30,7 +30,7 @@ class FrontendOptions:
 
     chat_template_content_format: how a message's content reaches the template: string (text parts joined by
     a line break), openai (a list of {"type": "text", "text": ...} parts, vLLM's openai format) or auto, which
-    is string (vLLM's auto inspects the template; kvfit does not). override_generation_config: the checked
+    inspects the template as vLLM's does (text.chat_template.detected_content_format). override_generation_config: the checked
     fields (text.generation_config.generation_overrides), merged over --generation-config's defaults."""
 
     allowed_origins: tuple[str, ...] = ("*",)
@@ -77,8 +77,8 @@ class FrontendOptions:
 
     @property
     def content_format(self) -> str:
-        """The resolved content format: string or openai (auto is string, kvfit's join of text parts)."""
-        return "openai" if self.chat_template_content_format == "openai" else "string"
+        """string, openai, or auto (resolved for each template: text.chat_template.detected_content_format)."""
+        return self.chat_template_content_format
 
 
 def _check_params(params: dict) -> None:

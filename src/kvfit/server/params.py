@@ -353,7 +353,8 @@ def _template_content(message, content_format: str) -> str | list[dict]:
     parts joined by a line break; openai, a list of {"type": "text", "text": ...} parts (a text is one part;
     a tool message's content stays a string, as vLLM gives it)."""
     content = message.content
-    texts = [] if content is None else [content] if isinstance(content, str) else [part.text for part in content]
+    texts = [] if content is None else [content] if isinstance(content, str) else \
+        [part if isinstance(part, str) else part.value for part in content]
     if content_format == "openai" and message.role != "tool":
         return [{"type": "text", "text": text} for text in texts]
     return TEXT_PART_SEPARATOR.join(texts)

@@ -33,7 +33,8 @@ class PrepareContext:
     """What preparing a body needs besides the tokenizer; plain data, so a worker process gets a copy.
 
     chat_template: --chat-template's text (None: the model's own); max_prompt_chars: see
-    async_engine.max_prompt_chars; content_format: string or openai (params.chat_messages)."""
+    async_engine.max_prompt_chars; content_format: string, openai or auto (params.chat_messages; auto: as the
+    template reads content)."""
 
     model_names: tuple[str, ...]
     chat_template: str | None
@@ -95,7 +96,13 @@ def finish_request(body, model_class, context: PrepareContext, tokenizer, templa
     check_tool_constraint(body)                         # tool_choice required or named: the tools' schemas
     if getattr(body, "messages", None) is None:         # completions, /detokenize, a /tokenize prompt
         return Prepared(body)
-    messages = chat_messages(body, context.content_format)
+    content_format = context.content_format
+    if content_format == "auto":        # vLLM's: openai for a template that loops over a message's content
+        from kvfit.text.chat_template import detected_content_format
+        source = context.chat_template if context.chat_template is not None else \
+            getattr(tokenizer, "chat_template", None)
+        content_format = detected_content_format(source) if isinstance(source, str) else "string"
+    messages = chat_messages(body, content_format)
     check_unsupported(body)
     text = _render_chat(context, tokenizer, body, messages, template_variables)
     text = cut_prompt_text(text, truncation(body), context.max_prompt_chars)     # as vLLM, before tokenizing

@@ -14,7 +14,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 logger = logging.getLogger("kvfit")
 
@@ -171,15 +171,30 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+    """A text part of a message's content; the part types vLLM reads as text (input_text, output_text: their text;
+    refusal: its refusal)."""
+
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _has_text(self):
+        if (self.refusal if self.type == "refusal" else self.text) is None:
+            key = "refusal" if self.type == "refusal" else "text"
+            raise ValueError(f"a {self.type!r} content part needs its {key!r} string")
+        return self
+
+    @property
+    def value(self) -> str:
+        return self.refusal if self.type == "refusal" else self.text
 
 
 class ChatMessage(_Body):
     """One message; the history fields (tool calls, reasoning) go to the chat template as given."""
 
     role: str               # any role reaches the template, as in vLLM (the template refuses one it does not know)
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | str] | None = None     # a plain string part is text too (vLLM's)
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None

@@ -395,6 +395,87 @@ class _Budget:
         return self._line
 
 
+@functools.lru_cache(maxsize=32)
+def detected_content_format(source: str) -> str:
+    """--chat-template-content-format auto, as vLLM resolves it: "openai" (content as a list of text parts) for a
+    template that loops over a message's content (`for part in message['content']`, or over a variable `content`),
+    where the messages come from `messages` by a loop (or an assignment of it, a slice, a filter); else "string"."""
+    import jinja2
+    from jinja2 import nodes
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+
+    def unwrap(node):
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        return node
+
+    def names(node, wanted: set) -> bool:
+        node = unwrap(node)
+        return isinstance(node, nodes.Name) and node.name in wanted
+
+    def content_of(node, wanted: set) -> bool:
+        node = unwrap(node)
+        if isinstance(node, nodes.Getitem):
+            return names(node.node, wanted) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Getattr) and names(node.node, wanted) and node.attr == "content"
+
+    lists = {"messages"}
+    changed = True
+    while changed:            # variables assigned from messages (or from one of those)
+        before = len(lists)
+        lists |= {a.target.name for a in tree.find_all(nodes.Assign)
+                  if isinstance(a.target, nodes.Name) and names(a.node, lists)}
+        changed = len(lists) != before
+    loops = list(tree.find_all(nodes.For))
+    items = {loop.target.name for loop in loops if isinstance(loop.target, nodes.Name) and names(loop.iter, lists)}
+    for loop in loops:
+        if content_of(loop.iter, items) or (isinstance(loop.iter, nodes.Name) and loop.iter.name == "content"):
+            return "openai"
+    return "string"
+
+
+def as_text_parts(messages: list[dict]) -> list[dict]:
+    """messages for a template of the openai content format: a string content as one text part (a tool message's
+    stays a string, as vLLM gives it); parts are checked as text_parts_joined checks them."""
+    out = []
+    for i, (message, joined) in enumerate(zip(messages, text_parts_joined(messages))):
+        content = message.get("content")
+        if message.get("role") == "tool":
+            message = joined
+        elif isinstance(content, str):
+            message = {**message, "content": [{"type": "text", "text": content}]}
+        elif isinstance(content, list):
+            message = {**message, "content": [{"type": "text", "text": t} for t in _part_texts(content, i)]}
+        elif content is None:
+            message = {**message, "content": []}
+        out.append(message)
+    return out
+
+
+# content part types vLLM reads as text, and the key that holds it
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _part_texts(content: list, i: int) -> list[str]:
+    """The texts of a message's content parts (a plain string part is one, as vLLM reads it)."""
+    texts = []
+    for part in content:
+        key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+        if isinstance(part, str):
+            texts.append(part)
+        elif key is not None and isinstance(part.get(key), str):
+            texts.append(part[key])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"messages[{i}].content holds a {kind!r} part; kvfit serves text models, so "
+                               "content is a string or a list of {'type': 'text', 'text': ...} parts", "messages")
+    return texts
+
+
 def text_parts_joined(messages: list[dict]) -> list[dict]:
     """messages with a content given as OpenAI parts ([{"type": "text", "text": ...}]) made one string, the parts
     joined by a line break, as vLLM gives them to a template (and as the server does), a null content the empty
@@ -405,15 +486,7 @@ def text_parts_joined(messages: list[dict]) -> list[dict]:
         if content is None and "content" in message:    # an assistant's tool calls alone: "" (vLLM's), not "None"
             message = {**message, "content": ""}
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise RequestError(f"messages[{i}].content holds a {kind!r} part; kvfit serves text models, so "
-                                       "content is a string or a list of {'type': 'text', 'text': ...} parts",
-                                       "messages")
-                texts.append(part["text"])
-            message = {**message, "content": TEXT_PART_SEPARATOR.join(texts)}
+            message = {**message, "content": TEXT_PART_SEPARATOR.join(_part_texts(content, i))}
         out.append(message)
     return out
 
