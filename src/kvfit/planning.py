@@ -40,8 +40,10 @@ def resolve_max_model_len(facts: ModelFacts, requested: int | str | None) -> int
     kvfit attends over the whole context, which gives the model's outputs only while a sequence fits the window."""
     window, context = facts.sliding_window, facts.context_len
     longest = context if window is None else min(window, context)
-    what = (f"max_position_embeddings {facts.max_position_embeddings}" if facts.rope_context is None
-            else f"rope-scaled context {context}")
+    what = (f"max_position_embeddings {facts.max_position_embeddings}" if context == facts.max_position_embeddings
+            else f"rope-scaled context {context}" if facts.rope_context is not None
+            else f"longrope context {context} (original_max_position_embeddings: kvfit runs LongRoPE's short "
+                 "factors only)")
     if requested == AUTO_MAX_MODEL_LEN:
         return min(longest, MAX_SEQUENCE_TOKENS)
     if requested is None:

@@ -169,8 +169,8 @@ def test_dtype_wins_over_torch_dtype_as_transformers_reads_them():
 
 # fields kvfit does not implement: a one-line ConfigError naming the field and its value
 REFUSED = [
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                       "original_max_position_embeddings": 128}}, "'longrope'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 8,
+                       "original_max_position_embeddings": 128}}, "short_factor must be"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
     ({"rope_scaling": {**YARN, "beta_slow": -1.0}}, "beta_slow"),

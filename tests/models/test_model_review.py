@@ -10,8 +10,8 @@ each generated token (a different argmax is allowed only at a near-tie, a logit 
 transformers' greedy generate token for token where there are no ties, and every logprob must equal its
 log_softmax within 1e-4.
 
-The xfail tests at the end are what kvfit refuses although transformers runs it: longrope (Phi-3's su/longrope and
-Llama's longrope) and sequences longer than a sliding window.
+LongRoPE runs within its original context (the short factors, as transformers there); the xfail tests at the end are
+what kvfit refuses although transformers runs it: sequences longer than a sliding window.
 """
 
 from __future__ import annotations
@@ -261,8 +261,6 @@ def _longrope(head_dim: int) -> dict:
             "long_factor": [2.0 + 0.5 * i for i in range(half)]}
 
 
-@pytest.mark.xfail(strict=True, reason="longrope (Phi-3 su/longrope) is refused with a ConfigError "
-                                       "(model_facts/rope.py check_phi3_rope); transformers runs it")
 def test_phi3_longrope_within_the_original_context(tmp_path):
     folder = _phi3(tmp_path, "phi3-longrope", max_position_embeddings=128,
                    original_max_position_embeddings=LONGROPE_ORIGINAL, rope_scaling=_longrope(16))
@@ -273,8 +271,6 @@ def test_phi3_longrope_within_the_original_context(tmp_path):
         _check(hf, prompt, out)
 
 
-@pytest.mark.xfail(strict=True, reason="rope_type longrope is not in kvfit's ROPE_TYPES (model_facts/rope.py): "
-                                       "a Llama config with it is refused; transformers runs it")
 def test_llama_longrope_within_the_original_context(tmp_path):
     folder = make_tiny_model(tmp_path, arch="llama", num_layers=1, max_position_embeddings=128,
                              rope_scaling={**_longrope(16), "original_max_position_embeddings": LONGROPE_ORIGINAL})

@@ -1,6 +1,7 @@
 """Phi-3 (Phi3ForCausalLM) against transformers' own Phi3 on tiny random models: prefill and decode logits, greedy
 generation through LLM, each tensor-parallel rank's slices of the fused qkv_proj / gate_up_proj tensors, transformers'
-config defaults, and one-line refusals of what kvfit does not implement (longrope, partial rotary)."""
+config defaults, LongRoPE within its original context, and one-line refusals of what kvfit does not implement
+(partial rotary)."""
 
 from __future__ import annotations
 
@@ -164,10 +165,7 @@ def test_phi3_mini_4k_sliding_window_limits_the_context_to_it():
 
 LONGROPE = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 128}
 REFUSED = [
-    ({"rope_scaling": {"type": "longrope", **LONGROPE}}, "rope_scaling type 'longrope'"),
-    ({"rope_scaling": {"type": "su", **LONGROPE}}, "rope_scaling type 'su'"),           # Phi-3-*-128k's older name
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),     # Phi3Config: longrope too
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **LONGROPE}}, "rope_scaling type 'longrope'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type 'linear'"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),                      # Phi-4-mini's top level
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -180,6 +178,21 @@ def test_what_kvfit_does_not_implement_is_refused_in_one_line(fields, named):
     with pytest.raises(ConfigError) as err:
         facts_from_config({"architectures": ["Phi3ForCausalLM"], "vocab_size": 128, **SIZES, **fields})
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields", [{"rope_scaling": {"type": "longrope", **LONGROPE}},
+                                    {"rope_scaling": {"type": "su", **LONGROPE}},       # Phi-3-*-128k's older name
+                                    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **LONGROPE}}])
+def test_longrope_runs_within_the_original_context(fields):
+    """LongRoPE's short factors within original_max_position_embeddings (transformers' frequencies there); the
+    context stops at it, one line naming it past it (tests/models/test_model_review.py compares the outputs)."""
+    facts = facts_from_config({"architectures": ["Phi3ForCausalLM"], "vocab_size": 128, **SIZES,
+                               "max_position_embeddings": 512, **fields})
+    assert facts.rope.rope_type == "longrope" and facts.context_len == 128
+    assert resolve_max_model_len(facts, None) == 128
+    with pytest.raises(ConfigError, match="longrope context 128") as err:
+        resolve_max_model_len(facts, 256)
+    assert "\n" not in str(err.value)
 
 
 def test_a_full_rotary_factor_runs():

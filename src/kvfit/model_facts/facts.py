@@ -66,6 +66,8 @@ class ModelFacts:
     @property
     def context_len(self) -> int:
         """The longest sequence the model takes: its rope scaling's context, else max_position_embeddings."""
+        if self.rope is not None and self.rope.rope_type == "longrope":
+            return min(self.rope.original_max_position_embeddings, self.max_position_embeddings)
         return self.rope_context or self.max_position_embeddings
 
     @property

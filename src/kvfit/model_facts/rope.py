@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from kvfit.errors import ConfigError
 from kvfit.model_facts.fields import read_field
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+LONGROPE_NAMES = ("longrope", "su")     # transformers reads "su" (Phi-3's first configs) as longrope
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048    # transformers' LlamaConfig default (architectures.py has each family's)
 
@@ -35,6 +36,10 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # LongRoPE (Phi-3's 128k models): each frequency divided by its short factor, q and k scaled by
+    # attention_factor; kvfit runs within original_max_position_embeddings, where transformers uses these (past it,
+    # the long factors: transformers and vLLM differ there, so kvfit caps the context: ModelFacts.context_len)
+    short_factor: tuple[float, ...] = ()
 
 
 def _rope_dict(raw: dict, source: str) -> dict:
@@ -64,6 +69,7 @@ def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json",
     # a top-level rope_theta shadowed by rope_parameters' is still checked: a malformed one is a corrupt file
     read_field(raw, "rope_theta", "number", source, above=0)
     rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
+    rope_type = "longrope" if rope_type in LONGROPE_NAMES else rope_type
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if read_field(d, "partial_rotary_factor", "number", where, default=1.0) != 1.0:
@@ -78,6 +84,8 @@ def rope_config_from_raw(raw: dict, head_dim: int, source: str = "config.json",
         d, "original_max_position_embeddings", "int", where, default=max_pos, minimum=1)
     if rope_type == "yarn":
         return _yarn(d, where, head_dim, theta, max_pos, original)
+    if rope_type == "longrope":
+        return _longrope(d, where, head_dim, theta, max_pos, original)
     factor = read_field(d, "factor", "number", where, required=True, above=0)
     if rope_type in ("linear", "dynamic"):
         # dynamic: transformers rescales only past max_position_embeddings, which kvfit never runs past
@@ -111,21 +119,38 @@ def _yarn(d: dict, where: str, head_dim: int, theta: float, max_pos: int, origin
                       attention_factor=attention_factor)
 
 
-PHI3_LONGROPE_NAMES = ("longrope", "su", "yarn")     # transformers' Phi3Config reads "su" and "yarn" as longrope
+def _longrope(d: dict, where: str, head_dim: int, theta: float, max_pos: int, original: int) -> RopeConfig:
+    """LongRoPE's settings with transformers' defaults (_compute_longrope_parameters): factor from the two context
+    lengths when not given, attention_factor sqrt(1 + ln(factor) / ln(original)) when not given."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = read_field(d, key, "list", where, required=True)
+        if len(values) != head_dim // 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                                   for v in values):
+            raise ConfigError(f"{where}: {key} must be {head_dim // 2} positive numbers (head_dim / 2), got "
+                              f"{len(values)} values")
+        factors[key] = tuple(float(v) for v in values)
+    factor = read_field(d, "factor", "number", where, above=0) or max_pos / original
+    attention_factor = read_field(d, "attention_factor", "number", where, above=0)
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(head_dim=head_dim, theta=theta, rope_type="longrope", factor=factor,
+                      original_max_position_embeddings=original, attention_factor=attention_factor,
+                      short_factor=factors["short_factor"])
 
 
 def check_phi3_rope(raw: dict, source: str = "config.json") -> None:
     """Phi-3's RoPE as transformers' Phi3Config reads it, refused where kvfit would run another model: a
-    rope_scaling (else rope_parameters) type other than default (Phi3Config takes only longrope besides, which
-    kvfit does not implement), and a partial_rotary_factor (rope's, else config.json's top-level one, where
+    rope_scaling (else rope_parameters) type other than default or longrope ("su"; Phi3Config reads "yarn" as
+    longrope too, which kvfit asks to be written so), and a partial_rotary_factor (rope's, else config.json's top-level one, where
     Phi-4-mini writes 0.75) other than 1.0."""
     d = _rope_dict(raw, source)
     where = f"{source} (rope_scaling / rope_parameters)"
     rope_type = read_field(d, "rope_type", "str", where) or read_field(d, "type", "str", where) or "default"
-    if rope_type in PHI3_LONGROPE_NAMES:
-        raise ConfigError(f"{source}: rope_scaling type {rope_type!r} (Phi-3's longrope, the 128k-context models) is "
-                          "not supported; kvfit runs Phi-3 models without rope_scaling (the 4k-context ones)")
-    if rope_type != "default":
+    if rope_type == "yarn":
+        raise ConfigError(f"{source}: rope_scaling type 'yarn' on Phi-3 (transformers reads it as longrope) is not "
+                          "supported; write rope_type 'longrope'")
+    if rope_type not in ("default", *LONGROPE_NAMES):
         raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not one Phi3ForCausalLM takes (transformers: "
                           "default or longrope); remove rope_scaling")
     factor = read_field(d, "partial_rotary_factor", "number", where)

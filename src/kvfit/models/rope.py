@@ -30,6 +30,8 @@ def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
         return _llama3_scale(freqs, cfg)
     if cfg.rope_type == "yarn":
         return _yarn_scale(cfg, device)
+    if cfg.rope_type == "longrope":     # within the original context: the short factors
+        return freqs / torch.tensor(cfg.short_factor, dtype=torch.float32, device=device)
     return freqs        # default, and dynamic within max_position_embeddings (model_facts/rope.py)
 
 
