@@ -442,8 +442,6 @@ def test_lark_grammars_without_a_plain_start_rule_are_accepted(llm, grammar):
     assert all(s.text in ("yes", "no") for s in outs[0].outputs)
 
 
-@pytest.mark.xfail(strict=True, reason="GBNF \\uXXXX / \\UXXXXXXXX escapes (xgrammar's EBNF accepts them) are refused "
-                   "('lexer error') or mis-converted ([\\u00e0-\\u00ff] -> [\\ue0-\\uff]) by llguidance's GBNF converter")
 def test_gbnf_unicode_escapes_are_accepted(walker):
     for grammar, texts in (('root ::= "\\u00e9t\\u00e9" | "hiver"', {"été", "hiver"}),
                            ('root ::= [\\u00e0-\\u00ff]', {chr(c) for c in range(0xe0, 0x100)})):

@@ -69,11 +69,28 @@ _LARK_RULE = re.compile(r"^[ \t]*[?!]?([a-z_][a-z0-9_]*)(?:\.\d+)?[ \t]*:", re.M
 _GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w-]*[ \t]*::=", re.MULTILINE)
 
 
+# an escaped backslash (kept as it is), or a \uXXXX / \UXXXXXXXX escape
+_UNICODE_ESCAPE = re.compile(r"(\\\\)|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+_GBNF_SYNTAX = set('\\"[]-^')
+
+
+def _unicode_literals(text: str) -> str:
+    """GBNF's \\uXXXX and \\UXXXXXXXX escapes (xgrammar's EBNF reads them; llguidance's GBNF reader does not) as
+    the characters themselves; one that is GBNF syntax or not printable stays an escape."""
+    def literal(match: re.Match) -> str:
+        if match.group(1):
+            return match.group(1)
+        code = int(match.group(2) or match.group(3), 16)
+        char = chr(code) if code <= 0x10FFFF else ""
+        return char if char.isprintable() and char not in _GBNF_SYNTAX else match.group(0)
+    return _UNICODE_ESCAPE.sub(literal, text)
+
+
 def _grammar(text: str) -> str:
     """A grammar in GBNF/EBNF (`::=`) or Lark, as vLLM takes both: a Lark grammar without a start rule starts at
     its first rule (vLLM's convert_lark_to_ebnf makes that the root)."""
     if _GBNF_RULE.search(text):
-        return llguidance.grammar_from("grammar", text)
+        return llguidance.grammar_from("grammar", _unicode_literals(text))
     rules = _LARK_RULE.findall(text)
     if rules and "start" not in rules:
         text = f"{text}\nstart: {rules[0]}\n"          # appended: error positions keep their line numbers
