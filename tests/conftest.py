@@ -34,3 +34,17 @@ def tiny_qwen2(tmp_path_factory) -> str:
 def tiny_qwen3(tmp_path_factory) -> str:
     """Qwen3: per-head q/k RMSNorm, head_dim 32 != hidden 64 / 4 heads."""
     return make_tiny_model(tmp_path_factory.mktemp("models"), arch="qwen3")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama):
+    """A server of the tiny llama named "tiny", with the server tests' settings (tests/server/server_testing.py):
+    its base URL."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "server"))
+    from server_testing import make_engine, running_server
+    engine = make_engine(tiny_llama)
+    try:
+        with running_server(engine, "tiny") as (url, _):
+            yield url
+    finally:
+        engine.shutdown()

@@ -21,18 +21,6 @@ def offline(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_llama):
-    """A server of the tiny llama named "tiny", with the offline reference's settings: its base URL."""
-    from server_testing import make_engine, running_server
-    engine = make_engine(tiny_llama)
-    try:
-        with running_server(engine, "tiny") as (url, _):
-            yield url
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_client(tiny_server):
     """The official openai client of tiny_server."""
     import openai

@@ -344,15 +344,8 @@ def test_a_refused_spec_fails_generate_before_anything_runs(llm):
 
 # the server ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server_url(tiny_llama):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
-    from server_testing import make_engine, running_server
-    engine = make_engine(tiny_llama)
-    try:
-        with running_server(engine, "tiny") as (url, _):
-            yield url
-    finally:
-        engine.shutdown()
+def server_url(tiny_server):
+    return tiny_server
 
 
 def _stream(url: str, path: str, body: dict) -> tuple[dict, dict]:
